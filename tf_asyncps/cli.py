@@ -1,0 +1,145 @@
+"""The ``tf-asyncps`` command line (absl): launch, train, server, bench.
+
+  tf-asyncps launch --flagfile=configs/digits_async.flags   # local cluster + job
+  tf-asyncps train  [flags]     # one binary for every TF_CONFIG role
+  tf-asyncps server             # serve the ps/worker task in TF_CONFIG
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+COMMANDS = ("launch", "train", "server")
+
+flags.DEFINE_string("model", "mlp", "Model: mlp or linear.")
+flags.DEFINE_string("dataset", "digits", "Data set: digits (bundled) or mnist (download).")
+flags.DEFINE_integer("epochs", 10, "Epochs of model.fit.", lower_bound=1)
+flags.DEFINE_integer("steps_per_epoch", 100, "Worker steps per epoch.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Examples per worker step.", lower_bound=1)
+flags.DEFINE_float("learning_rate", 0.1, "Optimizer learning rate.", lower_bound=0.0)
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adagrad", "rmsprop"],
+                  "tf_keras optimizer.")
+flags.DEFINE_string("policy", "async", "Update policy name (tf_asyncps.policies.names()).")
+flags.DEFINE_string("policy_args", "", "Policy arguments as k=v,k2=v2.")
+flags.DEFINE_list("hidden", ["128"], "Hidden layer sizes of the mlp.")
+flags.DEFINE_integer("num_workers", 2, "launch: worker processes.", lower_bound=1)
+flags.DEFINE_integer("num_ps", 1, "launch: parameter-server processes.", lower_bound=1)
+flags.DEFINE_string("output_dir", None, "Where metrics.json, tensorboard/ and saved_model/ go.")
+flags.DEFINE_integer("seed", 0, "Seed of the data split, initialisation and shuffling.")
+flags.DEFINE_integer("steps_per_execution", 1, "Worker steps per scheduled closure.",
+                     lower_bound=1)
+flags.DEFINE_float("connect_timeout_s", 30.0, "Seconds to wait for every task to be reachable.",
+                   lower_bound=0.1)
+flags.DEFINE_float("timeout_s", 1800.0, "launch: seconds before the whole job is stopped.",
+                   lower_bound=1.0)
+flags.DEFINE_integer("max_tracked_staleness", 32, "Last bin of the staleness histograms.",
+                     lower_bound=1)
+
+
+def _job_config():
+    from tf_asyncps import job
+    try:
+        hidden = tuple(int(h) for h in FLAGS.hidden)
+    except ValueError:
+        raise app.UsageError(f"--hidden must be integers, got {FLAGS.hidden}.")
+    cfg = job.JobConfig(
+        model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
+        steps_per_epoch=FLAGS.steps_per_epoch, batch_size=FLAGS.batch_size,
+        learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
+        policy=FLAGS.policy, policy_args=job.parse_policy_args(FLAGS.policy_args),
+        hidden=hidden, seed=FLAGS.seed, output_dir=FLAGS.output_dir,
+        steps_per_execution=FLAGS.steps_per_execution,
+        connect_timeout_s=FLAGS.connect_timeout_s,
+        max_tracked_staleness=FLAGS.max_tracked_staleness)
+    cfg.validate()
+    return cfg
+
+
+def _serve(config):
+    from tf_asyncps import cluster
+    server = cluster.start_server(config)
+    print(f"tf-asyncps: serving {config.task_type}:{config.task_id} at "
+          f"{config[config.task_type][config.task_id]}", flush=True)
+    server.join()
+
+
+def cmd_server(argv):
+    from tf_asyncps import cluster
+    _serve(cluster.tf_config_from_env())
+
+
+def cmd_train(argv):
+    from tf_asyncps import cluster
+    config = cluster.tf_config_from_env()
+    if config.task_type in ("ps", "worker"):
+        return _serve(config)
+    cfg = _job_config()
+    from tf_asyncps import job
+    job.run(cfg, cluster.cluster_resolver(config))
+
+
+def cmd_launch(argv):
+    from tf_asyncps import cluster
+    _job_config()  # bad flags fail here, before any process starts
+    log_dir = os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None
+    # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    t0 = time.perf_counter()
+    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir) as c:
+        print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
+              f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s); task logs in {c.log_dir}",
+              flush=True)
+        env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
+        args = [a for a in sys.argv[1:] if a != "launch"]
+        chief = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "train"] + args,
+                                 env=env, preexec_fn=cluster._set_pdeathsig)
+        try:
+            rc = chief.wait(timeout=FLAGS.timeout_s)
+        except subprocess.TimeoutExpired:
+            chief.kill()
+            chief.wait()
+            raise SystemExit(f"tf-asyncps launch: the job ran past --timeout_s="
+                             f"{FLAGS.timeout_s:.0f} s and was stopped.")
+        except KeyboardInterrupt:
+            chief.terminate()
+            try:
+                chief.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                chief.kill()
+            raise SystemExit("tf-asyncps launch: interrupted; every process stopped.")
+        finally:
+            if chief.poll() is None:
+                chief.kill()
+    if rc != 0:
+        raise SystemExit(f"tf-asyncps launch: the chief exited with code {rc}.")
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(
+            f"usage: tf-asyncps {{{'|'.join(COMMANDS)}}} [--flags]; got "
+            f"{argv[1:2] or 'no command'}. Example: tf-asyncps launch "
+            "--flagfile=configs/digits_async.flags")
+    if len(argv) > 2:
+        raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
+    try:
+        {"launch": cmd_launch, "train": cmd_train, "server": cmd_server}[argv[1]](argv)
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")
+
+
+def run():
+    """Console-script entry point."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
+    FLAGS.set_default("verbosity", logging.WARNING)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,547 @@
+"""Cluster configuration: TF_CONFIG validation, server settings and LocalCluster.
+
+A parameter-server cluster has one ``chief`` (the coordinator that runs
+``model.fit``), one or more ``ps`` tasks holding the variables and one or more
+``worker`` tasks computing gradients. Every task reads the same ``cluster``
+from its ``TF_CONFIG`` environment variable and its own ``task``.
+"""
+
+import contextlib
+import ctypes
+import ipaddress
+import json
+import logging as _pylogging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Union
+
+from absl import logging
+
+__all__ = [
+    "ClusterConfig", "validate_tf_config", "tf_config_from_env",
+    "cluster_resolver", "server_config", "configure_local_context",
+    "wait_for_tasks", "start_server", "LocalCluster", "ROLES",
+]
+
+#: Task types of a training cluster. "evaluator" is accepted and ignored.
+ROLES = ("chief", "ps", "worker")
+_HINTS = {
+    "master": 'TF1 called the coordinator "master"; name it "chief".',
+    "coordinator": 'the coordinator task is called "chief".',
+    "parameter_server": 'parameter servers are called "ps".',
+    "workers": 'the job is called "worker" (singular).',
+}
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-\.]*[A-Za-z0-9])?$")
+
+
+class ClusterConfig(dict):
+    """A validated TF_CONFIG: ``cluster`` dict plus this task's type and index.
+
+    Behaves like ``tf.train.ClusterSpec`` for reading (``jobs``,
+    ``num_tasks(job)``, ``task_address(job, i)``, ``as_dict()``) and converts
+    with :meth:`cluster_spec`.
+
+    Attributes:
+      task_type: "chief", "ps", "worker" or None when TF_CONFIG had no task.
+      task_id: int index of this task or None.
+      rpc_layer: "grpc".
+      evaluators: addresses of "evaluator" tasks (not part of training).
+    """
+
+    def __init__(self, cluster, task_type=None, task_id=None, rpc_layer="grpc",
+                 evaluators=()):
+        super().__init__({k: list(v) for k, v in cluster.items()})
+        self.task_type = task_type
+        self.task_id = task_id
+        self.rpc_layer = rpc_layer
+        self.evaluators = list(evaluators)
+
+    @property
+    def jobs(self) -> List[str]:
+        return list(self.keys())
+
+    def num_tasks(self, job: str) -> int:
+        return len(self.get(job, ()))
+
+    def task_address(self, job: str, index: int) -> str:
+        return self[job][index]
+
+    def as_dict(self) -> Dict[str, List[str]]:
+        return {k: list(v) for k, v in self.items()}
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_tasks("worker")
+
+    @property
+    def num_ps(self) -> int:
+        return self.num_tasks("ps")
+
+    def cluster_spec(self):
+        import tensorflow as tf
+        return tf.train.ClusterSpec(self.as_dict())
+
+    def to_tf_config(self, task_type: str, task_id: int) -> str:
+        """The TF_CONFIG JSON string for one task of this cluster."""
+        return json.dumps({"cluster": self.as_dict(),
+                           "task": {"type": task_type, "index": task_id}})
+
+
+def _fail(msg: str, cluster=None) -> None:
+    if cluster is not None:
+        msg += f"\n  cluster read from TF_CONFIG: {json.dumps(cluster, default=str)}"
+    raise ValueError("Invalid TF_CONFIG: " + msg)
+
+
+def _check_address(job: str, i: int, addr, cluster) -> str:
+    where = f'cluster["{job}"][{i}]'
+    if not isinstance(addr, str):
+        _fail(f"{where} = {addr!r} is not a string; write it as \"host:port\".", cluster)
+    if addr.startswith("["):  # [ipv6]:port
+        host, sep, port = addr[1:].partition("]:")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            sep = ""
+    else:
+        host, sep, port = addr.rpartition(":")
+        if host and not _HOST_RE.match(host):
+            sep = ""
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        _fail(f'{where} = "{addr}" is not a "host:port" address with a port in '
+              f'1..65535 (IPv6: "[::1]:2222").', cluster)
+    return addr
+
+
+def _canonical(addr: str) -> str:
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]").lower()
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        host = "loopback"
+    return f"{host}:{port}"
+
+
+def validate_tf_config(tf_config: Union[str, dict, None] = None,
+                       require_task: bool = True) -> ClusterConfig:
+    """Checks a TF_CONFIG for a parameter-server training cluster.
+
+    Args:
+      tf_config: JSON string or dict; None reads the ``TF_CONFIG`` env var.
+      require_task: whether ``task`` must be present.
+
+    Returns:
+      A :class:`ClusterConfig` (ClusterSpec-like) with ``task_type``/``task_id``.
+
+    Raises:
+      ValueError: naming the field at fault and the fix, and showing the
+        cluster that was read. Runs in microseconds: no network access.
+    """
+    if tf_config is None:
+        tf_config = os.environ.get("TF_CONFIG")
+        if not tf_config:
+            raise ValueError(
+                "TF_CONFIG is not set. Set it to a JSON string like "
+                '{"cluster": {"chief": ["host:port"], "ps": [...], "worker": [...]}, '
+                '"task": {"type": "worker", "index": 0}} (see configs/).')
+    if isinstance(tf_config, (bytes, str)):
+        try:
+            cfg = json.loads(tf_config)
+        except ValueError as e:
+            raise ValueError(
+                f"Invalid TF_CONFIG: not valid JSON ({e}); got {str(tf_config)[:200]!r}. "
+                "Check the quoting: TF_CONFIG must be a JSON object.") from None
+    else:
+        cfg = tf_config
+    if not isinstance(cfg, dict):
+        _fail(f"must be a JSON object with \"cluster\" and \"task\", got {type(cfg).__name__}.")
+    cluster = cfg.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        _fail('"cluster" is missing or empty; it maps "chief", "ps" and "worker" '
+              'to lists of "host:port" addresses.', cluster)
+    evaluators = []
+    for job, addrs in cluster.items():
+        if job == "evaluator":
+            evaluators = list(addrs) if isinstance(addrs, list) else [addrs]
+            continue
+        if job not in ROLES:
+            hint = _HINTS.get(str(job).lower(), "")
+            _fail(f'unknown job "{job}" in "cluster"; jobs are {list(ROLES)} '
+                  f'(and "evaluator", which training ignores). {hint}', cluster)
+        if not isinstance(addrs, list):
+            _fail(f'cluster["{job}"] must be a list of "host:port" strings, got '
+                  f'{type(addrs).__name__}.', cluster)
+    for job in ROLES:
+        if job not in cluster:
+            what = {"chief": "the coordinator that runs model.fit",
+                    "ps": "a parameter server that holds the variables",
+                    "worker": "a worker that computes gradients"}[job]
+            _fail(f'the cluster has no "{job}" task: add "{job}": ["host:port"] '
+                  f'({what}).', cluster)
+        if not cluster[job]:
+            _fail(f'cluster["{job}"] is an empty list: give at least one '
+                  f'"host:port".', cluster)
+    if len(cluster["chief"]) != 1:
+        _fail(f'cluster["chief"] has {len(cluster["chief"])} addresses; a cluster '
+              'has exactly one chief.', cluster)
+    seen = {}
+    for job in ROLES:
+        for i, addr in enumerate(cluster[job]):
+            _check_address(job, i, addr, cluster)
+            key = _canonical(addr)
+            if key in seen:
+                _fail(f'address "{addr}" is used twice: by {seen[key]} and '
+                      f'{job}:{i}; every task needs its own port.', cluster)
+            seen[key] = f"{job}:{i}"
+    for i, addr in enumerate(evaluators):
+        _check_address("evaluator", i, addr, cluster)
+    rpc = cfg.get("rpc_layer", "grpc")
+    if rpc != "grpc":
+        _fail(f'"rpc_layer" is {rpc!r}; only "grpc" is supported.', cluster)
+    task = cfg.get("task")
+    task_type = task_id = None
+    if task is None or task == {}:
+        if require_task:
+            _fail('"task" is missing; add "task": {"type": "worker", "index": 0} '
+                  '(this process\'s role).', cluster)
+    else:
+        if not isinstance(task, dict):
+            _fail(f'"task" must be an object like {{"type": "worker", "index": 0}}, '
+                  f"got {task!r}.", cluster)
+        task_type = task.get("type")
+        task_id = task.get("index", 0)
+        if task_type == "evaluator":
+            _fail('this task is an "evaluator": it takes no part in parameter-server '
+                  "training; run it with a separate evaluation job (sidecar "
+                  "evaluation), not with tf-asyncps train.", cluster)
+        if task_type not in ROLES:
+            hint = _HINTS.get(str(task_type).lower(), "")
+            _fail(f'task "type" is {task_type!r}; it must be one of {list(ROLES)}. '
+                  f"{hint}", cluster)
+        if isinstance(task_id, bool) or not isinstance(task_id, int):
+            _fail(f'task "index" is {task_id!r}; it must be an integer '
+                  f"(e.g. 0), not a string.", cluster)
+        n = len(cluster[task_type])
+        if not 0 <= task_id < n:
+            _fail(f'task index {task_id} is out of range: cluster["{task_type}"] '
+                  f"has {n} task(s), so the index must be in 0..{n - 1}.", cluster)
+    training = {job: cluster[job] for job in ROLES}
+    return ClusterConfig(training, task_type, task_id, "grpc", evaluators)
+
+
+def tf_config_from_env(require_task: bool = True) -> ClusterConfig:
+    """:func:`validate_tf_config` on the ``TF_CONFIG`` environment variable."""
+    return validate_tf_config(None, require_task=require_task)
+
+
+def cluster_resolver(config: Union[ClusterConfig, str, dict, None] = None):
+    """A ``SimpleClusterResolver`` for a validated config (default: TF_CONFIG).
+
+    An "evaluator" job is dropped with a warning: it takes no part in training.
+    """
+    import tensorflow as tf
+    if not isinstance(config, ClusterConfig):
+        config = validate_tf_config(config)
+    if config.evaluators:
+        logging.warning(
+            "TF_CONFIG lists evaluator task(s) %s: they are ignored by training "
+            "(run sidecar evaluation separately).", config.evaluators)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        config.cluster_spec(), task_type=config.task_type,
+        task_id=config.task_id, rpc_layer="grpc")
+
+
+def inter_op_threads(num_workers: int) -> int:
+    """Inter-op threads a task needs so concurrent steps never starve.
+
+    Each worker's step may block a thread on the PS (and the chief) while it
+    waits for tensors, so fewer than ``num_workers + 1`` threads can deadlock
+    on small machines (seen on 2 cores). Never below the core count.
+    """
+    return max(int(num_workers) + 1, os.cpu_count() or 1, 2)
+
+
+def server_config(num_workers: int):
+    """``tf.compat.v1.ConfigProto`` for a ps/worker server of this cluster."""
+    import tensorflow as tf
+    return tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=inter_op_threads(num_workers))
+
+
+def configure_local_context(num_workers: int) -> None:
+    """Sets this process's inter-op threads (call before TF's context starts).
+
+    If the context has already started with fewer threads, logs a warning
+    saying how to fix it instead of failing.
+    """
+    import tensorflow as tf
+    want = inter_op_threads(num_workers)
+    have = tf.config.threading.get_inter_op_parallelism_threads()
+    if have and have >= want:
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(want)
+    except RuntimeError:
+        logging.warning(
+            "TensorFlow was initialised before the strategy with %s inter-op "
+            "threads; %d workers need >= %d or steps may deadlock on small "
+            "machines. Create the strategy before running any TensorFlow op.",
+            have or "default", num_workers, want)
+
+
+def _reachable(addr: str, timeout: float) -> bool:
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
+                   jobs: Sequence[str] = ("ps", "worker"),
+                   procs: Optional[Dict[str, subprocess.Popen]] = None) -> None:
+    """Waits until every task of ``jobs`` accepts TCP connections.
+
+    Args:
+      config: the cluster.
+      timeout_s: seconds to wait in all.
+      jobs: which jobs to check.
+      procs: optional {"job:i": Popen}; a process that exits fails at once.
+
+    Raises:
+      TimeoutError: naming each task still unreachable after ``timeout_s``.
+      RuntimeError: a process in ``procs`` exited during the wait.
+    """
+    pending = {f"{j}:{i}": a for j in jobs for i, a in enumerate(config.get(j, []))}
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while pending:
+        for name, addr in list(pending.items()):
+            if _reachable(addr, timeout=1.0):
+                del pending[name]
+        if not pending:
+            return
+        for name, p in (procs or {}).items():
+            if name in pending and p.poll() is not None:
+                raise RuntimeError(
+                    f"task {name} exited with code {p.returncode} before serving at "
+                    f"{pending[name]}.")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                "cannot reach " + ", ".join(f"{n} at {a}" for n, a in pending.items())
+                + f" after {timeout_s:.0f} s: is the task running, is the address "
+                "right and is its port open? (connect timeout: --connect_timeout_s)")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def start_server(config: ClusterConfig):
+    """Starts the ``tf.distribute.Server`` of this ps/worker task (not joined).
+
+    Raises:
+      ValueError: if the task is not a ps or worker.
+    """
+    import tensorflow as tf
+    if config.task_type not in ("ps", "worker"):
+        raise ValueError(
+            f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
+    if config.task_type == "ps":
+        # Parameter servers keep variables on CPU; don't grab GPU memory.
+        try:
+            tf.config.set_visible_devices([], "GPU")
+        except (RuntimeError, ValueError):
+            pass
+    return tf.distribute.Server(
+        config.cluster_spec(), job_name=config.task_type,
+        task_index=config.task_id, protocol="grpc",
+        config=server_config(config.num_workers), start=True)
+
+
+def _set_pdeathsig():  # runs in the child before exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    """A real cluster of local processes: ``num_ps`` ps and ``num_workers`` workers.
+
+    Each task is ``python -m tf_asyncps server`` with its own TF_CONFIG, on a
+    loopback port chosen by portpicker. A chief address is reserved for the
+    process that creates the strategy (this one, or a child you start with
+    :meth:`tf_config`). Children die with their parent (PR_SET_PDEATHSIG) and
+    are stopped by pid on exit, on error and on Ctrl-C.
+
+    Example::
+
+        with LocalCluster(num_workers=2, num_ps=1) as cluster:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(cluster.resolver())
+
+    Args:
+      num_workers: worker tasks (>= 1).
+      num_ps: parameter-server tasks (>= 1).
+      log_dir: where each task writes ``<job>-<i>.log``; default a temp dir.
+      start_timeout_s: seconds to wait for every task to serve.
+      env: extra environment variables for the children.
+      worker_env: {worker index: {var: value}} for single workers.
+      host: loopback address to bind.
+
+    Raises:
+      ValueError: bad sizes. TimeoutError / RuntimeError: a task did not start
+        (the message includes the end of its log).
+    """
+
+    def __init__(self, num_workers: int = 2, num_ps: int = 1, *,
+                 log_dir: Optional[str] = None, start_timeout_s: float = 90.0,
+                 env: Optional[Dict[str, str]] = None,
+                 worker_env: Optional[Dict[int, Dict[str, str]]] = None,
+                 host: str = "127.0.0.1"):
+        for name, v in (("num_workers", num_workers), ("num_ps", num_ps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LocalCluster: {name} must be an int >= 1, got {v!r}.")
+        import portpicker
+        import tempfile
+        self.num_workers, self.num_ps = num_workers, num_ps
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="tf_asyncps_cluster_")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.start_timeout_s = start_timeout_s
+        self.env = dict(env or {})
+        self.worker_env = {int(k): dict(v) for k, v in (worker_env or {}).items()}
+        ports = [portpicker.pick_unused_port() for _ in range(1 + num_ps + num_workers)]
+        self._ports = ports
+        addr = lambda p: f"{host}:{p}"
+        self.config = ClusterConfig({
+            "chief": [addr(ports[0])],
+            "ps": [addr(p) for p in ports[1:1 + num_ps]],
+            "worker": [addr(p) for p in ports[1 + num_ps:]],
+        }, task_type="chief", task_id=0)
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self._logs = {}
+
+    # -- addresses and configs ---------------------------------------------
+    @property
+    def task_names(self) -> List[str]:
+        return [f"ps:{i}" for i in range(self.num_ps)] + [
+            f"worker:{i}" for i in range(self.num_workers)]
+
+    def tf_config(self, task_type: str = "chief", task_id: int = 0) -> str:
+        """TF_CONFIG JSON for one task of this cluster."""
+        return self.config.to_tf_config(task_type, task_id)
+
+    def resolver(self):
+        """A ClusterResolver for the chief (this process)."""
+        return cluster_resolver(ClusterConfig(self.config, "chief", 0))
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, name.replace(":", "-") + ".log")
+
+    def log_tail(self, name: str, n: int = 20) -> str:
+        try:
+            with open(self.log_path(name), errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def pids(self) -> Dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
+    # -- lifecycle ------------------------------------------------------------
+    def _spawn(self, name: str) -> subprocess.Popen:
+        job, i = name.split(":")
+        env = dict(os.environ)
+        env.update(self.env)
+        env["TF_CONFIG"] = self.tf_config(job, int(i))
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        if job == "ps":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        if job == "worker":
+            env.update(self.worker_env.get(int(i), {}))
+        log = open(self.log_path(name), "ab")
+        self._logs[name] = log
+        p = subprocess.Popen(
+            [sys.executable, "-m", "tf_asyncps", "server"], env=env,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_set_pdeathsig)
+        self.procs[name] = p
+        return p
+
+    def start(self) -> "LocalCluster":
+        """Starts every ps and worker and waits until they serve."""
+        try:
+            for name in self.task_names:
+                self._spawn(name)
+            self._wait(self.task_names)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, names):
+        sub = ClusterConfig({j: [] for j in ROLES})
+        for n in names:
+            job, i = n.split(":")
+            sub[job].append(self.config[job][int(i)])
+        try:
+            wait_for_tasks(sub, self.start_timeout_s,
+                           procs={n: self.procs[n] for n in names})
+        except (TimeoutError, RuntimeError) as e:
+            tails = "\n".join(f"--- {n} ({self.log_path(n)}):\n{self.log_tail(n)}"
+                              for n in names)
+            raise type(e)(f"{e}\n{tails}") from None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to task ``name`` ("worker:1", "ps:0") and, for a
+        terminating signal, waits for it to exit (10 s at most)."""
+        p = self._proc(name)
+        if p.poll() is None:
+            p.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                p.wait(timeout=10)
+
+    def restart(self, name: str) -> None:
+        """Kills task ``name`` if alive and starts it again on the same port."""
+        self.kill(name)
+        self._close_log(name)
+        self._spawn(name)
+        self._wait([name])
+
+    def _proc(self, name: str) -> subprocess.Popen:
+        if name not in self.procs:
+            raise ValueError(f"no task {name!r}; tasks are {self.task_names}.")
+        return self.procs[name]
+
+    def _close_log(self, name):
+        log = self._logs.pop(name, None)
+        if log:
+            log.close()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops every child by pid: SIGTERM, then SIGKILL after ``grace_s``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)  # a SIGSTOPped task can't exit
+                    p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait(timeout=10)
+        for name in list(self._logs):
+            self._close_log(name)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,224 @@
+"""The training job that runs on the chief: data -> strategy -> model.fit -> outputs.
+
+``run(JobConfig, resolver)`` is what ``tf-asyncps train`` calls on the chief
+(and what ``tf-asyncps launch`` starts in its chief process). It writes, under
+``output_dir``: ``metrics.json``, ``tensorboard/``, ``saved_model/`` (loadable
+by plain TensorFlow in one process) and ``test_predictions.npy``.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps import callbacks as callbacks_lib
+from tf_asyncps import cluster as cluster_lib
+from tf_asyncps import datasets, models, policies
+from tf_asyncps.strategy import AsyncParameterServerStrategy
+
+__all__ = ["JobConfig", "run", "parse_policy_args", "make_optimizer", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Settings of one training job (the CLI flags of the same names).
+
+    Units: ``epochs`` and ``steps_per_epoch`` count worker steps (one batch of
+    ``batch_size`` examples on one worker); times are seconds.
+    """
+
+    model: str = "mlp"
+    dataset: str = "digits"
+    epochs: int = 10
+    steps_per_epoch: int = 100
+    batch_size: int = 32
+    learning_rate: float = 0.1
+    optimizer: str = "sgd"
+    policy: str = "async"
+    policy_args: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    hidden: Tuple[int, ...] = (128,)
+    seed: int = 0
+    output_dir: Optional[str] = None
+    steps_per_execution: int = 1
+    connect_timeout_s: float = 30.0
+    max_tracked_staleness: int = 32
+    num_workers: int = 0  # informational: taken from the cluster
+    num_ps: int = 0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field and its valid range."""
+        for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name} must be an integer >= 1, got {v!r}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate!r}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer={self.optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}.")
+        if self.model not in models.NAMES:
+            raise ValueError(f"--model={self.model!r} is unknown; choose one of {list(models.NAMES)}.")
+        if self.dataset not in datasets.NAMES:
+            raise ValueError(
+                f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
+        policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
+
+
+def parse_policy_args(text: str) -> Dict[str, Any]:
+    """Parses ``"k=v,k2=v2"`` into a dict; values become int, float, bool or str.
+
+    Raises:
+      ValueError: an item without ``=`` (naming the item and the format).
+    """
+    out = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"--policy_args item {item!r} is not key=value; write e.g. "
+                "--policy_args=max_staleness=2,mode=inverse.")
+        val = val.strip()
+        low = val.lower()
+        if low in ("true", "false"):
+            parsed = low == "true"
+        else:
+            try:
+                parsed = int(val)
+            except ValueError:
+                try:
+                    parsed = float(val)
+                except ValueError:
+                    parsed = val
+        out[key.strip()] = parsed
+    return out
+
+
+def make_optimizer(name: str, learning_rate: float):
+    """A tf_keras optimizer by name (see OPTIMIZERS)."""
+    opt = tf_keras.optimizers
+    return {
+        "sgd": lambda: opt.SGD(learning_rate),
+        "momentum": lambda: opt.SGD(learning_rate, momentum=0.9),
+        "adam": lambda: opt.Adam(learning_rate),
+        "adagrad": lambda: opt.Adagrad(learning_rate),
+        "rmsprop": lambda: opt.RMSprop(learning_rate),
+    }[name]()
+
+
+def _compile(model, optimizer, steps_per_execution=1):
+    model.compile(
+        optimizer=optimizer,
+        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], steps_per_execution=steps_per_execution)
+
+
+def export_saved_model(model, path: str, num_features: int) -> None:
+    """Saves ``model`` with a ``serving_default`` signature: ``x`` float32
+    ``(batch, num_features)`` -> ``{"probabilities": float32 (batch, classes)}``."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, num_features], tf.float32, name="x")])
+    def serve(x):
+        return {"probabilities": tf.nn.softmax(model(x, training=False))}
+
+    tf.saved_model.save(model, path, signatures={"serving_default": serve})
+
+
+def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
+    """Trains with ``model.fit`` under AsyncParameterServerStrategy.
+
+    Args:
+      cfg: the job settings (validated here).
+      resolver: the chief's ClusterResolver; default: from TF_CONFIG.
+      print_fn: where progress lines go (default print).
+
+    Returns:
+      The metrics dict also written to ``output_dir/metrics.json``.
+
+    Raises:
+      ValueError: bad settings or cluster. RuntimeError: data not loadable.
+      TimeoutError: a task unreachable within ``connect_timeout_s``.
+    """
+    t_job = time.perf_counter()
+    cfg.validate()
+    say = print_fn or (lambda s: print(s, flush=True))
+    data = datasets.load(cfg.dataset, seed=cfg.seed)
+    if resolver is None:
+        resolver = cluster_lib.cluster_resolver()
+    strategy = AsyncParameterServerStrategy(
+        resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
+        connect_timeout_s=cfg.connect_timeout_s,
+        max_tracked_staleness=cfg.max_tracked_staleness)
+    spec = resolver.cluster_spec()
+    num_workers, num_ps = spec.num_tasks("worker"), spec.num_tasks("ps")
+    tf_keras.utils.set_random_seed(cfg.seed)
+    with strategy.scope():
+        model = models.build_model(cfg.model, data.num_features, data.num_classes,
+                                   cfg.hidden, cfg.seed)
+        _compile(model, make_optimizer(cfg.optimizer, cfg.learning_rate),
+                 cfg.steps_per_execution)
+    total = cfg.epochs * cfg.steps_per_epoch
+    say(f"training {cfg.model} on {cfg.dataset} ({len(data.x_train)} train / "
+        f"{len(data.x_test)} test examples) with {num_workers} worker(s), {num_ps} ps, "
+        f"policy {strategy.update_policy!r}: {cfg.epochs} epochs x "
+        f"{cfg.steps_per_epoch} worker steps of {cfg.batch_size} examples")
+    tb_dir = os.path.join(cfg.output_dir, "tensorboard") if cfg.output_dir else None
+    logger = callbacks_lib.StalenessLogger(log_dir=tb_dir, batch_size=cfg.batch_size,
+                                           print_fn=say)
+    cbs = [callbacks_lib.ProgressLine(total), logger]
+    s0 = strategy.staleness_stats()
+    t0 = time.perf_counter()
+    model.fit(
+        tf_keras.utils.experimental.DatasetCreator(
+            datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size, cfg.seed)),
+        epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
+    train_s = time.perf_counter() - t0
+    stats = strategy.staleness_stats()
+    worker_steps = stats.worker_steps - s0.worker_steps
+
+    # Evaluate and export a plain single-process copy of the trained model.
+    local = models.build_model(cfg.model, data.num_features, data.num_classes,
+                               cfg.hidden, cfg.seed)
+    local.set_weights(model.get_weights())
+    _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate))
+    test_loss, test_acc = local.evaluate(data.x_test, data.y_test, verbose=0,
+                                         batch_size=256)
+    probs = tf.nn.softmax(local(data.x_test, training=False)).numpy()
+    metrics = {
+        "policy": strategy.update_policy.name,
+        "policy_args": dict(cfg.policy_args),
+        "num_workers": num_workers,
+        "num_ps": num_ps,
+        "epochs": cfg.epochs,
+        "steps_per_epoch": cfg.steps_per_epoch,
+        "batch_size": cfg.batch_size,
+        "worker_steps": int(worker_steps),
+        "steps_per_sec": worker_steps / train_s,
+        "examples_per_sec": worker_steps * cfg.batch_size / train_s,
+        "train_time_s": train_s,
+        "wall_time_s": time.perf_counter() - t_job,
+        "test_accuracy": float(test_acc),
+        "test_loss": float(test_loss),
+        "optimizer_iterations": int(model.optimizer.iterations.numpy()),
+        "staleness": stats.to_dict(),
+        "epoch_log": logger.epochs,
+    }
+    say(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
+        f"{metrics['steps_per_sec']:.1f} steps/s  tau mean {stats.mean:.2f} max {stats.max}  "
+        f"applied {stats.applied} dropped {stats.dropped}")
+    if cfg.output_dir:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        export_saved_model(local, os.path.join(cfg.output_dir, "saved_model"),
+                           data.num_features)
+        np.save(os.path.join(cfg.output_dir, "test_predictions.npy"), probs)
+        metrics["wall_time_s"] = time.perf_counter() - t_job
+        with open(os.path.join(cfg.output_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        say(f"wrote {cfg.output_dir}/metrics.json, saved_model/, tensorboard/")
+    return metrics

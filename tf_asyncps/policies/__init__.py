@@ -1,0 +1,13 @@
+"""Asynchronous update policies. Each policy lives in its own module.
+
+``get(name, **kwargs)`` builds one by name, ``register(name)`` adds your own,
+``names()`` lists them and ``chain(*policies)`` composes them.
+"""
+
+from tf_asyncps.policies.base import StepInfo, UpdatePolicy
+from tf_asyncps.policies.registry import get, names, register
+from tf_asyncps.policies.chain import Chain, chain
+from tf_asyncps.policies.async_ import Async
+
+__all__ = ["UpdatePolicy", "StepInfo", "get", "names", "register", "chain",
+           "Chain", "Async"]

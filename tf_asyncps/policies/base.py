@@ -1,0 +1,90 @@
+"""The update-policy API: a small gradient transformation with explicit state.
+
+A policy sees the gradients of one worker step together with their staleness τ
+and returns what to apply, or a decision to drop the step. In the style of
+optax, a policy is two functions and its state is explicit:
+
+* ``init(variables) -> state``: creates the policy's state (tf.Variables are
+  placed on the PS next to the model) once, before the first update.
+* ``update(grads, state, info) -> (grads, keep)``: a pure function of the
+  step's gradients, its :class:`StepInfo` and the state; ``keep`` is a Python
+  ``True`` or a scalar ``tf.bool`` tensor (False: drop the whole step).
+
+Policies compose with :func:`tf_asyncps.policies.chain`.
+"""
+
+import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import tensorflow as tf
+
+__all__ = ["UpdatePolicy", "StepInfo", "Keep"]
+
+#: ``True`` (always apply) or a scalar tf.bool tensor.
+Keep = Union[bool, tf.Tensor]
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a policy knows about the worker step being applied.
+
+    Attributes:
+      tau: int64 scalar tensor, the step's staleness τ in global steps.
+      read_step: int64 scalar tensor, ``r``, the global step observed before
+        the worker read the variables.
+      global_step: int64 scalar tensor, ``g`` just before the update.
+      variables: the variables being updated, aligned with the gradients.
+    """
+
+    tau: tf.Tensor
+    read_step: tf.Tensor
+    global_step: tf.Tensor
+    variables: Sequence[tf.Variable]
+
+
+class UpdatePolicy:
+    """Base class of asynchronous update policies.
+
+    Subclass it, set ``name`` and override :meth:`update` (and :meth:`init` if
+    the policy keeps state); register it with
+    ``@tf_asyncps.policies.register("my_name")``.
+
+    Attributes:
+      name: registered name (str).
+      atomic: if True, the decision, the optimizer's update and the counters
+        of one step run as one unit under a lock on the PS, so τ is exact at
+        apply time. Policies whose rule is only correct on exact τ (dropping,
+        aggregation) set it; it costs one lock acquisition per step.
+    """
+
+    name: str = "base"
+    atomic: bool = False
+
+    def init(self, variables: Sequence[tf.Variable]) -> Any:
+        """Creates the policy state for ``variables``; default: no state."""
+        del variables
+        return ()
+
+    def update(self, grads: List[Any], state: Any,
+               info: StepInfo) -> Tuple[List[Any], Keep]:
+        """Transforms one step's gradients.
+
+        Args:
+          grads: list of tf.Tensor or tf.IndexedSlices, aligned with
+            ``info.variables``; never None.
+          state: what :meth:`init` returned.
+          info: the step's :class:`StepInfo`.
+
+        Returns:
+          ``(grads, keep)``: the gradients to hand to the optimizer (same
+          structure and types) and whether to apply them.
+        """
+        raise NotImplementedError
+
+    def get_config(self) -> dict:
+        """The constructor arguments, for logs and metrics.json."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"

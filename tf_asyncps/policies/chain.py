@@ -1,0 +1,42 @@
+"""``chain(*policies)``: apply policies one after another (optax-style)."""
+
+import tensorflow as tf
+
+from tf_asyncps.policies.base import UpdatePolicy
+
+__all__ = ["chain", "Chain"]
+
+
+class Chain(UpdatePolicy):
+    """Runs ``policies`` in order; a step is kept only if every policy keeps it.
+
+    ``atomic`` is True if any member is atomic.
+    """
+
+    name = "chain"
+
+    def __init__(self, *policies: UpdatePolicy):
+        from tf_asyncps.policies.registry import get
+        if not policies:
+            raise ValueError("chain() needs at least one policy.")
+        self.policies = [get(p) for p in policies]
+        self.atomic = any(p.atomic for p in self.policies)
+
+    def init(self, variables):
+        return [p.init(variables) for p in self.policies]
+
+    def update(self, grads, state, info):
+        keep = True
+        for p, s in zip(self.policies, state):
+            grads, k = p.update(grads, s, info)
+            if k is not True:
+                keep = k if keep is True else tf.logical_and(keep, k)
+        return grads, keep
+
+    def __repr__(self):
+        return "chain(" + ", ".join(repr(p) for p in self.policies) + ")"
+
+
+def chain(*policies) -> Chain:
+    """Composes policies (names or objects) into one; see :class:`Chain`."""
+    return Chain(*policies)

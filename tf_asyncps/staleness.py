@@ -1,0 +1,175 @@
+"""Staleness tracking: the global step and the τ histograms, kept on a PS task.
+
+Definitions (DESIGN section 3):
+
+* global step ``g``: int64 scalar on ``/job:ps/task:0``, incremented once per
+  applied update.
+* read step ``r``: the value of ``g`` a worker step observes just before it
+  reads the model variables.
+* staleness ``τ = g_apply - r`` where ``g_apply`` is the value of ``g`` just
+  before the step's update is applied (or when it is dropped).
+
+Everything lives in three PS variables, so a worker step adds no round trip:
+the ops below are placed on the PS and run inside the PS partition of the step
+function that already carries the gradients there.
+"""
+
+import dataclasses
+from typing import Any, Dict
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["StalenessStats", "StalenessTracker", "PS_DEVICE"]
+
+#: Device of the tracker's variables: the first parameter server's CPU.
+PS_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessStats:
+    """A snapshot of the staleness counters.
+
+    Attributes:
+      global_step: number of applied updates (int).
+      applied: gradients applied (int). Equals ``global_step`` for the async
+        policies, ``global_step * replicas_to_aggregate`` for the aggregator.
+      dropped: gradients dropped by the policy or the non-finite guard (int).
+      histogram: int64 array of shape ``(max_tracked + 1,)``: applied gradients
+        by τ; the last bin counts τ >= max_tracked.
+      dropped_histogram: same shape, dropped gradients by τ.
+      mean: mean τ of applied gradients (float, exact, not binned; 0.0 if none).
+      max: largest τ of an applied gradient (int, exact; 0 if none).
+      reexecuted: worker steps that ran more than once because TensorFlow
+        retried a closure after a worker failure (int).
+    """
+
+    global_step: int
+    applied: int
+    dropped: int
+    histogram: np.ndarray
+    dropped_histogram: np.ndarray
+    mean: float
+    max: int
+    reexecuted: int = 0
+
+    @property
+    def worker_steps(self) -> int:
+        """Worker steps whose gradient reached the PS: ``applied + dropped``."""
+        return self.applied + self.dropped
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Returns a JSON-serialisable dict (histograms as lists of ints)."""
+        return {
+            "global_step": int(self.global_step),
+            "applied": int(self.applied),
+            "dropped": int(self.dropped),
+            "histogram": [int(v) for v in self.histogram],
+            "dropped_histogram": [int(v) for v in self.dropped_histogram],
+            "mean": float(self.mean),
+            "max": int(self.max),
+            "reexecuted": int(self.reexecuted),
+        }
+
+
+class StalenessTracker:
+    """PS-resident counters behind :class:`StalenessStats`.
+
+    Layout of the int64 ``counts`` vector (length ``2 * (T + 1) + 2`` with
+    ``T = max_tracked``): applied histogram, dropped histogram, sum of applied
+    τ, sum of dropped τ. ``tau_max`` holds ``[max applied τ, max dropped τ]``.
+
+    Per worker step the tracker adds, all on the PS: one scalar read of ``g``
+    (the read step), one scalar read of ``g`` at apply time, and at most one
+    ``assign_add``, one ``scatter_add`` and one ``scatter_max`` of two elements.
+
+    Args:
+      max_tracked: last histogram bin (int >= 1); τ >= max_tracked share it.
+      device: where the variables live (default: first PS CPU).
+
+    Raises:
+      ValueError: if ``max_tracked`` < 1.
+    """
+
+    def __init__(self, max_tracked: int = 32, device: str = PS_DEVICE):
+        if int(max_tracked) < 1:
+            raise ValueError(
+                f"max_tracked_staleness must be >= 1, got {max_tracked!r}.")
+        self.max_tracked = int(max_tracked)
+        self.device = device
+        bins = self.max_tracked + 1
+        self._sum_applied = 2 * bins
+        self._sum_dropped = 2 * bins + 1
+        with tf.init_scope(), tf.device(device):
+            self.global_step = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="asyncps_global_step")
+            self.counts = tf.Variable(
+                tf.zeros([2 * bins + 2], tf.int64), trainable=False,
+                name="asyncps_staleness_counts")
+            self.tau_max = tf.Variable(
+                tf.zeros([2], tf.int64), trainable=False, name="asyncps_tau_max")
+            # Steps that ran twice (closure retried after a worker failure).
+            self.reexecuted = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="asyncps_reexecuted")
+
+    # -- graph side (called while tracing a worker step) ---------------------
+    def read_step(self) -> tf.Tensor:
+        """Returns ``g`` now (int64 scalar, placed on the PS)."""
+        with tf.device(self.device):
+            return self.global_step.read_value()
+
+    def record(self, tau: tf.Tensor, applied, increment: int = 1) -> tf.Tensor:
+        """Counts one gradient with staleness ``tau``.
+
+        Args:
+          tau: int64 scalar τ (clipped at 0).
+          applied: Python bool: True counts an applied gradient, False a drop.
+          increment: how much ``g`` advances (1 per applied update; 0 for a
+            gradient that is accepted into an aggregate but not yet applied).
+
+        Returns:
+          int64 scalar: ``g`` after this record.
+        """
+        bins = self.max_tracked + 1
+        with tf.device(self.device):
+            tau = tf.maximum(tf.cast(tau, tf.int64), 0)
+            b = tf.minimum(tau, self.max_tracked)
+            if applied:
+                idx = tf.stack([b, tf.constant(self._sum_applied, tf.int64)])
+                which = 0
+            else:
+                idx = tf.stack([b + bins, tf.constant(self._sum_dropped, tf.int64)])
+                which = 1
+            ops = [
+                self.counts.scatter_add(tf.IndexedSlices(
+                    tf.stack([tf.constant(1, tf.int64), tau]), idx)),
+                self.tau_max.scatter_max(tf.IndexedSlices(
+                    tf.reshape(tau, [1]), tf.constant([which], tf.int64))),
+            ]
+            with tf.control_dependencies(ops):
+                if increment:
+                    return self.global_step.assign_add(
+                        tf.constant(increment, tf.int64))
+                return self.global_step.read_value()
+
+    # -- host side ----------------------------------------------------------
+    def stats(self) -> StalenessStats:
+        """Reads the counters from the PS (a direct read: no training sync)."""
+        g = int(self.global_step.numpy())
+        counts = self.counts.numpy()
+        tmax = self.tau_max.numpy()
+        bins = self.max_tracked + 1
+        hist = counts[:bins].astype(np.int64)
+        dhist = counts[bins:2 * bins].astype(np.int64)
+        applied = int(hist.sum())
+        mean = float(counts[self._sum_applied]) / applied if applied else 0.0
+        return StalenessStats(
+            global_step=g, applied=applied, dropped=int(dhist.sum()),
+            histogram=hist, dropped_histogram=dhist, mean=mean,
+            max=int(tmax[0]), reexecuted=int(self.reexecuted.numpy()))
+
+    def reset(self) -> None:
+        """Zeroes the histograms and maxima (the global step is kept)."""
+        self.counts.assign(tf.zeros_like(self.counts))
+        self.tau_max.assign(tf.zeros_like(self.tau_max))
+        self.reexecuted.assign(0)

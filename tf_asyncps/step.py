@@ -1,0 +1,167 @@
+"""The worker step: where a gradient meets the update policy on its way to the PS.
+
+Data flow of one worker step (``model.fit`` or ``coordinator.schedule``)::
+
+    strategy.run(step_fn)                       # tf_keras train_function
+      -> _AsyncExtended._call_for_each_replica  # strategy.py
+         r = g.read()            (on the PS, before any variable is read)
+         with WorkerStep(r):  step_fn(...)
+            forward + backward on the worker
+            optimizer.apply_gradients(gv)       # hooked, see install_optimizer_hooks
+              -> WorkerStep.apply(...)
+                 τ = g - r ; grads, keep = policy.update(grads, state, info)
+                 keep ? optimizer update + g += 1 + histogram  :  count the drop
+
+The optimizer hook is a thin wrapper around ``apply_gradients`` (tf_keras,
+tf_keras legacy) and ``apply`` (Keras 3). Outside a worker step of an
+AsyncParameterServerStrategy it calls the original method unchanged.
+"""
+
+import contextlib
+import functools
+import threading
+from typing import Callable, List, Optional
+
+import tensorflow as tf
+
+from tf_asyncps.policies.base import StepInfo
+
+__all__ = ["WorkerStep", "current_step", "install_optimizer_hooks"]
+
+_local = threading.local()
+
+
+def current_step() -> Optional["WorkerStep"]:
+    """The WorkerStep being traced on this thread, or None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+class WorkerStep:
+    """Trace-time context of one worker step (one replica's ``strategy.run``).
+
+    Args:
+      engine: the strategy's extended object (policy, tracker, lock).
+      read_step: int64 scalar tensor, the global step read before the step
+        reads the model variables.
+    """
+
+    def __init__(self, engine, read_step: tf.Tensor):
+        self.engine = engine
+        self.read_step = read_step
+        self._applying = False
+
+    @contextlib.contextmanager
+    def active(self):
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def apply(self, optimizer, grads_and_vars, apply_fn: Callable):
+        """Applies one step's gradients through the policy.
+
+        Args:
+          optimizer: the optimizer whose hooked method was called.
+          grads_and_vars: iterable of (gradient, variable); None gradients are
+            passed through to ``apply_fn`` untouched by the policy.
+          apply_fn: ``apply_fn(grads_and_vars)`` runs the optimizer's own update.
+
+        Returns:
+          int64 scalar tensor: the global step after this step.
+        """
+        if self._applying:  # a wrapper optimizer calling its inner optimizer
+            return apply_fn(grads_and_vars)
+        self._applying = True
+        try:
+            return self.engine.apply_step(self, optimizer, list(grads_and_vars),
+                                          apply_fn)
+        finally:
+            self._applying = False
+
+
+def _hook(original, adapt_args):
+    @functools.wraps(original)
+    def hooked(self, *args, **kwargs):
+        step = current_step()
+        if step is None:
+            return original(self, *args, **kwargs)
+        grads_and_vars, rebuild = adapt_args(args, kwargs)
+
+        def run_original(gv):
+            new_args, new_kwargs = rebuild(gv)
+            return original(self, *new_args, **new_kwargs)
+
+        return step.apply(self, grads_and_vars, run_original)
+
+    hooked._asyncps_original = original
+    return hooked
+
+
+def _gv_args(args, kwargs):
+    """apply_gradients(grads_and_vars, *rest, **kwargs)."""
+    if args:
+        gv, rest = args[0], args[1:]
+    else:
+        gv, rest = kwargs.pop("grads_and_vars"), ()
+    gv = list(gv)
+    return gv, lambda new: ((list(new),) + tuple(rest), dict(kwargs))
+
+
+def _keras3_apply_args(args, kwargs):
+    """Keras 3 apply(grads, trainable_variables=None)."""
+    args = list(args)
+    grads = args.pop(0) if args else kwargs.pop("grads")
+    tvars = args.pop(0) if args else kwargs.pop("trainable_variables", None)
+    if tvars is None:
+        raise ValueError(
+            "Under AsyncParameterServerStrategy pass trainable_variables to "
+            "optimizer.apply(grads, trainable_variables).")
+    gv = list(zip(grads, tvars))
+
+    def rebuild(new):
+        new = list(new)
+        return ([g for g, _ in new], [v for _, v in new]), {}
+
+    return gv, rebuild
+
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install_optimizer_hooks() -> None:
+    """Routes optimizer updates made inside a worker step through the policy.
+
+    Idempotent. Hooks ``tf_keras.optimizers.Optimizer.apply_gradients``,
+    ``tf_keras.optimizers.legacy.Optimizer.apply_gradients`` and Keras 3's
+    ``keras.optimizers.Optimizer.apply`` (when those packages are installed).
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        targets = []
+        try:
+            import tf_keras
+            targets.append((tf_keras.optimizers.Optimizer, "apply_gradients", _gv_args))
+            targets.append((tf_keras.optimizers.legacy.Optimizer, "apply_gradients",
+                            _gv_args))
+        except ImportError:  # pragma: no cover - tf_keras is a dependency
+            pass
+        try:
+            import keras
+            if keras.__version__.startswith("3"):
+                targets.append((keras.optimizers.Optimizer, "apply",
+                                _keras3_apply_args))
+        except ImportError:  # pragma: no cover
+            pass
+        for cls, name, adapt in targets:
+            original = getattr(cls, name)
+            if not hasattr(original, "_asyncps_original"):
+                setattr(cls, name, _hook(original, adapt))
+        _installed = True

@@ -1,0 +1,271 @@
+"""AsyncParameterServerStrategy: ParameterServerStrategy plus update policies.
+
+The strategy is a ``tf.distribute.ParameterServerStrategy``; everything that
+differs lives in its ``extended`` object, which overrides the narrowest hooks:
+
+* ``_call_for_each_replica``: wraps each worker step in a
+  :class:`tf_asyncps.step.WorkerStep` that first reads the global step ``r``
+  on the PS (before any model variable is read).
+* ``apply_step``: called by the optimizer hook with the step's gradients;
+  computes τ, runs the update policy and records the result on the PS.
+* ``_use_merge_call``/``_replica_ctx_update``/``_replica_ctx_all_reduce``:
+  with one replica per worker there is nothing to merge, so updates run
+  directly in the replica context (this is what lets a policy put an
+  optimizer update under ``tf.cond``).
+"""
+
+import inspect
+import sys
+from typing import Optional, Union
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
+
+from tf_asyncps import cluster as cluster_lib
+from tf_asyncps import policies as policies_lib
+from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
+from tf_asyncps.step import WorkerStep, current_step, install_optimizer_hooks
+
+__all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
+
+KERAS3_FIT_MESSAGE = (
+    "Keras 3 `model.fit`/`evaluate`/`predict` cannot run under "
+    "AsyncParameterServerStrategy: Keras 3 has no ClusterCoordinator path and "
+    "its maintainers state parameter-server training is not supported. Use "
+    "tf_keras for model.fit (`import tf_keras as keras`, or set "
+    "TF_USE_LEGACY_KERAS=1 before importing TensorFlow so tf.keras is Keras 2). "
+    "Keras 3 models and optimizers do work in custom training loops with "
+    "tf.distribute.coordinator.ClusterCoordinator.schedule. Keras 3 fit support "
+    "is planned for when Keras gains a coordinator path.")
+
+
+def _called_from_keras3() -> bool:
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__", "").startswith("keras.src."):
+            return True
+        f = f.f_back
+    return False
+
+
+class _WorkerInputContext(tf.distribute.InputContext):
+    """InputContext with one input pipeline per worker.
+
+    Vanilla ParameterServerStrategy passes every worker the same context
+    (1 pipeline, id 0), so ``dataset.shard(ctx.num_input_pipelines,
+    ctx.input_pipeline_id)`` does not shard. Here ``num_input_pipelines`` is
+    the number of workers and ``input_pipeline_id`` is the worker's index: an
+    int64 scalar tensor fed when the dataset is created on that worker.
+    """
+
+    def __init__(self, base, num_workers):
+        super().__init__(num_input_pipelines=num_workers, input_pipeline_id=0,
+                         num_replicas_in_sync=base.num_replicas_in_sync)
+
+    @property
+    def input_pipeline_id(self):
+        return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+
+class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
+    """The strategy's ``extended``: worker-step hook and policy engine."""
+
+    def __init__(self, container_strategy, cluster_resolver, variable_partitioner,
+                 policy, tracker):
+        super().__init__(container_strategy, cluster_resolver, variable_partitioner)
+        self.policy = policy
+        self.tracker = tracker
+        self._policy_state = {}
+        self._lock = None
+
+    # -- one replica per worker: no merge_call needed -------------------------
+    def _use_merge_call(self):
+        return self._num_replicas_in_sync > 1
+
+    def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
+        if self._use_merge_call():
+            return super()._replica_ctx_update(var, fn, args, kwargs, group)
+        return self._update(var, fn, args, kwargs or {}, group)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        if self._use_merge_call():
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        return value  # one replica: the sum and the mean are the value itself
+
+    # -- per-worker datasets: each worker reads its own shard ---------------------
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        num_workers = self._num_workers
+
+        def per_worker_fn(ctx):
+            return dataset_fn(_WorkerInputContext(ctx, num_workers))
+
+        return super()._distribute_datasets_from_function(per_worker_fn, options)
+
+    # -- the worker step ------------------------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        from tensorflow.python.autograph.core import ag_ctx
+        from tensorflow.python.autograph.impl import api as autograph
+
+        if not tf.executing_eagerly():
+            fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx())
+
+        @tf.autograph.experimental.do_not_convert
+        def worker_step(*a, **kw):
+            r = self.tracker.read_step()
+            # Every op of the step, variable reads included, runs after r is read.
+            with tf.control_dependencies([r]), WorkerStep(self, r).active():
+                return fn(*a, **kw)
+
+        return super()._call_for_each_replica(worker_step, args, kwargs)
+
+    def _state_for(self, variables):
+        key = tuple(id(v) for v in variables)
+        if key not in self._policy_state:
+            with tf.init_scope():
+                if tf.distribute.has_strategy():  # fit() called inside scope()
+                    self._policy_state[key] = self.policy.init(list(variables))
+                else:
+                    with self._container_strategy().scope():
+                        self._policy_state[key] = self.policy.init(list(variables))
+        return self._policy_state[key]
+
+    def _get_lock(self):
+        if self._lock is None:
+            with tf.init_scope(), tf.device(self.tracker.device):
+                self._lock = tf.CriticalSection(name="asyncps_update_lock")
+        return self._lock
+
+    def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):
+        """Applies one worker step's gradients under the update policy.
+
+        Args:
+          step: the WorkerStep (holds the read step r).
+          optimizer: the optimizer being called (unused by the base engine).
+          grads_and_vars: list of (gradient or None, variable).
+          apply_fn: runs the optimizer's own update on a grads_and_vars list.
+
+        Returns:
+          int64 scalar tensor: the global step after this step.
+        """
+        del optimizer
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            return apply_fn(grads_and_vars)
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        state = self._state_for(variables)
+        tracker = self.tracker
+
+        def decide_and_apply():
+            g_now = tracker.read_step()
+            tau = g_now - step.read_step
+            info = policies_lib.StepInfo(
+                tau=tau, read_step=step.read_step, global_step=g_now,
+                variables=variables)
+            new_grads, keep = self.policy.update(list(grads), state, info)
+
+            def applied():
+                out = apply_fn(list(zip(new_grads, variables)))
+                deps = [o for o in tf.nest.flatten(out) if o is not None
+                        and not isinstance(o, tf.Variable)]
+                with tf.control_dependencies(deps):
+                    return tracker.record(tau, applied=True)
+
+            if keep is True:
+                return applied()
+            return tf.cond(keep, applied, lambda: tracker.record(tau, applied=False))
+
+        if self.policy.atomic:
+            return self._get_lock().execute(decide_and_apply, exclusive_resource_access=False)
+        return decide_and_apply()
+
+
+class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+    """Parameter-server training with pluggable asynchronous update policies.
+
+    Use it as ``tf.distribute.ParameterServerStrategy``: build and compile a
+    tf_keras model inside ``strategy.scope()`` and call ``model.fit`` with a
+    ``DatasetCreator`` and ``steps_per_epoch`` (worker steps), or drive steps
+    yourself with ``tf.distribute.coordinator.ClusterCoordinator.schedule``.
+    Every worker step reads the global step before reading the variables, and
+    its gradients reach the optimizer through ``update_policy``, which may
+    scale, transform or drop them according to the step's staleness τ.
+
+    Cost per worker step: a few scalar ops on ``/job:ps/task:0`` (read of the
+    global step, an ``assign_add``, a two-element ``scatter_add`` and
+    ``scatter_max``) placed in the PS partition of the step: no extra round
+    trip; atomic policies add one lock acquisition on the PS.
+
+    Args:
+      cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver``
+        with "chief", "ps" and "worker" jobs.
+      update_policy: a registered policy name (``tf_asyncps.policies.names()``)
+        or a ``tf_asyncps.policies.UpdatePolicy``.
+      variable_partitioner: as in ``ParameterServerStrategy``.
+      max_tracked_staleness: last bin of the τ histograms (int >= 1).
+      connect_timeout_s: seconds to wait for every ps and worker to accept
+        connections before failing (float > 0).
+
+    Raises:
+      ValueError: an invalid cluster (naming the field and the fix) or policy.
+      TimeoutError: a ps or worker unreachable within ``connect_timeout_s``.
+    """
+
+    def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
+                 variable_partitioner=None, *, max_tracked_staleness: int = 32,
+                 connect_timeout_s: float = 30.0):
+        policy = policies_lib.get(update_policy)
+        if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
+            raise ValueError(
+                f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
+        spec = cluster_resolver.cluster_spec().as_dict()
+        config = cluster_lib.validate_tf_config(
+            {"cluster": spec, "task": {"type": cluster_resolver.task_type or "chief",
+                                       "index": cluster_resolver.task_id or 0}})
+        if config.task_type != "chief":
+            raise ValueError(
+                f"AsyncParameterServerStrategy runs on the chief; this task is "
+                f"{config.task_type}:{config.task_id}. Start ps and worker tasks "
+                "with `tf-asyncps server` (or `train`, which serves them).")
+        cluster_lib.wait_for_tasks(config, connect_timeout_s)
+        cluster_lib.configure_local_context(config.num_workers)
+        super().__init__(cluster_resolver, variable_partitioner)
+        self._tracker = StalenessTracker(max_tracked_staleness)
+        old = self._extended
+        self._extended = _AsyncExtended(self, cluster_resolver, variable_partitioner,
+                                        policy, self._tracker)
+        self._extended._retrace_functions_for_each_device = (
+            old._retrace_functions_for_each_device)
+        install_optimizer_hooks()
+        logging.info("AsyncParameterServerStrategy: %d worker(s), %d ps, policy %r",
+                     config.num_workers, config.num_ps, policy)
+
+    @property
+    def update_policy(self) -> "policies_lib.UpdatePolicy":
+        """The UpdatePolicy object in use."""
+        return self._extended.policy
+
+    @property
+    def staleness_tracker(self) -> StalenessTracker:
+        return self._tracker
+
+    def staleness_stats(self) -> StalenessStats:
+        """Reads the staleness counters from the PS.
+
+        A direct read of three small PS variables: it does not wait for
+        scheduled steps (no ``coordinator.join``), so it can be polled while
+        training runs.
+        """
+        return self._tracker.stats()
+
+    def reset_staleness_stats(self) -> None:
+        """Zeroes the histograms and counters; the global step is kept."""
+        self._tracker.reset()
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        if _called_from_keras3():
+            raise NotImplementedError(KERAS3_FIT_MESSAGE)
+        return super().experimental_distribute_dataset(dataset, options)
