@@ -1,19 +1,41 @@
 """tf_asyncps: asynchronous parameter-server training for TensorFlow 2.
 
-Public API (see README.md and DESIGN.md):
+Public API (see README.md):
 
 * :class:`AsyncParameterServerStrategy`: a ``tf.distribute.ParameterServerStrategy``
   with pluggable update policies and staleness tracking.
 * :class:`StalenessStats`: what ``strategy.staleness_stats()`` returns.
 * :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.cluster`, :mod:`tf_asyncps.callbacks`.
+
+Submodules load on first use, so the command line can reject bad input
+before TensorFlow is imported.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from tf_asyncps import cluster, policies
-from tf_asyncps.staleness import StalenessStats
-from tf_asyncps.strategy import AsyncParameterServerStrategy
-from tf_asyncps import callbacks
+_LAZY = {
+    "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),
+    "StalenessStats": ("tf_asyncps.staleness", "StalenessStats"),
+    "policies": ("tf_asyncps.policies", None),
+    "cluster": ("tf_asyncps.cluster", None),
+    "callbacks": ("tf_asyncps.callbacks", None),
+}
 
-__all__ = ["AsyncParameterServerStrategy", "StalenessStats", "policies", "cluster",
-           "callbacks", "__version__"]
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tf_asyncps' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

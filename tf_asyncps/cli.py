@@ -86,6 +86,8 @@ def cmd_train(argv):
 def cmd_launch(argv):
     from tf_asyncps import cluster
     _job_config()  # bad flags fail here, before any process starts
+    if os.environ.get("TF_CONFIG"):
+        logging.warning("launch ignores TF_CONFIG: it makes its own local cluster.")
     log_dir = os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -362,6 +362,18 @@ def start_server(config: ClusterConfig):
         config=server_config(config.num_workers), start=True)
 
 
+def _connected_here() -> bool:
+    """Whether this process's TensorFlow context is connected to a cluster."""
+    if "tensorflow" not in sys.modules:
+        return False
+    try:
+        from tensorflow.python.eager import context
+        ctx = context.context_safe()
+        return ctx is not None and getattr(ctx, "_server_def", None) is not None
+    except Exception:  # pragma: no cover - private API moved: assume not
+        return False
+
+
 def _set_pdeathsig():  # runs in the child before exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -376,7 +388,8 @@ class LocalCluster:
     loopback port chosen by portpicker. A chief address is reserved for the
     process that creates the strategy (this one, or a child you start with
     :meth:`tf_config`). Children die with their parent (PR_SET_PDEATHSIG) and
-    are stopped by pid on exit, on error and on Ctrl-C.
+    are stopped by pid on exit, on error and on Ctrl-C; if this process
+    connected to the cluster, at this process's exit (see :meth:`stop`).
 
     Example::
 
@@ -522,8 +535,19 @@ class LocalCluster:
         if log:
             log.close()
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stops every child by pid: SIGTERM, then SIGKILL after ``grace_s``."""
+    def stop(self, grace_s: float = 5.0, *, defer_if_connected: bool = False) -> None:
+        """Stops every child by pid: SIGTERM, then SIGKILL after ``grace_s``.
+
+        With ``defer_if_connected`` (what leaving the ``with`` block uses) and
+        this process connected to the cluster (a strategy was created here),
+        the children are left to stop when this process exits
+        (PR_SET_PDEATHSIG): TensorFlow's teardown at exit still talks to them,
+        and TensorFlow allows one cluster per process anyway.
+        """
+        if defer_if_connected and _connected_here() and self._alive_children():
+            logging.info("LocalCluster: tasks %s stop when this process exits.",
+                         sorted(self.pids))
+            return
         for p in self.procs.values():
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -543,5 +567,8 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
+    def _alive_children(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop(defer_if_connected=True)

@@ -1,0 +1,179 @@
+"""TF_CONFIG validation (case 001 and its variants) and LocalCluster lifecycle."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import pid_alive
+from tf_asyncps import cluster
+from tf_asyncps.cluster import LocalCluster, validate_tf_config
+
+pytestmark = pytest.mark.timeout(120)
+
+GOOD = {"cluster": {"chief": ["127.0.0.1:2000"], "ps": ["127.0.0.1:2001"],
+                    "worker": ["127.0.0.1:2002", "127.0.0.1:2003"]},
+        "task": {"type": "worker", "index": 1}}
+
+
+def _with(**changes):
+    cfg = json.loads(json.dumps(GOOD))
+    for path, value in changes.items():
+        node = cfg
+        keys = path.split("__")
+        for k in keys[:-1]:
+            node = node[k]
+        if value is _DELETE:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+    return cfg
+
+
+_DELETE = object()
+
+# (TF_CONFIG, words the message must contain)
+BAD = [
+    # case 001 as reported: no chief
+    ({"cluster": {"ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002", "127.0.0.1:2003"]},
+      "task": {"type": "worker", "index": 0}}, ['no "chief" task', '"worker"']),
+    (_with(cluster__ps=[]), ['cluster["ps"] is an empty list']),
+    (_with(cluster__worker=[]), ['cluster["worker"] is an empty list']),
+    (_with(cluster__ps=_DELETE), ['no "ps" task']),
+    (_with(cluster__worker=_DELETE), ['no "worker" task']),
+    (_with(task__index=2), ["index 2 is out of range", "0..1"]),
+    (_with(task__index=-1), ["out of range"]),
+    (_with(task__index="0"), ['"index"', "integer"]),
+    (_with(task__type="master"), ["'master'", '"chief"']),
+    (_with(cluster__master=["127.0.0.1:2009"]), ['unknown job "master"', '"chief"']),
+    (_with(task__type="gpu_worker"), ["must be one of"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1"]), ['"127.0.0.1"', "host:port"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:99999"]), ["1..65535"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "host name:1"]), ["host:port"]),
+    (_with(cluster__worker=["127.0.0.1:2002", 2003]), ["not a string"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:2002"]), ["used twice"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "localhost:2001"]), ["used twice", "ps:0"]),
+    (_with(cluster__chief=["127.0.0.1:2000", "127.0.0.1:2010"]), ["exactly one chief"]),
+    (_with(cluster__ps="127.0.0.1:2001"), ["must be a list"]),
+    (_with(cluster=_DELETE), ['"cluster" is missing']),
+    (_with(task=_DELETE), ['"task" is missing']),
+    (_with(task=["worker", 0]), ['"task" must be an object']),
+    (_with(rpc_layer="grpc+verbs"), ['"rpc_layer"']),
+    ('{"cluster": {"chief": ["a:1"]', ["not valid JSON"]),
+    ("[1, 2]", ["JSON object"]),
+    (_with(task__type="evaluator", cluster__evaluator=["127.0.0.1:2011"]), ["evaluator"]),
+]
+
+
+@pytest.mark.parametrize("tf_config,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_tf_config_fails_fast_with_a_clear_message(tf_config, words):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        validate_tf_config(tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+    assert time.perf_counter() - t0 < 2.0
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, msg
+    if isinstance(tf_config, dict) and "cluster" in tf_config:
+        assert "cluster read from TF_CONFIG" in msg  # shows what it read
+
+
+def test_case_001_no_chief_shows_the_cluster_it_read():
+    cfg = BAD[0][0]
+    with pytest.raises(ValueError) as e:
+        validate_tf_config(json.dumps(cfg))
+    assert json.dumps(cfg["cluster"]) in str(e.value)
+
+
+def test_good_config_and_evaluator_is_ignored():
+    c = validate_tf_config(_with(cluster__evaluator=["127.0.0.1:2011"]))
+    assert (c.task_type, c.task_id) == ("worker", 1)
+    assert c.num_workers == 2 and c.num_ps == 1
+    assert c.jobs == ["chief", "ps", "worker"]  # evaluator not in training cluster
+    assert c.evaluators == ["127.0.0.1:2011"]
+    assert c.cluster_spec().num_tasks("worker") == 2
+    assert validate_tf_config(_with(cluster__worker=["[::1]:2002"], task__index=0)).num_workers == 1
+
+
+def test_tf_config_unset(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="TF_CONFIG is not set"):
+        cluster.tf_config_from_env()
+
+
+def test_inter_op_threads_cover_num_workers_plus_one():
+    for n in (1, 2, 4, 16):
+        assert cluster.inter_op_threads(n) >= n + 1
+    assert cluster.server_config(4).inter_op_parallelism_threads >= 5
+
+
+def test_wait_for_tasks_names_the_unreachable_task():
+    import portpicker
+    port = portpicker.pick_unused_port()
+    cfg = validate_tf_config(_with(cluster__ps=[f"127.0.0.1:{port}"]))
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=rf"ps:0 at 127.0.0.1:{port}"):
+        cluster.wait_for_tasks(cfg, timeout_s=1.0, jobs=("ps",))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_local_cluster_stops_every_child_even_when_the_body_raises(tmp_path):
+    pids = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        with LocalCluster(num_workers=2, num_ps=1, log_dir=str(tmp_path)) as c:
+            pids = c.pids
+            assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
+            assert all(pid_alive(p) for p in pids.values())
+            raise RuntimeError("boom")
+    assert pids and not any(pid_alive(p) for p in pids.values())
+    assert (tmp_path / "worker-1.log").exists()
+
+
+def test_local_cluster_kill_and_restart_one_task(tmp_path):
+    with LocalCluster(num_workers=1, num_ps=1, log_dir=str(tmp_path)) as c:
+        old = c.pids["worker:0"]
+        c.kill("worker:0")
+        assert not pid_alive(old)
+        assert not cluster._reachable(c.config["worker"][0], 1.0)
+        c.restart("worker:0")
+        assert c.pids["worker:0"] != old and pid_alive(c.pids["worker:0"])
+        assert cluster._reachable(c.config["worker"][0], 1.0)
+        with pytest.raises(ValueError, match="no task 'worker:7'"):
+            c.kill("worker:7")
+    assert not pid_alive(c.pids["worker:0"]) and not pid_alive(c.pids["ps:0"])
+
+
+def test_children_die_with_a_killed_parent(tmp_path):
+    """A parent killed with SIGKILL (no cleanup runs) still takes its children."""
+    code = (
+        "import sys, time; from tf_asyncps.cluster import LocalCluster\n"
+        f"c = LocalCluster(1, 1, log_dir={str(tmp_path)!r}).start()\n"
+        "print(' '.join(str(p) for p in c.pids.values()), flush=True)\n"
+        "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(x) for x in pids)
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(pid_alive(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(x) for x in pids)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for x in locals().get("pids", []):
+            if pid_alive(x):
+                os.kill(x, signal.SIGKILL)
+
+
+def test_local_cluster_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        LocalCluster(num_workers=0)
+    with pytest.raises(ValueError, match="num_ps"):
+        LocalCluster(num_workers=1, num_ps=True)

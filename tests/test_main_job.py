@@ -1,0 +1,108 @@
+"""The main job end to end: `tf-asyncps launch` with the README's flagfile,
+the same job as 4 hand-started `tf-asyncps train` processes, and the example."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import portpicker
+import pytest
+
+from conftest import ROOT, _env, pid_alive, run_command, stop_process, wait_dead
+
+pytestmark = pytest.mark.timeout(400)
+
+KEYS = {"policy", "num_workers", "num_ps", "epochs", "worker_steps", "steps_per_sec",
+        "examples_per_sec", "wall_time_s", "test_accuracy", "test_loss", "staleness"}
+STALENESS_KEYS = {"global_step", "applied", "dropped", "histogram", "dropped_histogram",
+                  "mean", "max"}
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("main_job")
+    _, log = run_command([sys.executable, "-m", "tf_asyncps", "launch",
+                          "--flagfile=configs/digits_async.flags", f"--output_dir={out}"],
+                         timeout=300)
+    return out, log
+
+
+def test_main_job_trains_to_090_and_writes_metrics(main_job):
+    out, log = main_job
+    m = json.loads((out / "metrics.json").read_text())
+    assert KEYS <= set(m) and STALENESS_KEYS <= set(m["staleness"])
+    assert m["policy"] == "async" and m["num_workers"] == 2 and m["num_ps"] == 1
+    assert m["test_accuracy"] >= 0.90
+    assert m["worker_steps"] == 10 * 100 == m["staleness"]["applied"]
+    assert m["staleness"]["global_step"] == m["staleness"]["applied"]
+    assert m["optimizer_iterations"] == 1000
+    assert m["steps_per_sec"] > 0 and m["examples_per_sec"] == pytest.approx(
+        32 * m["steps_per_sec"])
+    # One line per epoch with loss, accuracy, steps/s and staleness.
+    lines = [l for l in log.splitlines() if l.startswith("epoch ")]
+    assert len(lines) == 10
+    for word in ("loss=", "accuracy=", "steps/s=", "tau_mean=", "tau_max="):
+        assert word in lines[-1]
+    assert os.listdir(out / "tensorboard")
+    assert len(os.listdir(out / "logs")) == 3  # ps-0, worker-0, worker-1
+
+
+def test_saved_model_reloads_in_a_fresh_process_with_plain_tensorflow(main_job):
+    out, _ = main_job
+    code = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        "from sklearn.datasets import load_digits\n"
+        "from sklearn.model_selection import train_test_split\n"
+        "d = load_digits()\n"
+        "x = (d.data / 16.0).astype(np.float32)\n"
+        "_, xte, _, _ = train_test_split(x, d.target, test_size=0.2, random_state=0,"
+        " stratify=d.target)\n"
+        f"m = tf.saved_model.load({str(out / 'saved_model')!r})\n"
+        "p = m.signatures['serving_default'](x=tf.constant(xte))['probabilities'].numpy()\n"
+        f"np.save({str(out / 'reloaded.npy')!r}, p)\n")
+    run_command([sys.executable, "-c", code], timeout=120)
+    chief = np.load(out / "test_predictions.npy")
+    reloaded = np.load(out / "reloaded.npy")
+    assert chief.shape == reloaded.shape == (360, 10)
+    np.testing.assert_allclose(reloaded, chief, atol=1e-6)
+
+
+def test_job_by_hand_four_train_processes(tmp_path):
+    """ps, 2 workers and chief started as separate `tf-asyncps train` processes."""
+    ports = [portpicker.pick_unused_port() for _ in range(4)]
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+               "worker": [f"127.0.0.1:{ports[2]}", f"127.0.0.1:{ports[3]}"]}
+    common = ["--flagfile=configs/digits_async.flags", "--epochs=3",
+              f"--output_dir={tmp_path}"]
+    procs = []
+    try:
+        for job, i in (("ps", 0), ("worker", 0), ("worker", 1)):
+            env = _env()
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster,
+                                           "task": {"type": job, "index": i}})
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tf_asyncps", "train"] + common, env=env, cwd=ROOT,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        env = _env()
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "chief",
+                                                                    "index": 0}})
+        _, log = run_command([sys.executable, "-m", "tf_asyncps", "train"] + common,
+                             timeout=240, env=env)
+        for p in procs:
+            assert p.poll() is None, "a server task exited during training"
+    finally:
+        for p in procs:
+            stop_process(p)
+    wait_dead([p.pid for p in procs])
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["worker_steps"] == 300 and m["num_workers"] == 2
+    assert m["test_accuracy"] >= 0.85
+
+
+def test_example_keras_fit_runs():
+    _, log = run_command([sys.executable, "examples/keras_fit.py"], timeout=240)
+    line = [l for l in log.splitlines() if l.startswith("test accuracy")][-1]
+    assert float(line.split()[2].rstrip(";")) >= 0.85
+    assert "applied 500 updates" in line
