@@ -218,6 +218,182 @@ def keras3_fit_fails():
         return {"error": None}
 
 
+class _GradTypes(tf_asyncps.policies.UpdatePolicy):
+    """Records (at trace time) which gradient types reach the policy."""
+
+    name = "grad_types"
+    seen = []
+
+    def update(self, grads, state, info):
+        _GradTypes.seen.extend(type(g).__name__ for g in grads)
+        return grads, True
+
+
+@scenario
+def embedding_single_worker(policy="async", policy_args=None, steps=30, batch=8):
+    """IndexedSlices gradients (Embedding) vs a dense one-hot reference, 1 worker."""
+    rng = np.random.RandomState(0)
+    vocab, dim = 20, 4
+    ids = rng.randint(0, vocab, size=(steps * batch, 2)).astype(np.int64)
+    y = (ids.sum(axis=1) % 3).astype(np.int64)
+    e0 = rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32)
+    k0 = rng.uniform(-0.5, 0.5, (2 * dim, 3)).astype(np.float32)
+    b0 = np.zeros(3, np.float32)
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def sparse_model():
+        return tf_keras.Sequential([
+            tf_keras.Input(shape=(2,), dtype="int64"),
+            tf_keras.layers.Embedding(vocab, dim),
+            tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch).repeat()
+
+    with _cluster(num_workers=1, num_ps=1) as c:
+        pol = tf_asyncps.policies.chain(
+            tf_asyncps.policies.get(policy, **(policy_args or {})), _GradTypes())
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=pol)
+        # Dense reference: one_hot(ids) @ E has a dense gradient for E.
+        ref = tf_keras.Sequential([
+            tf_keras.Input(shape=(2,), dtype="int64"),
+            tf_keras.layers.Lambda(lambda t: tf.one_hot(t, vocab)),
+            tf_keras.layers.Dense(dim, use_bias=False),
+            tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+        ref.set_weights([e0, k0, b0])
+        ref.compile(tf_keras.optimizers.SGD(0.5), loss)
+        ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch), epochs=1,
+                steps_per_epoch=steps, verbose=0)
+        with strategy.scope():
+            model = sparse_model()
+            model.set_weights([e0, k0, b0])
+            model.compile(tf_keras.optimizers.SGD(0.5), loss)
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                  steps_per_epoch=steps, verbose=0)
+        got, want = model.get_weights(), ref.get_weights()
+        return {"max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)),
+                "moved": float(np.max(np.abs(want[0] - e0))),
+                "grad_types": sorted(set(_GradTypes.seen)), "stats": _stats(strategy)}
+
+
+def _least_squares(n=64, features=5, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, features).astype(np.float32)
+    y = (x @ rng.randn(features, 1) + 0.1 * rng.randn(n, 1)).astype(np.float32)
+    return x, y
+
+
+@scenario
+def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, steps=60,
+                      lr=0.05):
+    """Every worker computes the full-batch least-squares gradient (custom loop).
+
+    Returns the final w and sequential full-batch gradient descent run for
+    ``applied`` steps from the same start (in this process, no strategy).
+    """
+    x, y = _least_squares()
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(lr)
+
+        @tf.function
+        def step():
+            def replica_fn():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn)
+
+        for _ in range(steps):
+            coord.schedule(step)
+        coord.join()
+        s = strategy.staleness_stats()
+        ref = tf.Variable(tf.zeros([x.shape[1], 1]))
+        for _ in range(s.applied):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, ref) - y))
+            ref.assign_sub(lr * tape.gradient(loss, ref))
+        return {"w": w.numpy().ravel().tolist(), "ref": ref.numpy().ravel().tolist(),
+                "iterations": int(opt.iterations.numpy()), "stats": s.to_dict()}
+
+
+@scenario
+def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, steps=45):
+    """ssp with one worker slowed by a tf.data sleep: the clock spread stays <= s."""
+    from tensorflow.python.data.experimental.ops import testing as data_testing
+    x, y = _least_squares()
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "ssp", max_staleness=max_staleness, timeout_s=60))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+
+        def dataset_fn():
+            me = tf.distribute.coordinator.experimental_get_current_worker_index()
+            delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
+            ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+            return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
+
+        it = iter(coord.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(iterator):
+            xb, yb = next(iterator)
+
+            def replica_fn(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn, args=(xb, yb))
+
+        for _ in range(steps):
+            coord.schedule(step, args=(it,))
+        coord.join()
+        p = strategy.update_policy
+        return {"clocks": p.clock_values().tolist(), "max_spread": p.max_clock_spread(),
+                "released_reads": p.released_reads(),
+                "stats": _stats(strategy)}
+
+
+@scenario
+def nonfinite_worker(num_workers=2, steps=40, bad_worker=1):
+    """One worker's data holds NaN: its gradients are dropped and counted."""
+    x, y = _least_squares()
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+
+        @tf.function
+        def step():
+            me = tf.distribute.coordinator.experimental_get_current_worker_index()
+            poison = tf.where(tf.equal(me, bad_worker), np.nan, 0.0)
+
+            def replica_fn():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(x + poison, w) - y))
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn)
+
+        for _ in range(steps):
+            coord.schedule(step)
+        coord.join()
+        return {"w": w.numpy().ravel().tolist(), "iterations": int(opt.iterations.numpy()),
+                "stats": _stats(strategy)}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

@@ -60,6 +60,13 @@ def _job_config():
     return cfg
 
 
+def _quiet_tensorflow():
+    """TensorFlow's Python logger follows --verbosity (default: warnings only)."""
+    import tensorflow as tf
+    if logging.get_verbosity() < logging.INFO:
+        tf.get_logger().setLevel("WARNING")
+
+
 def _serve(config):
     from tf_asyncps import cluster
     server = cluster.start_server(config)
@@ -79,6 +86,7 @@ def cmd_train(argv):
     if config.task_type in ("ps", "worker"):
         return _serve(config)
     cfg = _job_config()
+    _quiet_tensorflow()
     from tf_asyncps import job
     job.run(cfg, cluster.cluster_resolver(config))
 
@@ -122,6 +130,9 @@ def cmd_launch(argv):
 
 
 def main(argv):
+    if not FLAGS["verbosity"].present:
+        # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
+        logging.set_verbosity(logging.WARNING)
     if len(argv) < 2 or argv[1] not in COMMANDS:
         raise app.UsageError(
             f"usage: tf-asyncps {{{'|'.join(COMMANDS)}}} [--flags]; got "
@@ -138,8 +149,6 @@ def main(argv):
 def run():
     """Console-script entry point."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
-    FLAGS.set_default("verbosity", logging.WARNING)
     app.run(main)
 
 

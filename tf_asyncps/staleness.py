@@ -15,7 +15,7 @@ function that already carries the gradients there.
 """
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +42,8 @@ class StalenessStats:
       max: largest τ of an applied gradient (int, exact; 0 if none).
       reexecuted: worker steps that ran more than once because TensorFlow
         retried a closure after a worker failure (int).
+      nonfinite: dropped gradients that held NaN or Inf (int; included in
+        ``dropped``).
     """
 
     global_step: int
@@ -52,6 +54,7 @@ class StalenessStats:
     mean: float
     max: int
     reexecuted: int = 0
+    nonfinite: int = 0
 
     @property
     def worker_steps(self) -> int:
@@ -69,6 +72,7 @@ class StalenessStats:
             "mean": float(self.mean),
             "max": int(self.max),
             "reexecuted": int(self.reexecuted),
+            "nonfinite": int(self.nonfinite),
         }
 
 
@@ -76,8 +80,8 @@ class StalenessTracker:
     """PS-resident counters behind :class:`StalenessStats`.
 
     Layout of the int64 ``counts`` vector (length ``2 * (T + 1) + 2`` with
-    ``T = max_tracked``): applied histogram, dropped histogram, sum of applied
-    τ, sum of dropped τ. ``tau_max`` holds ``[max applied τ, max dropped τ]``.
+    ``T = max_tracked``, plus one): applied histogram, dropped histogram, sum
+    of applied τ, sum of dropped τ, non-finite drops. ``tau_max`` holds ``[max applied τ, max dropped τ]``.
 
     Per worker step the tracker adds, all on the PS: one scalar read of ``g``
     (the read step), one scalar read of ``g`` at apply time, and at most one
@@ -100,11 +104,12 @@ class StalenessTracker:
         bins = self.max_tracked + 1
         self._sum_applied = 2 * bins
         self._sum_dropped = 2 * bins + 1
+        self._nonfinite = 2 * bins + 2
         with tf.init_scope(), tf.device(device):
             self.global_step = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="asyncps_global_step")
             self.counts = tf.Variable(
-                tf.zeros([2 * bins + 2], tf.int64), trainable=False,
+                tf.zeros([2 * bins + 3], tf.int64), trainable=False,
                 name="asyncps_staleness_counts")
             self.tau_max = tf.Variable(
                 tf.zeros([2], tf.int64), trainable=False, name="asyncps_tau_max")
@@ -118,31 +123,42 @@ class StalenessTracker:
         with tf.device(self.device):
             return self.global_step.read_value()
 
-    def record(self, tau: tf.Tensor, applied, increment: int = 1) -> tf.Tensor:
+    def record(self, tau: tf.Tensor, applied, increment: Optional[int] = None,
+               nonfinite=None) -> tf.Tensor:
         """Counts one gradient with staleness ``tau``.
 
         Args:
           tau: int64 scalar τ (clipped at 0).
           applied: Python bool: True counts an applied gradient, False a drop.
-          increment: how much ``g`` advances (1 per applied update; 0 for a
-            gradient that is accepted into an aggregate but not yet applied).
+          increment: how much ``g`` advances; default 1 for an applied
+            gradient, 0 for a drop (the aggregator passes 0 for a gradient
+            accepted into an aggregate that is not yet applied).
+          nonfinite: optional scalar tf.bool for a drop: the gradient held
+            NaN/Inf (counted in ``StalenessStats.nonfinite``).
 
         Returns:
           int64 scalar: ``g`` after this record.
         """
         bins = self.max_tracked + 1
+        if increment is None:
+            increment = 1 if applied else 0
         with tf.device(self.device):
             tau = tf.maximum(tf.cast(tau, tf.int64), 0)
             b = tf.minimum(tau, self.max_tracked)
+            one = tf.constant(1, tf.int64)
             if applied:
                 idx = tf.stack([b, tf.constant(self._sum_applied, tf.int64)])
+                upd = tf.stack([one, tau])
                 which = 0
             else:
-                idx = tf.stack([b + bins, tf.constant(self._sum_dropped, tf.int64)])
+                idx = tf.stack([b + bins, tf.constant(self._sum_dropped, tf.int64),
+                                tf.constant(self._nonfinite, tf.int64)])
+                bad = tf.constant(0, tf.int64) if nonfinite is None else tf.cast(
+                    nonfinite, tf.int64)
+                upd = tf.stack([one, tau, bad])
                 which = 1
             ops = [
-                self.counts.scatter_add(tf.IndexedSlices(
-                    tf.stack([tf.constant(1, tf.int64), tau]), idx)),
+                self.counts.scatter_add(tf.IndexedSlices(upd, idx)),
                 self.tau_max.scatter_max(tf.IndexedSlices(
                     tf.reshape(tau, [1]), tf.constant([which], tf.int64))),
             ]
@@ -166,7 +182,8 @@ class StalenessTracker:
         return StalenessStats(
             global_step=g, applied=applied, dropped=int(dhist.sum()),
             histogram=hist, dropped_histogram=dhist, mean=mean,
-            max=int(tmax[0]), reexecuted=int(self.reexecuted.numpy()))
+            max=int(tmax[0]), reexecuted=int(self.reexecuted.numpy()),
+            nonfinite=int(counts[self._nonfinite]))
 
     def reset(self) -> None:
         """Zeroes the histograms and maxima (the global step is kept)."""

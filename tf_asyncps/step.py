@@ -44,11 +44,14 @@ class WorkerStep:
       engine: the strategy's extended object (policy, tracker, lock).
       read_step: int64 scalar tensor, the global step read before the step
         reads the model variables.
+      worker_index: int64 scalar tensor, the worker running the step.
     """
 
-    def __init__(self, engine, read_step: tf.Tensor):
+    def __init__(self, engine, read_step: tf.Tensor, worker_index=0):
         self.engine = engine
         self.read_step = read_step
+        self.worker_index = worker_index
+        self.applied = False  # whether an update was traced in this step
         self._applying = False
 
     @contextlib.contextmanager

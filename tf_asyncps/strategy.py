@@ -25,7 +25,8 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
-from tf_asyncps.step import WorkerStep, current_step, install_optimizer_hooks
+from tf_asyncps.policies._util import all_finite
+from tf_asyncps.step import WorkerStep, install_optimizer_hooks
 
 __all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
 
@@ -78,8 +79,11 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.policy = policy
         self.tracker = tracker
+        self.skip_nonfinite = True
         self._policy_state = {}
         self._lock = None
+        self._trainable = []  # trainable variables created under the scope
+        self._backups = {}  # id(var) -> [num_workers, *shape] read snapshots
 
     # -- one replica per worker: no merge_call needed -------------------------
     def _use_merge_call(self):
@@ -104,6 +108,13 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
         return super()._distribute_datasets_from_function(per_worker_fn, options)
 
+    # -- variables: remember the trainable ones (for read snapshots) -----------
+    def _create_variable(self, next_creator, **kwargs):
+        var = super()._create_variable(next_creator, **kwargs)
+        if kwargs.get("trainable", True) is not False and isinstance(var, tf.Variable):
+            self._trainable.append(var)
+        return var
+
     # -- the worker step ------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
         from tensorflow.python.autograph.core import ag_ctx
@@ -114,12 +125,40 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
         @tf.autograph.experimental.do_not_convert
         def worker_step(*a, **kw):
-            r = self.tracker.read_step()
+            w = _worker_index()
+            with tf.control_dependencies(self.policy.before_read(w)):
+                r = self.tracker.read_step()
+                snap = self._snapshot(w) if self.policy.needs_read_values else []
             # Every op of the step, variable reads included, runs after r is read.
-            with tf.control_dependencies([r]), WorkerStep(self, r).active():
-                return fn(*a, **kw)
+            step = WorkerStep(self, r, w)
+            with tf.control_dependencies([r] + snap), step.active():
+                out = fn(*a, **kw)
+            if not step.applied:  # e.g. an evaluation step: still a clock tick
+                with tf.control_dependencies(
+                        [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
+                    self.policy.after_step(w)
+            return out
 
         return super()._call_for_each_replica(worker_step, args, kwargs)
+
+    def _snapshot(self, w):
+        """PS-side copy of every trainable variable into worker w's backup."""
+        ops = []
+        for var in self._trainable:
+            backup = self._backup_for(var)
+            with tf.device(var.device):
+                ops.append(backup.scatter_update(tf.IndexedSlices(
+                    var.read_value()[None], tf.reshape(tf.cast(w, tf.int64), [1]))))
+        return ops
+
+    def _backup_for(self, var):
+        key = id(var)
+        if key not in self._backups:
+            with tf.init_scope(), tf.device(var.device):
+                self._backups[key] = tf.Variable(
+                    tf.zeros([self._num_workers] + var.shape.as_list(), var.dtype),
+                    trainable=False, name="asyncps_read_backup")
+        return self._backups[key]
 
     def _state_for(self, variables):
         key = tuple(id(v) for v in variables)
@@ -142,7 +181,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         """Applies one worker step's gradients under the update policy.
 
         Args:
-          step: the WorkerStep (holds the read step r).
+          step: the WorkerStep (holds the read step r and the worker index).
           optimizer: the optimizer being called (unused by the base engine).
           grads_and_vars: list of (gradient or None, variable).
           apply_fn: runs the optimizer's own update on a grads_and_vars list.
@@ -154,33 +193,113 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)
+        step.applied = True
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
         state = self._state_for(variables)
-        tracker = self.tracker
+        tracker, policy = self.tracker, self.policy
+        finite = all_finite(grads) if self.skip_nonfinite else None
+        read_values = None
+        if policy.needs_read_values:
+            known = {id(v) for v in self._trainable}
+            read_values = [tf.gather(self._backup_for(v), step.worker_index)
+                           if id(v) in known else None for v in variables]
 
         def decide_and_apply():
             g_now = tracker.read_step()
             tau = g_now - step.read_step
             info = policies_lib.StepInfo(
                 tau=tau, read_step=step.read_step, global_step=g_now,
-                variables=variables)
-            new_grads, keep = self.policy.update(list(grads), state, info)
+                variables=variables, worker_index=step.worker_index,
+                read_values=read_values)
+            new_grads, keep = policy.update(list(grads), state, info)
+            if finite is not None:
+                keep = finite if keep is True else tf.logical_and(keep, finite)
 
             def applied():
-                out = apply_fn(list(zip(new_grads, variables)))
-                deps = [o for o in tf.nest.flatten(out) if o is not None
-                        and not isinstance(o, tf.Variable)]
-                with tf.control_dependencies(deps):
+                # The counters move only after every op of the optimizer's
+                # update: optimizers leave their variable updates unordered
+                # with respect to each other and to their return value.
+                _, update_ops = _run_collecting_ops(
+                    apply_fn, list(zip(new_grads, variables)))
+                with tf.control_dependencies(update_ops):
                     return tracker.record(tau, applied=True)
+
+            def dropped():
+                return tracker.record(
+                    tau, applied=False,
+                    nonfinite=None if finite is None else tf.logical_not(finite))
 
             if keep is True:
                 return applied()
-            return tf.cond(keep, applied, lambda: tracker.record(tau, applied=False))
+            # On the PS, where the update runs: no extra worker<->PS round trip.
+            with tf.device(tracker.device):
+                return tf.cond(keep, applied, dropped)
 
-        if self.policy.atomic:
-            return self._get_lock().execute(decide_and_apply, exclusive_resource_access=False)
-        return decide_and_apply()
+        if policy.atomic:
+            g_after = self._get_lock().execute(decide_and_apply,
+                                               exclusive_resource_access=False)
+        else:
+            g_after = decide_and_apply()
+        after = policy.after_step(step.worker_index)
+        if after:
+            with tf.control_dependencies(after):
+                g_after = tf.identity(g_after)
+        return g_after
+
+
+def _run_collecting_ops(fn, *args):
+    """Runs ``fn(*args)``; returns (result, ops it created in this graph)."""
+    if tf.executing_eagerly():
+        return fn(*args), []
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    result = fn(*args)
+    return result, graph.get_operations()[before:]
+
+
+def _worker_index():
+    """The current worker's index (int64 scalar) inside a scheduled closure."""
+    from tensorflow.python.framework import ops
+    if ops.inside_function():
+        try:
+            return tf.cast(
+                tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+        except RuntimeError:
+            pass
+    return tf.constant(0, tf.int64)
+
+
+class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
+    """ClusterCoordinator that turns a policy's timeout into a clear error."""
+
+    def _translate(self, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except (tf.errors.OpError, RuntimeError) as e:
+            msg = getattr(self.strategy.update_policy, "timeout_error", None)
+            if msg:
+                raise TimeoutError(msg) from e
+            raise
+
+    def has_queued_closures(self) -> bool:
+        """Whether closures wait in the queue for a free worker (best effort:
+        True when the queue cannot be inspected)."""
+        try:
+            q = self._cluster.closure_queue
+            return (not q._queue.empty()) or any(
+                not t.empty() for t in q._tagged_queue.values())
+        except AttributeError:  # internals moved: never release early
+            return True
+
+    def join(self):
+        return self._translate(super().join)
+
+    def done(self):
+        return self._translate(super().done)
+
+    def fetch(self, val):
+        return self._translate(super().fetch, val)
 
 
 class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
@@ -208,6 +327,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
       max_tracked_staleness: last bin of the τ histograms (int >= 1).
       connect_timeout_s: seconds to wait for every ps and worker to accept
         connections before failing (float > 0).
+      skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
+        step whose gradients hold NaN or Inf, so the shared model never
+        receives a non-finite update.
 
     Raises:
       ValueError: an invalid cluster (naming the field and the fix) or policy.
@@ -216,7 +338,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
-                 connect_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 30.0, skip_nonfinite: bool = True):
         policy = policies_lib.get(update_policy)
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ValueError(
@@ -239,7 +361,13 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                                         policy, self._tracker)
         self._extended._retrace_functions_for_each_device = (
             old._retrace_functions_for_each_device)
+        self._extended.skip_nonfinite = bool(skip_nonfinite)
+        policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
+        # Model.fit and user code get this coordinator (one per strategy).
+        coordinator = _AsyncCoordinator(self)
+        if hasattr(policy, "set_pending_probe"):
+            policy.set_pending_probe(coordinator.has_queued_closures)
         logging.info("AsyncParameterServerStrategy: %d worker(s), %d ps, policy %r",
                      config.num_workers, config.num_ps, policy)
 

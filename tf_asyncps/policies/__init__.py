@@ -8,6 +8,11 @@ from tf_asyncps.policies.base import StepInfo, UpdatePolicy
 from tf_asyncps.policies.registry import get, names, register
 from tf_asyncps.policies.chain import Chain, chain
 from tf_asyncps.policies.async_ import Async
+from tf_asyncps.policies.drop_stale import DropStale
+from tf_asyncps.policies.staleness_aware import StalenessAwareLR
+from tf_asyncps.policies.ssp import BoundedStaleness
+from tf_asyncps.policies.dc_asgd import DCASGD
 
 __all__ = ["UpdatePolicy", "StepInfo", "get", "names", "register", "chain",
-           "Chain", "Async"]
+           "Chain", "Async", "DropStale", "StalenessAwareLR", "BoundedStaleness",
+           "DCASGD"]

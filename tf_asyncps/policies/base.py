@@ -34,12 +34,18 @@ class StepInfo:
         the worker read the variables.
       global_step: int64 scalar tensor, ``g`` just before the update.
       variables: the variables being updated, aligned with the gradients.
+      worker_index: int64 scalar tensor (or 0 outside a coordinator closure).
+      read_values: for policies with ``needs_read_values``: per variable, the
+        value the worker step read (a PS-side copy taken when the step
+        started), or None for a variable created after training began.
     """
 
     tau: tf.Tensor
     read_step: tf.Tensor
     global_step: tf.Tensor
     variables: Sequence[tf.Variable]
+    worker_index: Any = 0
+    read_values: Optional[List[Optional[tf.Tensor]]] = None
 
 
 class UpdatePolicy:
@@ -55,10 +61,30 @@ class UpdatePolicy:
         of one step run as one unit under a lock on the PS, so τ is exact at
         apply time. Policies whose rule is only correct on exact τ (dropping,
         aggregation) set it; it costs one lock acquisition per step.
+      needs_read_values: if True, the strategy keeps a PS-side copy of the
+        trainable variables per worker, taken when each step starts, and
+        passes it as ``info.read_values`` (costs one PS-local copy per step).
     """
 
     name: str = "base"
     atomic: bool = False
+    needs_read_values: bool = False
+
+    def build(self, num_workers: int, device: str) -> None:
+        """Creates per-cluster resources on the PS (called once, eagerly, by
+        the strategy). Default: nothing."""
+
+    def before_read(self, worker_index) -> List[Any]:
+        """Ops a worker step runs before reading the model (e.g. a wait).
+        Called while tracing the step. Default: none."""
+        del worker_index
+        return []
+
+    def after_step(self, worker_index) -> List[Any]:
+        """Ops run once a worker step's update is applied or dropped.
+        Default: none."""
+        del worker_index
+        return []
 
     def init(self, variables: Sequence[tf.Variable]) -> Any:
         """Creates the policy state for ``variables``; default: no state."""

@@ -21,6 +21,17 @@ class Chain(UpdatePolicy):
             raise ValueError("chain() needs at least one policy.")
         self.policies = [get(p) for p in policies]
         self.atomic = any(p.atomic for p in self.policies)
+        self.needs_read_values = any(p.needs_read_values for p in self.policies)
+
+    def build(self, num_workers, device):
+        for p in self.policies:
+            p.build(num_workers, device)
+
+    def before_read(self, worker_index):
+        return [op for p in self.policies for op in p.before_read(worker_index)]
+
+    def after_step(self, worker_index):
+        return [op for p in self.policies for op in p.after_step(worker_index)]
 
     def init(self, variables):
         return [p.init(variables) for p in self.policies]

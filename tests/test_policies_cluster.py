@@ -1,0 +1,93 @@
+"""Every policy on real clusters: exact single-worker equivalence, drop_stale's
+sequential equivalence, ssp's bound, sparse gradients, the non-finite guard and
+the digits job with 4 workers."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run_command, run_scenario
+
+pytestmark = pytest.mark.timeout(300)
+
+POLICIES = [
+    ("async", {}),
+    ("drop_stale", {"max_staleness": 0}),
+    ("staleness_aware", {"mode": "inverse"}),
+    ("ssp", {"max_staleness": 0}),
+    ("dc_asgd", {"lambda_": 0.5}),
+]
+
+
+@pytest.mark.parametrize("policy,args", POLICIES, ids=[p for p, _ in POLICIES])
+def test_one_worker_policy_equals_plain_sgd(policy, args):
+    r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
+                     epochs=1, steps_per_epoch=30)
+    assert r["moved"] > 1e-2
+    assert r["max_abs_diff"] < 1e-5
+    s = r["stats"]
+    assert s["applied"] == s["global_step"] == 30 and s["dropped"] == 0
+    assert s["histogram"][0] == 30  # one worker: tau is always 0
+
+
+def test_drop_stale_zero_is_sequential_gradient_descent():
+    r = run_scenario("full_batch_policy", policy="drop_stale",
+                     policy_args={"max_staleness": 0}, num_workers=4, steps=60)
+    s = r["stats"]
+    assert s["applied"] + s["dropped"] == 60
+    assert s["global_step"] == s["applied"] == r["iterations"]
+    assert s["histogram"][0] == s["applied"] and s["max"] == 0  # only tau = 0 applied
+    assert s["dropped"] > 0 and s["dropped_histogram"][0] == 0  # drops all had tau >= 1
+    np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
+
+
+def test_async_full_batch_is_really_stale():
+    """The contrast to the test above: async with 4 workers applies stale gradients."""
+    r = run_scenario("full_batch_policy", policy="async", num_workers=4, steps=60)
+    s = r["stats"]
+    assert s["applied"] == s["global_step"] == 60 and s["dropped"] == 0
+    assert sum(s["histogram"]) == 60
+
+
+def test_ssp_bounds_the_clock_spread_with_a_straggler():
+    r = run_scenario("ssp_straggler", max_staleness=1, num_workers=3, slow_worker=0,
+                     delay_ms=40, steps=45)
+    assert r["max_spread"] <= 1
+    assert sum(r["clocks"]) == 45 == r["stats"]["applied"]
+    # The straggler ran fewer steps than the fast workers, yet kept up within the bound.
+    assert r["clocks"][0] < max(r["clocks"])
+
+
+@pytest.mark.parametrize("policy,args", [("async", {}), ("staleness_aware", {}),
+                                         ("dc_asgd", {"lambda_": 0.5})])
+def test_indexed_slices_match_the_dense_reference(policy, args):
+    r = run_scenario("embedding_single_worker", policy=policy, policy_args=args)
+    assert "IndexedSlices" in r["grad_types"]  # the embedding gradient stayed sparse
+    assert r["moved"] > 1e-3
+    assert r["max_abs_diff"] < 1e-5
+
+
+def test_nonfinite_gradients_are_dropped_and_counted():
+    r = run_scenario("nonfinite_worker", num_workers=2, steps=40, bad_worker=1)
+    s = r["stats"]
+    assert s["applied"] + s["dropped"] == 40
+    assert s["dropped"] == s["nonfinite"] > 0
+    assert s["global_step"] == s["applied"] == r["iterations"]
+    assert np.all(np.isfinite(r["w"]))
+
+
+@pytest.mark.parametrize("policy,args", [
+    ("async", ""), ("drop_stale", "max_staleness=2"), ("staleness_aware", "mode=inverse"),
+    ("ssp", "max_staleness=2"), ("dc_asgd", "lambda_=0.04")])
+def test_digits_with_four_workers(policy, args, tmp_path):
+    run_command([sys.executable, "-m", "tf_asyncps", "launch",
+                 "--flagfile=configs/digits_async.flags", "--num_workers=4", "--epochs=6",
+                 f"--policy={policy}", f"--policy_args={args}", f"--output_dir={tmp_path}"],
+                timeout=280)
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["policy"] == policy and m["num_workers"] == 4
+    assert m["test_accuracy"] >= 0.85
+    s = m["staleness"]
+    assert s["applied"] + s["dropped"] == m["worker_steps"] == 600

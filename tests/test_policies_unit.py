@@ -1,0 +1,161 @@
+"""Each policy's rule on hand-made tensors (closed form), the registry and chain."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_asyncps import policies
+from tf_asyncps.policies import StepInfo
+from tf_asyncps.policies._util import all_finite
+from tf_asyncps.policies.dc_asgd import delay_compensate
+from tf_asyncps.policies.drop_stale import keep_if_fresh
+from tf_asyncps.policies.staleness_aware import staleness_scale
+
+
+def _info(tau, variables=(), read_values=None):
+    t = tf.constant(tau, tf.int64)
+    return StepInfo(tau=t, read_step=tf.constant(0, tf.int64), global_step=t,
+                    variables=list(variables), read_values=read_values)
+
+
+def _np(g):
+    return tf.convert_to_tensor(g).numpy()
+
+
+def test_registry_names_and_errors():
+    assert {"async", "drop_stale", "staleness_aware", "ssp", "dc_asgd"} <= set(policies.names())
+    assert isinstance(policies.get("drop_stale", max_staleness=2), policies.DropStale)
+    with pytest.raises(ValueError, match=r"'nope' is not a registered policy.*async"):
+        policies.get("nope")
+    with pytest.raises(ValueError, match="bad arguments for policy 'drop_stale'"):
+        policies.get("drop_stale", max_stale=2)
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+        policies.get("drop_stale", max_staleness=-1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        policies.get("staleness_aware", mode="sqrt")
+    with pytest.raises(ValueError, match="lambda_ must be a number >= 0"):
+        policies.get("dc_asgd", lambda_=-0.1)
+    p = policies.Async()
+    assert policies.get(p) is p
+    with pytest.raises(ValueError, match="pass them to its constructor"):
+        policies.get(p, x=1)
+
+
+def test_async_applies_as_is():
+    g = [tf.constant([1.0, -2.0])]
+    out, keep = policies.get("async").update(g, (), _info(7))
+    assert keep is True and out[0] is g[0]
+
+
+@pytest.mark.parametrize("tau,inverse,plus_one", [(0, 1.0, 1.0), (1, 1.0, 0.5),
+                                                  (3, 1 / 3, 1 / 4), (9, 1 / 9, 1 / 10)])
+def test_staleness_aware_scales(tau, inverse, plus_one):
+    assert staleness_scale(tau, "inverse").numpy() == pytest.approx(inverse)
+    assert staleness_scale(tau, "inverse_plus_one").numpy() == pytest.approx(plus_one)
+    g = tf.constant([3.0, -6.0])
+    out, keep = policies.StalenessAwareLR("inverse").update([g], (), _info(tau))
+    assert keep is True
+    np.testing.assert_allclose(_np(out[0]), np.array([3.0, -6.0]) * inverse, rtol=1e-6)
+    out, _ = policies.StalenessAwareLR("inverse_plus_one").update([g], (), _info(tau))
+    np.testing.assert_allclose(_np(out[0]), np.array([3.0, -6.0]) * plus_one, rtol=1e-6)
+
+
+def test_staleness_aware_keeps_indexed_slices_sparse():
+    g = tf.IndexedSlices(tf.constant([[3.0, 3.0]]), tf.constant([4], tf.int64),
+                         tf.constant([10, 2], tf.int64))
+    out, _ = policies.StalenessAwareLR().update([g], (), _info(3))
+    assert isinstance(out[0], tf.IndexedSlices)
+    np.testing.assert_allclose(out[0].values.numpy(), [[1.0, 1.0]])
+    assert out[0].indices.numpy().tolist() == [4]
+
+
+def test_drop_stale_boundary():
+    p = policies.DropStale(max_staleness=2)
+    assert bool(p.update([tf.ones(1)], (), _info(2))[1]) is True
+    assert bool(p.update([tf.ones(1)], (), _info(3))[1]) is False
+    assert bool(keep_if_fresh(0, 0)) and not bool(keep_if_fresh(1, 0))
+    assert p.atomic  # decided on exact tau under the PS lock
+
+
+def test_dc_asgd_rule_closed_form():
+    g = tf.constant([2.0])
+    # g + lambda * g * g * gap = 2 + 0.5 * 4 * 0.1 = 2.2
+    np.testing.assert_allclose(delay_compensate(g, tf.constant([1.1]), tf.constant([1.0]),
+                                                0.5).numpy(), [2.2], rtol=1e-6)
+    np.testing.assert_allclose(delay_compensate(g, tf.constant([1.1]), tf.constant([1.0]),
+                                                0.0).numpy(), [2.0])
+    np.testing.assert_allclose(delay_compensate(g, tf.constant([1.0]), tf.constant([1.0]),
+                                                0.5).numpy(), [2.0])
+
+
+def test_dc_asgd_policy_dense_and_sparse():
+    w = tf.Variable([1.1, 5.0])
+    read = tf.constant([1.0, 5.0])
+    p = policies.DCASGD(lambda_=0.5)
+    out, keep = p.update([tf.constant([2.0, 3.0])], p.init([w]), _info(1, [w], [read]))
+    assert keep is True
+    np.testing.assert_allclose(out[0].numpy(), [2.2, 3.0], rtol=1e-6)
+    # Sparse: only the touched rows are compensated, and the result stays sparse.
+    e = tf.Variable([[1.1, 1.1], [7.0, 7.0], [2.0, 2.0]])
+    e_read = tf.constant([[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+    g = tf.IndexedSlices(tf.constant([[2.0, 2.0]]), tf.constant([0]), tf.constant([3, 2]))
+    out, _ = p.update([g], p.init([e]), _info(1, [e], [e_read]))
+    assert isinstance(out[0], tf.IndexedSlices)
+    np.testing.assert_allclose(out[0].values.numpy(), [[2.2, 2.2]], rtol=1e-6)
+    # No read value known (variable created later): gradient unchanged.
+    out, _ = p.update([tf.constant([2.0, 3.0])], (), _info(1, [w], [None]))
+    np.testing.assert_allclose(out[0].numpy(), [2.0, 3.0])
+
+
+def test_dc_asgd_adaptive_rule():
+    w = tf.Variable([1.1])
+    p = policies.DCASGD(lambda_=0.5, adaptive=True, momentum=0.0, epsilon=1e-12)
+    state = p.init([w])
+    out, _ = p.update([tf.constant([2.0])], state, _info(1, [w], [tf.constant([1.0])]))
+    # meansquare = g^2 = 4 -> lambda_t = 0.5 / 2 = 0.25 -> 2 + 0.25 * 4 * 0.1 = 2.1
+    np.testing.assert_allclose(out[0].numpy(), [2.1], rtol=1e-5)
+    np.testing.assert_allclose(state[0].numpy(), [4.0])
+
+
+def test_chain_composes_in_order_and_ands_keep():
+    c = policies.chain(policies.StalenessAwareLR("inverse_plus_one"),
+                       policies.DropStale(max_staleness=3))
+    assert c.atomic
+    out, keep = c.update([tf.constant([4.0])], c.init([]), _info(3))
+    np.testing.assert_allclose(out[0].numpy(), [1.0])
+    assert bool(keep) is True
+    _, keep = c.update([tf.constant([4.0])], c.init([]), _info(4))
+    assert bool(keep) is False
+    with pytest.raises(ValueError, match="at least one policy"):
+        policies.chain()
+
+
+def test_all_finite_guard():
+    assert bool(all_finite([tf.constant([1.0, 2.0])]))
+    assert not bool(all_finite([tf.constant([1.0]), tf.constant([np.nan])]))
+    assert not bool(all_finite([tf.IndexedSlices(tf.constant([[np.inf]]), tf.constant([0]),
+                                                 tf.constant([3, 1]))]))
+
+
+def test_ssp_arguments():
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+        policies.get("ssp", max_staleness=-2)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        policies.get("ssp", max_staleness=1, timeout_s=0)
+
+
+def test_readme_custom_policy_registers_in_under_30_lines():
+    @policies.register("halve_when_stale_test")
+    class HalveWhenStale(policies.UpdatePolicy):
+        def __init__(self, limit=2):
+            self.limit = limit
+
+        def update(self, grads, state, info):
+            factor = tf.where(info.tau > self.limit, 0.5, 1.0)
+            return [g * tf.cast(factor, g.dtype) for g in grads], True
+
+    p = policies.get("halve_when_stale_test", limit=1)
+    out, _ = p.update([tf.constant([4.0])], (), _info(2))
+    np.testing.assert_allclose(out[0].numpy(), [2.0])
+    with pytest.raises(ValueError, match="already registered"):
+        policies.register("async")(HalveWhenStale)

@@ -1,0 +1,99 @@
+"""``dc_asgd``: delay-compensated asynchronous SGD.
+
+Rule: g + λ · g ⊙ g ⊙ (w_now − w_read), a first-order Taylor correction of a
+stale gradient towards the current parameters, with g ⊙ g approximating the
+Hessian's diagonal (Zheng et al., "Asynchronous Stochastic Gradient Descent
+with Delay Compensation", ICML 2017). Adaptive variant (DC-ASGD-a):
+λ_t = λ / sqrt(meansquare + ε), meansquare ← m·meansquare + (1 − m)·g ⊙ g.
+
+w_read is the value the worker step read: like the paper's parameter server,
+the strategy keeps a per-worker backup of the trainable variables on the PS,
+copied when the step starts (``needs_read_values``).
+
+When to use: many workers and a smooth loss, to keep asynchronous speed while
+reducing the error of stale gradients. Costs one PS-local copy of the model
+per worker step and num_workers copies of the model in PS memory.
+"""
+
+import tensorflow as tf
+
+from tf_asyncps.policies import registry
+from tf_asyncps.policies._util import map_values
+from tf_asyncps.policies.base import UpdatePolicy
+
+__all__ = ["DCASGD", "delay_compensate"]
+
+
+def delay_compensate(grad, w_now, w_read, lambda_):
+    """The rule on dense tensors: ``g + lambda_ * g * g * (w_now - w_read)``."""
+    lam = tf.cast(lambda_, grad.dtype)
+    return grad + lam * grad * grad * (w_now - w_read)
+
+
+def _rows(t, grad):
+    return tf.gather(t, grad.indices) if isinstance(grad, tf.IndexedSlices) else t
+
+
+@registry.register("dc_asgd")
+class DCASGD(UpdatePolicy):
+    """Delay-compensated gradients (Zheng et al., ICML 2017).
+
+    Args:
+      lambda_: variance-control λ >= 0 (float); 0 gives plain async SGD.
+      adaptive: use λ / sqrt(meansquare + epsilon) (DC-ASGD-a).
+      momentum: m of the meansquare moving average, 0 <= m < 1.
+      epsilon: added under the square root (float > 0).
+
+    Raises:
+      ValueError: negative λ, m outside [0, 1), epsilon <= 0.
+    """
+
+    needs_read_values = True
+
+    def __init__(self, lambda_: float = 0.04, adaptive: bool = False,
+                 momentum: float = 0.95, epsilon: float = 1e-7):
+        if not (isinstance(lambda_, (int, float)) and lambda_ >= 0):
+            raise ValueError(f"dc_asgd: lambda_ must be a number >= 0, got {lambda_!r}.")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"dc_asgd: momentum must be in [0, 1), got {momentum!r}.")
+        if not epsilon > 0:
+            raise ValueError(f"dc_asgd: epsilon must be > 0, got {epsilon!r}.")
+        self.lambda_ = float(lambda_)
+        self.adaptive = bool(adaptive)
+        self.momentum = float(momentum)
+        self.epsilon = float(epsilon)
+
+    def init(self, variables):
+        if not self.adaptive:
+            return ()
+        out = []
+        for v in variables:
+            with tf.init_scope(), tf.device(v.device):
+                out.append(tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                       name="dc_asgd_meansquare"))
+        return out
+
+    def update(self, grads, state, info):
+        new = []
+        for i, (g, w, w_read) in enumerate(zip(grads, info.variables, info.read_values)):
+            if w_read is None:
+                new.append(g)
+                continue
+            gap = _rows(w.read_value(), g) - _rows(w_read, g)
+            if self.adaptive:
+                ms = state[i]
+                m = self.momentum
+                if isinstance(g, tf.IndexedSlices):
+                    rows = m * tf.gather(ms, g.indices) + (1 - m) * tf.square(g.values)
+                    ms.scatter_update(tf.IndexedSlices(rows, g.indices))
+                else:
+                    rows = ms.assign(m * ms + (1 - m) * tf.square(g))
+                lam = self.lambda_ / tf.sqrt(rows + self.epsilon)
+            else:
+                lam = self.lambda_
+            new.append(map_values(
+                lambda v, gap=gap, lam=lam: v + tf.cast(lam, v.dtype) * v * v * gap, g))
+        return new, True
+
+    def get_config(self):
+        return {"lambda_": self.lambda_, "adaptive": self.adaptive}
