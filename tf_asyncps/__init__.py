@@ -5,7 +5,8 @@ Public API (see README.md):
 * :class:`AsyncParameterServerStrategy`: a ``tf.distribute.ParameterServerStrategy``
   with pluggable update policies and staleness tracking.
 * :class:`StalenessStats`: what ``strategy.staleness_stats()`` returns.
-* :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.cluster`, :mod:`tf_asyncps.callbacks`.
+* :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.optimizers` (LockingOptimizer),
+  :mod:`tf_asyncps.cluster`, :mod:`tf_asyncps.callbacks`.
 
 Submodules load on first use, so the command line can reject bad input
 before TensorFlow is imported.
@@ -21,6 +22,7 @@ _LAZY = {
     "policies": ("tf_asyncps.policies", None),
     "cluster": ("tf_asyncps.cluster", None),
     "callbacks": ("tf_asyncps.callbacks", None),
+    "optimizers": ("tf_asyncps.optimizers", None),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -27,6 +27,8 @@ flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adagrad", "rm
 flags.DEFINE_string("policy", "async", "Update policy name (tf_asyncps.policies.names()).")
 flags.DEFINE_string("policy_args", "", "Policy arguments as k=v,k2=v2.")
 flags.DEFINE_list("hidden", ["128"], "Hidden layer sizes of the mlp.")
+flags.DEFINE_boolean("locking", False,
+                     "Apply each worker step's update as one locked unit (LockingOptimizer).")
 flags.DEFINE_integer("num_workers", 2, "launch: worker processes.", lower_bound=1)
 flags.DEFINE_integer("num_ps", 1, "launch: parameter-server processes.", lower_bound=1)
 flags.DEFINE_string("output_dir", None, "Where metrics.json, tensorboard/ and saved_model/ go.")
@@ -55,7 +57,7 @@ def _job_config():
         hidden=hidden, seed=FLAGS.seed, output_dir=FLAGS.output_dir,
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
-        max_tracked_staleness=FLAGS.max_tracked_staleness)
+        max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking)
     cfg.validate()
     return cfg
 

@@ -19,6 +19,7 @@ import tf_keras
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import datasets, models, policies
+from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
 __all__ = ["JobConfig", "run", "parse_policy_args", "make_optimizer", "OPTIMIZERS"]
@@ -49,6 +50,7 @@ class JobConfig:
     steps_per_execution: int = 1
     connect_timeout_s: float = 30.0
     max_tracked_staleness: int = 32
+    locking: bool = False
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
 
@@ -161,12 +163,15 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     with strategy.scope():
         model = models.build_model(cfg.model, data.num_features, data.num_classes,
                                    cfg.hidden, cfg.seed)
-        _compile(model, make_optimizer(cfg.optimizer, cfg.learning_rate),
-                 cfg.steps_per_execution)
+        optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
+        if cfg.locking:
+            optimizer = LockingOptimizer(optimizer)
+        _compile(model, optimizer, cfg.steps_per_execution)
     total = cfg.epochs * cfg.steps_per_epoch
     say(f"training {cfg.model} on {cfg.dataset} ({len(data.x_train)} train / "
         f"{len(data.x_test)} test examples) with {num_workers} worker(s), {num_ps} ps, "
-        f"policy {strategy.update_policy!r}: {cfg.epochs} epochs x "
+        f"policy {strategy.update_policy!r}{' with locking' if cfg.locking else ''}: "
+        f"{cfg.epochs} epochs x "
         f"{cfg.steps_per_epoch} worker steps of {cfg.batch_size} examples")
     tb_dir = os.path.join(cfg.output_dir, "tensorboard") if cfg.output_dir else None
     logger = callbacks_lib.StalenessLogger(log_dir=tb_dir, batch_size=cfg.batch_size,
@@ -193,6 +198,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     metrics = {
         "policy": strategy.update_policy.name,
         "policy_args": dict(cfg.policy_args),
+        "locking": bool(cfg.locking),
         "num_workers": num_workers,
         "num_ps": num_ps,
         "epochs": cfg.epochs,

@@ -25,6 +25,8 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
+from tf_asyncps.locking import PSLock, run_collecting_ops
+from tf_asyncps.optimizers import is_locking, lock_timeout, make_counter_exact
 from tf_asyncps.policies._util import all_finite
 from tf_asyncps.step import WorkerStep, install_optimizer_hooks
 
@@ -171,25 +173,36 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                         self._policy_state[key] = self.policy.init(list(variables))
         return self._policy_state[key]
 
-    def _get_lock(self):
+    def _get_lock(self, timeout_s):
         if self._lock is None:
-            with tf.init_scope(), tf.device(self.tracker.device):
-                self._lock = tf.CriticalSection(name="asyncps_update_lock")
+            self._lock = PSLock(self.tracker.device, timeout_s, name="update_lock")
         return self._lock
+
+    def timeout_error(self):
+        """The message of a lock or policy wait that timed out, else None."""
+        for source in (self._lock, self.policy):
+            msg = getattr(source, "timeout_error", None)
+            if msg:
+                return msg
+        return None
 
     def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):
         """Applies one worker step's gradients under the update policy.
 
         Args:
           step: the WorkerStep (holds the read step r and the worker index).
-          optimizer: the optimizer being called (unused by the base engine).
+          optimizer: the optimizer being called; a LockingOptimizer makes the
+            whole step one locked unit.
           grads_and_vars: list of (gradient or None, variable).
           apply_fn: runs the optimizer's own update on a grads_and_vars list.
 
         Returns:
           int64 scalar tensor: the global step after this step.
         """
-        del optimizer
+        make_counter_exact(optimizer)
+        locking = self.policy.atomic
+        if is_locking(optimizer):
+            locking = True
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)
@@ -220,7 +233,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                 # The counters move only after every op of the optimizer's
                 # update: optimizers leave their variable updates unordered
                 # with respect to each other and to their return value.
-                _, update_ops = _run_collecting_ops(
+                _, update_ops = run_collecting_ops(
                     apply_fn, list(zip(new_grads, variables)))
                 with tf.control_dependencies(update_ops):
                     return tracker.record(tau, applied=True)
@@ -236,9 +249,16 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             with tf.device(tracker.device):
                 return tf.cond(keep, applied, dropped)
 
-        if policy.atomic:
-            g_after = self._get_lock().execute(decide_and_apply,
-                                               exclusive_resource_access=False)
+        if locking:
+            # Placed on the PS: a worker that dies cannot hold the lock.
+            def locked():
+                with tf.device(tracker.device):
+                    return decide_and_apply()
+            inputs = [[g.values, g.indices] if isinstance(g, tf.IndexedSlices) else g
+                      for g in grads]
+            g_after = self._get_lock(lock_timeout(optimizer)).execute(
+                locked, inputs=inputs + [step.read_step] + (
+                    [finite] if finite is not None else []))
         else:
             g_after = decide_and_apply()
         after = policy.after_step(step.worker_index)
@@ -246,16 +266,6 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             with tf.control_dependencies(after):
                 g_after = tf.identity(g_after)
         return g_after
-
-
-def _run_collecting_ops(fn, *args):
-    """Runs ``fn(*args)``; returns (result, ops it created in this graph)."""
-    if tf.executing_eagerly():
-        return fn(*args), []
-    graph = tf.compat.v1.get_default_graph()
-    before = len(graph.get_operations())
-    result = fn(*args)
-    return result, graph.get_operations()[before:]
 
 
 def _worker_index():
@@ -277,7 +287,7 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         try:
             return call(*args, **kwargs)
         except (tf.errors.OpError, RuntimeError) as e:
-            msg = getattr(self.strategy.update_policy, "timeout_error", None)
+            msg = self.strategy.extended.timeout_error()
             if msg:
                 raise TimeoutError(msg) from e
             raise
