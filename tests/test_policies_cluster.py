@@ -91,3 +91,15 @@ def test_digits_with_four_workers(policy, args, tmp_path):
     assert m["test_accuracy"] >= 0.85
     s = m["staleness"]
     assert s["applied"] + s["dropped"] == m["worker_steps"] == 600
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam", "adagrad"])
+@pytest.mark.parametrize("policy,args", [("drop_stale", {"max_staleness": 0}),
+                                         ("dc_asgd", {"lambda_": 0.5})])
+def test_one_worker_policy_with_other_optimizers(policy, args, optimizer):
+    lr = 0.1 if optimizer != "adam" else 0.01
+    r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
+                     optimizer=optimizer, lr=lr, epochs=1, steps_per_epoch=20)
+    assert r["moved"] > 1e-3
+    assert r["max_abs_diff"] < 1e-5
+    assert r["iterations"] == 20 == r["stats"]["applied"]
