@@ -285,27 +285,39 @@ def _least_squares(n=64, features=5, seed=0):
 
 @scenario
 def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, steps=60,
-                      lr=0.05):
+                      lr=0.05, sparse=False):
     """Every worker computes the full-batch least-squares gradient (custom loop).
 
-    Returns the final w and sequential full-batch gradient descent run for
-    ``applied`` steps from the same start (in this process, no strategy).
+    Returns the final weights and sequential full-batch gradient descent run
+    for ``global_step`` updates from the same start (in this process, no
+    strategy). With ``sparse``, the model adds a per-example bias looked up
+    with tf.gather, whose gradient is tf.IndexedSlices.
     """
     x, y = _least_squares()
+    ids = (np.arange(len(x)) % 10).astype(np.int64)
+
+    def loss_fn(w, e):
+        pred = tf.matmul(x, w)
+        if sparse:
+            pred = pred + tf.gather(e, ids)
+        return tf.reduce_mean(tf.square(pred - y))
+
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            e = tf.Variable(tf.zeros([10, 1]), name="e")
             opt = tf_keras.optimizers.SGD(lr)
+        params = [w, e] if sparse else [w]
 
         @tf.function
         def step():
             def replica_fn():
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                    loss = loss_fn(w, e)
+                opt.apply_gradients(zip(tape.gradient(loss, params), params))
                 return loss
             return strategy.run(replica_fn)
 
@@ -313,13 +325,20 @@ def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, step
             coord.schedule(step)
         coord.join()
         s = strategy.staleness_stats()
-        ref = tf.Variable(tf.zeros([x.shape[1], 1]))
-        for _ in range(s.applied):
+        rw, re = tf.Variable(tf.zeros_like(w)), tf.Variable(tf.zeros_like(e))
+        for _ in range(s.global_step):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(tf.matmul(x, ref) - y))
-            ref.assign_sub(lr * tape.gradient(loss, ref))
-        return {"w": w.numpy().ravel().tolist(), "ref": ref.numpy().ravel().tolist(),
-                "iterations": int(opt.iterations.numpy()), "stats": s.to_dict()}
+                loss = loss_fn(rw, re)
+            gw, ge = tape.gradient(loss, [rw, re])
+            rw.assign_sub(lr * gw)
+            if sparse:
+                re.assign_sub(lr * tf.convert_to_tensor(ge))
+        got = np.concatenate([w.numpy().ravel(), e.numpy().ravel()])
+        ref = np.concatenate([rw.numpy().ravel(), re.numpy().ravel()])
+        p = strategy.update_policy
+        return {"w": got.tolist(), "ref": ref.tolist(), "iterations": int(opt.iterations.numpy()),
+                "sent": p.gradients_sent().tolist() if hasattr(p, "gradients_sent") else None,
+                "stats": s.to_dict()}
 
 
 @scenario
@@ -561,6 +580,103 @@ def lock_timeout(timeout_s=2.0):
             err = e
         return {"error": type(err).__name__ if err else None, "message": str(err),
                 "seconds": time.perf_counter() - t0, "w": float(w.numpy())}
+
+
+@scenario
+def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_ms=80,
+                   steps=60):
+    """sync_replicas with one worker slowed by a sleep in its input pipeline."""
+    from tensorflow.python.data.experimental.ops import testing as data_testing
+    x, y = _least_squares()
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
+                total_num_replicas=num_workers, timeout_s=60))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+
+        def dataset_fn():
+            me = tf.distribute.coordinator.experimental_get_current_worker_index()
+            delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
+            ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+            return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
+
+        it = iter(coord.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(iterator):
+            xb, yb = next(iterator)
+
+            def replica_fn(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn, args=(xb, yb))
+
+        for _ in range(steps):
+            coord.schedule(step, args=(it,))
+        coord.join()
+        p = strategy.update_policy
+        return {"sent": p.gradients_sent().tolist(), "rounds": p.rounds(),
+                "released_reads": p.gate.released_reads(), "stats": _stats(strategy)}
+
+
+@scenario
+def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_after=10,
+                     timeout_s=5.0):
+    """sync_replicas with worker 1 SIGKILLed mid-run."""
+    import threading
+    import time
+    x, y = _least_squares()
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
+                timeout_s=timeout_s))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+
+        @tf.function
+        def step():
+            def replica_fn():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn)
+
+        done = threading.Event()
+        killed = threading.Event()
+
+        def killer():
+            while not done.wait(0.02):
+                if strategy.update_policy.rounds() >= kill_after:
+                    c.kill("worker:1")
+                    killed.set()
+                    return
+
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        t0 = time.perf_counter()
+        err = None
+        try:
+            for _ in range(steps):
+                coord.schedule(step)
+            coord.join()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            err = e
+        finally:
+            done.set()
+            t.join(timeout=10)
+        return {"killed": killed.is_set(), "error": type(err).__name__ if err else None,
+                "message": str(err) if err else "", "seconds": time.perf_counter() - t0,
+                "rounds": strategy.update_policy.rounds(), "stats": _stats(strategy)}
 
 
 def main():

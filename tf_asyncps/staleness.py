@@ -168,6 +168,28 @@ class StalenessTracker:
                         tf.constant(increment, tf.int64))
                 return self.global_step.read_value()
 
+    def record_increment(self, read_step: tf.Tensor) -> tf.Tensor:
+        """Advances ``g`` for an applied update and takes τ from the atomic
+        increment: τ = (g after) − 1 − r. Concurrent updates each get their
+        own g, so τ is exact without a lock.
+
+        Returns:
+          int64 scalar: ``g`` after this update.
+        """
+        with tf.device(self.device):
+            g_after = self.global_step.assign_add(tf.constant(1, tf.int64))
+            tau = tf.maximum(g_after - 1 - tf.cast(read_step, tf.int64), 0)
+            b = tf.minimum(tau, self.max_tracked)
+            ops = [
+                self.counts.scatter_add(tf.IndexedSlices(
+                    tf.stack([tf.constant(1, tf.int64), tau]),
+                    tf.stack([b, tf.constant(self._sum_applied, tf.int64)]))),
+                self.tau_max.scatter_max(tf.IndexedSlices(
+                    tf.reshape(tau, [1]), tf.constant([0], tf.int64))),
+            ]
+            with tf.control_dependencies(ops):
+                return tf.identity(g_after)
+
     # -- host side ----------------------------------------------------------
     def stats(self) -> StalenessStats:
         """Reads the counters from the PS (a direct read: no training sync)."""

@@ -212,6 +212,10 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         state = self._state_for(variables)
         tracker, policy = self.tracker, self.policy
         finite = all_finite(grads) if self.skip_nonfinite else None
+        grad_tensors = [t for g in grads for t in (
+            (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+        if finite is not None:
+            grad_tensors.append(finite)
         read_values = None
         if policy.needs_read_values:
             known = {id(v) for v in self._trainable}
@@ -219,15 +223,22 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                            if id(v) in known else None for v in variables]
 
         def decide_and_apply():
-            g_now = tracker.read_step()
+            # g is read once the gradients exist: τ covers the whole step.
+            with tf.control_dependencies(grad_tensors):
+                g_now = tracker.read_step()
             tau = g_now - step.read_step
             info = policies_lib.StepInfo(
                 tau=tau, read_step=step.read_step, global_step=g_now,
                 variables=variables, worker_index=step.worker_index,
-                read_values=read_values)
-            new_grads, keep = policy.update(list(grads), state, info)
+                read_values=read_values, finite=finite)
+            decision = policy.update(list(grads), state, info)
+            new_grads, keep = decision[0], decision[1]
+            accepted = decision[2] if len(decision) > 2 else None
             if finite is not None:
                 keep = finite if keep is True else tf.logical_and(keep, finite)
+            # Without the lock and with a rule that ignores τ, τ comes from the
+            # atomic increment itself: every update gets its own g.
+            tau_from_increment = not locking and not policy.uses_tau
 
             def applied():
                 # The counters move only after every op of the optimizer's
@@ -236,6 +247,8 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                 _, update_ops = run_collecting_ops(
                     apply_fn, list(zip(new_grads, variables)))
                 with tf.control_dependencies(update_ops):
+                    if tau_from_increment:
+                        return tracker.record_increment(step.read_step)
                     return tracker.record(tau, applied=True)
 
             def dropped():
@@ -245,20 +258,23 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
             if keep is True:
                 return applied()
+            otherwise = dropped
+            if accepted is not None:  # an aggregator: accepted, update pending
+                def otherwise():
+                    return tf.cond(accepted,
+                                   lambda: tracker.record(tau, applied=True, increment=0),
+                                   dropped)
             # On the PS, where the update runs: no extra worker<->PS round trip.
             with tf.device(tracker.device):
-                return tf.cond(keep, applied, dropped)
+                return tf.cond(keep, applied, otherwise)
 
         if locking:
             # Placed on the PS: a worker that dies cannot hold the lock.
             def locked():
                 with tf.device(tracker.device):
                     return decide_and_apply()
-            inputs = [[g.values, g.indices] if isinstance(g, tf.IndexedSlices) else g
-                      for g in grads]
             g_after = self._get_lock(lock_timeout(optimizer)).execute(
-                locked, inputs=inputs + [step.read_step] + (
-                    [finite] if finite is not None else []))
+                locked, inputs=grad_tensors + [step.read_step])
         else:
             g_after = decide_and_apply()
         after = policy.after_step(step.worker_index)

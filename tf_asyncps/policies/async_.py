@@ -17,6 +17,7 @@ class Async(UpdatePolicy):
     """Applies each worker's gradient as is; no arguments."""
 
     name = "async"
+    uses_tau = False
 
     def update(self, grads, state, info):
         del state, info

@@ -38,6 +38,9 @@ class StepInfo:
       read_values: for policies with ``needs_read_values``: per variable, the
         value the worker step read (a PS-side copy taken when the step
         started), or None for a variable created after training began.
+      finite: scalar tf.bool, all gradients finite (None when the strategy's
+        non-finite guard is off). The engine already drops non-finite steps;
+        policies that keep state across steps must not let them in.
     """
 
     tau: tf.Tensor
@@ -46,6 +49,7 @@ class StepInfo:
     variables: Sequence[tf.Variable]
     worker_index: Any = 0
     read_values: Optional[List[Optional[tf.Tensor]]] = None
+    finite: Optional[tf.Tensor] = None
 
 
 class UpdatePolicy:
@@ -64,11 +68,14 @@ class UpdatePolicy:
       needs_read_values: if True, the strategy keeps a PS-side copy of the
         trainable variables per worker, taken when each step starts, and
         passes it as ``info.read_values`` (costs one PS-local copy per step).
+      uses_tau: False for rules that ignore τ (``async``): the engine then
+        takes τ from the global step's atomic increment, exact without a lock.
     """
 
     name: str = "base"
     atomic: bool = False
     needs_read_values: bool = False
+    uses_tau: bool = True
 
     def build(self, num_workers: int, device: str) -> None:
         """Creates per-cluster resources on the PS (called once, eagerly, by
@@ -103,7 +110,10 @@ class UpdatePolicy:
 
         Returns:
           ``(grads, keep)``: the gradients to hand to the optimizer (same
-          structure and types) and whether to apply them.
+          structure and types) and whether to apply them. An aggregator may
+          return ``(grads, keep, accepted)``: a gradient not applied now but
+          ``accepted`` into a pending update is counted as applied without
+          advancing the global step.
         """
         raise NotImplementedError
 

@@ -22,6 +22,12 @@ class Chain(UpdatePolicy):
         self.policies = [get(p) for p in policies]
         self.atomic = any(p.atomic for p in self.policies)
         self.needs_read_values = any(p.needs_read_values for p in self.policies)
+        self.uses_tau = any(p.uses_tau for p in self.policies)
+        for p in self.policies:
+            if getattr(p, "aggregates", False):
+                raise ValueError(
+                    f"chain(): {p!r} aggregates gradients across workers and cannot be "
+                    "chained; use it as the strategy's update_policy on its own.")
 
     def build(self, num_workers, device):
         for p in self.policies:

@@ -1,0 +1,112 @@
+"""SyncReplicasAggregator (policy sync_replicas): exactness, sparse rows, backup
+workers, stragglers, dead workers and bad configurations."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import tf_asyncps
+from conftest import run_command, run_scenario
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("n,m", [(2, 2), (2, 3)], ids=["2of2", "2of3"])
+def test_full_batch_aggregation_equals_sequential_gradient_descent(n, m):
+    r = run_scenario("full_batch_policy", policy="sync_replicas",
+                     policy_args={"replicas_to_aggregate": n, "total_num_replicas": m},
+                     num_workers=m, steps=15 * m)
+    s = r["stats"]
+    assert s["applied"] + s["dropped"] == 15 * m == sum(r["sent"])  # every worker step
+    # Each update is exactly n gradients; fewer than n may wait in the last round.
+    assert s["global_step"] == s["applied"] // n
+    assert r["iterations"] == s["global_step"] > 0
+    assert s["histogram"][0] == s["applied"]  # max_staleness=0: only tau 0 accepted
+    np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
+
+
+def test_indexed_slices_aggregate_like_the_dense_reference():
+    r = run_scenario("full_batch_policy", policy="sync_replicas",
+                     policy_args={"replicas_to_aggregate": 2, "total_num_replicas": 3},
+                     num_workers=3, steps=45, sparse=True)
+    s = r["stats"]
+    assert s["global_step"] == s["applied"] // 2 and s["applied"] + s["dropped"] == 45
+    np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
+    assert np.abs(r["ref"][-10:]).max() > 1e-3  # the sparse part really trained
+
+
+def test_backup_worker_keeps_updates_ahead_of_the_straggler():
+    r = run_scenario("sync_straggler", replicas_to_aggregate=2, num_workers=3,
+                     slow_worker=0, delay_ms=80, steps=60)
+    s = r["stats"]
+    slow = r["sent"][0]
+    assert s["applied"] + s["dropped"] == 60 and s["global_step"] == r["rounds"]
+    # Late gradients of the slow worker are dropped and counted with tau >= 1.
+    assert s["dropped"] > 0 and s["dropped_histogram"][0] == 0
+    # Updates did not fall to the slow worker's pace.
+    assert r["rounds"] >= 2 * slow
+
+
+def test_without_backup_every_update_waits_for_the_straggler():
+    r = run_scenario("sync_straggler", replicas_to_aggregate=3, num_workers=3,
+                     slow_worker=0, delay_ms=80, steps=60)
+    s = r["stats"]
+    assert s["dropped"] == 0 and s["global_step"] * 3 == s["applied"] == 60
+    assert r["rounds"] <= r["sent"][0] + r["released_reads"]
+
+
+def test_dead_worker_with_spare_capacity_does_not_stop_training():
+    r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=3, steps=120,
+                     kill_after=10)
+    assert r["killed"] and r["error"] is None
+    s = r["stats"]
+    assert r["rounds"] > 10 and s["global_step"] == s["applied"] // 2
+    assert 120 <= s["applied"] + s["dropped"] <= 120 + s["reexecuted"] + 1
+
+
+def test_dead_worker_below_replicas_to_aggregate_fails_after_the_timeout():
+    r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=2, steps=120,
+                     kill_after=10, timeout_s=5.0)
+    assert r["killed"] and r["error"] == "TimeoutError"
+    assert "replicas_to_aggregate=2" in r["message"] and "timeout_s" in r["message"]
+    assert r["seconds"] < 60
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"replicas_to_aggregate": 0}, "replicas_to_aggregate must be an int >= 1"),
+    ({"replicas_to_aggregate": -2}, "replicas_to_aggregate must be an int >= 1"),
+    ({"replicas_to_aggregate": 3, "total_num_replicas": 2}, "must be >= N"),
+    ({"replicas_to_aggregate": 2, "max_staleness": -1}, "max_staleness must be an int >= 0"),
+    ({"replicas_to_aggregate": 2, "timeout_s": 0}, "timeout_s must be > 0"),
+])
+def test_bad_configuration_is_rejected(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        tf_asyncps.policies.get("sync_replicas", **kwargs)
+
+
+def test_unreachable_n_and_wrong_m_are_rejected_at_build():
+    p = tf_asyncps.policies.get("sync_replicas", replicas_to_aggregate=3)
+    with pytest.raises(ValueError, match="can never be reached with 2 worker"):
+        p.build(2, "/device:CPU:0")
+    p = tf_asyncps.policies.get("sync_replicas", replicas_to_aggregate=2, total_num_replicas=4)
+    with pytest.raises(ValueError, match="cluster has 3 worker"):
+        p.build(3, "/device:CPU:0")
+    with pytest.raises(ValueError, match="cannot be chained"):
+        tf_asyncps.policies.chain("async",
+                                  tf_asyncps.policies.get("sync_replicas",
+                                                          replicas_to_aggregate=1))
+
+
+def test_digits_with_sync_replicas(tmp_path):
+    run_command([sys.executable, "-m", "tf_asyncps", "launch",
+                 "--flagfile=configs/digits_async.flags", "--num_workers=3",
+                 "--policy=sync_replicas",
+                 "--policy_args=replicas_to_aggregate=2,total_num_replicas=3",
+                 f"--output_dir={tmp_path}"], timeout=280)
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    s = m["staleness"]
+    assert m["test_accuracy"] >= 0.90
+    assert s["applied"] + s["dropped"] == m["worker_steps"] == 1000
+    assert s["global_step"] == s["applied"] // 2

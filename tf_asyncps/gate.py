@@ -1,0 +1,148 @@
+"""Per-worker token gates on the PS: how a worker waits without spinning.
+
+A worker step that must wait (``ssp``: too far ahead of the slowest worker;
+``sync_replicas``: its gradient is in and the round is not complete) blocks in
+a ``FIFOQueue.dequeue`` of its own token queue on the PS. Policies grant tokens
+from inside their (PS-side) updates. A watchdog thread on the chief:
+
+* releases waiting workers when the ClusterCoordinator has no queued closures
+  (the end of a schedule: the worker they wait for may have nothing left to
+  run); such reads are counted in ``released_reads``;
+* fails the wait after ``timeout_s`` seconds without progress, closing the
+  queues so the waiting steps end with an error that
+  ``coordinator.join``/``model.fit`` turn into a TimeoutError with
+  ``timeout_error`` as its message.
+"""
+
+import threading
+import time
+from typing import Callable, List, Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+__all__ = ["WorkerGate"]
+
+
+class WorkerGate:
+    """Token queues, one per worker, on ``device``.
+
+    Args:
+      num_workers: number of worker tasks (int >= 1).
+      device: the PS device holding the queues.
+      initial_tokens: tokens each worker starts with (int >= 0).
+      timeout_s: seconds without progress while a worker waits (float > 0).
+      name: prefix for resource names and messages.
+      progress: ``progress() -> int`` read on the chief; any change counts as
+        progress (e.g. the slowest clock or the global step).
+      describe: ``describe(waiting_workers) -> str``, the timeout message.
+    """
+
+    def __init__(self, num_workers: int, device: str, initial_tokens: int,
+                 timeout_s: float, name: str, progress: Callable[[], int],
+                 describe: Callable[[List[int]], str]):
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self.timeout_error: Optional[str] = None
+        self._progress = progress
+        self._describe = describe
+        self._pending: Optional[Callable[[], bool]] = None
+        with tf.init_scope(), tf.device(device):
+            self.queues = [tf.queue.FIFOQueue(1 << 30, [tf.int64], shapes=[[]],
+                                              name=f"{name}_tokens_worker_{w}")
+                           for w in range(num_workers)]
+            # [waiting per worker..., released flag per worker..., released reads]
+            self._state = tf.Variable(tf.zeros([2 * num_workers + 1], tf.int64),
+                                      trainable=False, name=f"{name}_gate_state")
+            if initial_tokens:
+                for q in self.queues:
+                    q.enqueue_many([tf.zeros([initial_tokens], tf.int64)])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name=f"{name}-gate-watchdog")
+        self._thread.start()
+
+    # -- graph side ---------------------------------------------------------------
+    def _add(self, index, delta):
+        return self._state.scatter_add(tf.IndexedSlices(
+            tf.reshape(tf.cast(delta, tf.int64), [1]),
+            tf.reshape(tf.cast(index, tf.int64), [1])))
+
+    def wait(self, worker_index) -> tf.Tensor:
+        """Blocks worker ``worker_index`` until it holds a token.
+
+        Returns:
+          scalar tf.bool: the token came from a drain release, not a grant.
+        """
+        w = tf.cast(worker_index, tf.int64)
+        n = self.num_workers
+        with tf.control_dependencies([self._add(w, 1)]):
+            token = tf.switch_case(tf.cast(w, tf.int32),
+                                   [(lambda q=q: q.dequeue()) for q in self.queues])
+        with tf.control_dependencies([token]):
+            unmark = self._add(w, -1)
+            released = tf.gather(self._state.read_value(), n + w) > 0
+
+        def consume_release():
+            with tf.control_dependencies([self._add(n + w, -1), self._add(2 * n, 1)]):
+                return tf.constant(True)
+
+        with tf.control_dependencies([unmark]):
+            return tf.cond(released, consume_release, lambda: tf.constant(False))
+
+    def grant_all(self, only_if_empty: bool = False) -> List[tf.Operation]:
+        """Ops giving every worker one token (or only workers holding none)."""
+        ops = []
+        for q in self.queues:
+            if only_if_empty:
+                ops.append(tf.cond(q.size() > 0, tf.no_op,
+                                   lambda q=q: q.enqueue(tf.constant(0, tf.int64))))
+            else:
+                ops.append(q.enqueue(tf.constant(0, tf.int64)))
+        return ops
+
+    # -- chief side ---------------------------------------------------------------
+    def set_pending_probe(self, probe: Callable[[], bool]) -> None:
+        """``probe()`` -> True while the coordinator still has queued closures."""
+        self._pending = probe
+
+    def released_reads(self) -> int:
+        """Steps let through by an end-of-schedule release."""
+        return int(self._state.numpy()[2 * self.num_workers])
+
+    def _release(self, waiting):
+        n = self.num_workers
+        for w in np.flatnonzero(waiting):
+            self._add(n + int(w), 1)
+            self.queues[int(w)].enqueue(tf.constant(0, tf.int64))
+
+    def _watch(self):
+        last, since = None, time.monotonic()
+        n = self.num_workers
+        while not self._stop.wait(0.02):
+            try:
+                waiting = self._state.numpy()[:n]
+                progress = self._progress()
+            except Exception:  # the cluster is gone: nothing left to watch
+                return
+            if progress != last or not waiting.any():
+                last, since = progress, time.monotonic()
+                continue
+            if self._pending is not None and not self._pending():
+                try:  # nothing queued for the awaited workers to run
+                    self._release(waiting)
+                except Exception:
+                    return
+                since = time.monotonic()
+                continue
+            if time.monotonic() - since > self.timeout_s:
+                self.timeout_error = self._describe(np.flatnonzero(waiting).tolist())
+                logging.error(self.timeout_error)
+                for q in self.queues:
+                    q.close(cancel_pending_enqueues=True)
+                return
+
+    def stop(self):
+        self._stop.set()
