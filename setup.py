@@ -22,7 +22,6 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1"],
         "examples": ["scikit-learn>=1.0"],  # the bundled handwritten-digits data
-        "bench": ["matplotlib>=3.5"],
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
     },
     entry_points={"console_scripts": ["tf-asyncps=tf_asyncps.cli:run"]},

@@ -679,6 +679,40 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
                 "rounds": strategy.update_policy.rounds(), "stats": _stats(strategy)}
 
 
+@scenario
+def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
+    """Worker 0 computes slowly between reading the model and applying: the
+    other worker's updates land in that window, so its tau must be >= 1."""
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([4]), name="w")
+            opt = tf_keras.optimizers.SGD(0.1)
+        m = tf.random.stateless_normal([200, 200], seed=[1, 2]) / 20.0
+
+        @tf.function
+        def step():
+            me = tf.distribute.coordinator.experimental_get_current_worker_index()
+            iters = tf.where(tf.equal(me, 0), slow_iters, 1)
+
+            def replica_fn():
+                with tf.GradientTape() as tape:
+                    v = tf.reduce_sum(w) * tf.ones([200, 1])
+                    _, v = tf.while_loop(lambda i, v: i < iters,
+                                         lambda i, v: (i + 1, tf.tanh(tf.matmul(m, v))),
+                                         [tf.constant(0, iters.dtype), v])
+                    loss = tf.reduce_sum(w) + 0.0 * tf.reduce_sum(v)
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+                return loss
+            return strategy.run(replica_fn)
+
+        for _ in range(steps):
+            coord.schedule(step)
+        coord.join()
+        return {"stats": _stats(strategy)}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

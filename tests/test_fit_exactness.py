@@ -57,3 +57,12 @@ def test_keras3_fit_fails_at_once_with_the_reason():
     assert "tf_keras" in r["message"] and "Keras 3" in r["message"]
     assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
     assert r["global_step"] == 0  # failed before any step ran
+
+
+@pytest.mark.parametrize("policy", ["async", "staleness_aware"])
+def test_tau_counts_updates_that_land_during_a_slow_step(policy):
+    """Regression: tau was read at step start on both ends and always came out 0."""
+    r = run_scenario("tau_visible", policy=policy, num_workers=2, steps=30)
+    s = r["stats"]
+    assert s["applied"] == s["global_step"] == 30
+    assert sum(s["histogram"][1:]) > 0 and s["max"] >= 1 and s["mean"] > 0

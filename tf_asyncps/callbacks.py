@@ -46,7 +46,8 @@ class StalenessLogger(tf_keras.callbacks.Callback):
 
     Attributes:
       epochs: list of per-epoch dicts (epoch, steps, seconds, steps_per_sec,
-        tau_mean, tau_max, applied, dropped and the epoch's logs).
+        tau_mean and tau_max of the epoch, tau_max_so_far, applied, dropped
+        and the epoch's logs).
       polls: (unix time, global step, running τ mean) per background poll.
     """
 
@@ -55,6 +56,8 @@ class StalenessLogger(tf_keras.callbacks.Callback):
                  batch_size: Optional[int] = None,
                  print_fn: Optional[Callable[[str], None]] = None):
         super().__init__()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError(f"log_dir must be a directory path or None, got {log_dir!r}.")
         if every_n_seconds is not None and not every_n_seconds > 0:
             raise ValueError(
                 f"every_n_seconds must be > 0 seconds or None, got {every_n_seconds!r}.")
@@ -105,9 +108,10 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         rec = {
             "epoch": epoch + 1, "steps": steps, "seconds": dt,
             "steps_per_sec": steps / dt if dt > 0 else 0.0,
-            "tau_mean": tau_sum / applied if applied else 0.0,
-            "tau_max_bin": nz[-1] if nz else 0,
-            "tau_max": s.max, "applied": applied, "dropped": dropped,
+            "tau_mean": max(0.0, tau_sum / applied) if applied else 0.0,
+            # This epoch's largest tau (histogram bin; the last bin is ">=").
+            "tau_max": nz[-1] if nz else 0,
+            "tau_max_so_far": s.max, "applied": applied, "dropped": dropped,
         }
         rec.update({k: float(v) for k, v in logs.items()})
         self.epochs.append(rec)
@@ -117,14 +121,14 @@ class StalenessLogger(tf_keras.callbacks.Callback):
                if self.batch_size else "")
         self.print_fn(
             f"epoch {epoch + 1}/{total}: {metrics} steps/s={rec['steps_per_sec']:.1f}"
-            f"{eps} tau_mean={rec['tau_mean']:.2f} tau_max={rec['tau_max_bin']}"
+            f"{eps} tau_mean={rec['tau_mean']:.2f} tau_max={rec['tau_max']}"
             f" dropped={dropped}")
         if self._writer:
             with self._writer.as_default(step=epoch + 1):
                 for k, v in logs.items():
                     tf.summary.scalar(f"epoch/{k}", float(v))
                 tf.summary.scalar("staleness/mean", rec["tau_mean"])
-                tf.summary.scalar("staleness/max", rec["tau_max_bin"])
+                tf.summary.scalar("staleness/max", rec["tau_max"])
                 tf.summary.scalar("staleness/applied", applied)
                 tf.summary.scalar("staleness/dropped", dropped)
                 tf.summary.scalar("throughput/steps_per_sec", rec["steps_per_sec"])

@@ -1,8 +1,14 @@
-"""The ``tf-asyncps`` command line (absl): launch, train, server, bench.
+"""tf-asyncps: asynchronous parameter-server training (absl command line).
 
-  tf-asyncps launch --flagfile=configs/digits_async.flags   # local cluster + job
-  tf-asyncps train  [flags]     # one binary for every TF_CONFIG role
-  tf-asyncps server             # serve the ps/worker task in TF_CONFIG
+Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
+
+  launch   start a local cluster (ps, workers, chief as processes) and train:
+             tf-asyncps launch --flagfile=configs/digits_async.flags
+  train    one binary for every role: reads TF_CONFIG; ps/worker serve, the
+           chief trains with the flags below
+  server   serve the ps/worker task named in TF_CONFIG
+
+All flags: tf-asyncps --helpfull
 """
 
 import os
@@ -71,7 +77,15 @@ def _quiet_tensorflow():
 
 def _serve(config):
     from tf_asyncps import cluster
-    server = cluster.start_server(config)
+    import tensorflow as tf
+    address = config[config.task_type][config.task_id]
+    try:
+        server = cluster.start_server(config)
+    except tf.errors.OpError as e:
+        raise RuntimeError(
+            f"{config.task_type}:{config.task_id} could not serve at {address}: "
+            f"{e.message.splitlines()[0]}. Is the port already in use (another task, "
+            "an earlier run still alive)?") from None
     print(f"tf-asyncps: serving {config.task_type}:{config.task_id} at "
           f"{config[config.task_type][config.task_id]}", flush=True)
     server.join()
@@ -79,7 +93,11 @@ def _serve(config):
 
 def cmd_server(argv):
     from tf_asyncps import cluster
-    _serve(cluster.tf_config_from_env())
+    config = cluster.tf_config_from_env()
+    if config.task_type == "chief":
+        raise ValueError('TF_CONFIG names this task "chief": the chief trains; run it with '
+                         "`tf-asyncps train`, and `server` for ps/worker tasks.")
+    _serve(config)
 
 
 def cmd_train(argv):
@@ -95,7 +113,10 @@ def cmd_train(argv):
 
 def cmd_launch(argv):
     from tf_asyncps import cluster
-    _job_config()  # bad flags fail here, before any process starts
+    cfg = _job_config()  # bad flags fail here, before any process starts
+    if cfg.dataset != "digits":  # may need a download: fail before starting anything
+        from tf_asyncps import datasets
+        datasets.load(cfg.dataset, seed=cfg.seed)
     if os.environ.get("TF_CONFIG"):
         logging.warning("launch ignores TF_CONFIG: it makes its own local cluster.")
     log_dir = os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None
@@ -144,13 +165,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
     try:
         {"launch": cmd_launch, "train": cmd_train, "server": cmd_server}[argv[1]](argv)
-    except ValueError as e:  # configuration errors: one clear line, no traceback
+    except (ValueError, TimeoutError, RuntimeError) as e:
+        # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")
 
 
 def run():
     """Console-script entry point."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    main_module = sys.modules.get("__main__")
+    if main_module is not None and not getattr(main_module, "__doc__", None):
+        main_module.__doc__ = __doc__  # what --help prints
     app.run(main)
 
 

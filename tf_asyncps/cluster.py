@@ -223,8 +223,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
             _fail(f'task "type" is {task_type!r}; it must be one of {list(ROLES)}. '
                   f"{hint}", cluster)
         if isinstance(task_id, bool) or not isinstance(task_id, int):
-            _fail(f'task "index" is {task_id!r}; it must be an integer '
-                  f"(e.g. 0), not a string.", cluster)
+            _fail(f'task "index" is {task_id!r} ({type(task_id).__name__}); it must be '
+                  f'an integer such as 0.', cluster)
         n = len(cluster[task_type])
         if not 0 <= task_id < n:
             _fail(f'task index {task_id} is out of range: cluster["{task_type}"] '

@@ -358,6 +358,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         receives a non-finite update.
 
     Raises:
+      TypeError: cluster_resolver is not a ClusterResolver.
       ValueError: an invalid cluster (naming the field and the fix) or policy.
       TimeoutError: a ps or worker unreachable within ``connect_timeout_s``.
     """
@@ -365,6 +366,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
                  connect_timeout_s: float = 30.0, skip_nonfinite: bool = True):
+        if not callable(getattr(cluster_resolver, "cluster_spec", None)):
+            raise TypeError(
+                "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
+                "(e.g. tf_asyncps.cluster.cluster_resolver() for TF_CONFIG, or "
+                f"LocalCluster(...).resolver()), got {cluster_resolver!r}.")
         policy = policies_lib.get(update_policy)
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ValueError(

@@ -23,7 +23,9 @@ def register(name: str) -> Callable[[type], type]:
         if not (isinstance(cls, type) and issubclass(cls, UpdatePolicy)):
             raise TypeError(
                 f"@register({name!r}) needs a subclass of UpdatePolicy, got {cls!r}.")
-        if _REGISTRY.get(name, cls) is not cls:
+        old = _REGISTRY.get(name, cls)
+        same_definition = (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
+        if old is not cls and not same_definition:  # a re-run cell may redefine it
             raise ValueError(
                 f"policy name {name!r} is already registered to "
                 f"{_REGISTRY[name].__name__}; choose another name.")
