@@ -39,6 +39,32 @@ def _stats(strategy):
     return strategy.staleness_stats().to_dict()
 
 
+def _step_fn(strategy, params, opt, loss_fn, with_batch=False):
+    """A scheduled worker step: one gradient step of ``opt`` on ``loss_fn``.
+
+    ``loss_fn()`` (or ``loss_fn(batch)`` with ``with_batch``, the batch coming
+    from the per-worker iterator passed to the step) runs inside the replica.
+    """
+    @tf.function
+    def step(iterator=None):
+        batch = next(iterator) if with_batch else ()
+
+        def replica_fn(*batch):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(*batch)
+            opt.apply_gradients(zip(tape.gradient(loss, params), params))
+            return loss
+        return strategy.run(replica_fn, args=tuple(batch))
+
+    return step
+
+
+def _run_steps(coord, step, steps, iterator=None):
+    for _ in range(steps):
+        coord.schedule(step, args=(iterator,) if iterator is not None else ())
+    coord.join()
+
+
 def _small_problem(n=320, features=8, classes=3, seed=0):
     rng = np.random.RandomState(seed)
     x = rng.randn(n, features).astype(np.float32)
@@ -137,19 +163,7 @@ def custom_loop_linear(num_workers=3, steps=60, lr=0.5, dim=4):
             w = tf.Variable(tf.fill([dim], 2.0), name="w")
             opt = tf_keras.optimizers.SGD(lr)
 
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(w)
-                grads = tape.gradient(loss, [w])
-                opt.apply_gradients(zip(grads, [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w)), steps)
         s = strategy.staleness_stats()
         return {"w": w.numpy().tolist(), "iterations": int(opt.iterations.numpy()),
                 "stats": s.to_dict(), "steps": steps, "lr": lr}
@@ -311,19 +325,7 @@ def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, step
             e = tf.Variable(tf.zeros([10, 1]), name="e")
             opt = tf_keras.optimizers.SGD(lr)
         params = [w, e] if sparse else [w]
-
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(w, e)
-                opt.apply_gradients(zip(tape.gradient(loss, params), params))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, params, opt, lambda: loss_fn(w, e)), steps)
         s = strategy.staleness_stats()
         rw, re = tf.Variable(tf.zeros_like(w)), tf.Variable(tf.zeros_like(e))
         for _ in range(s.global_step):
@@ -341,42 +343,35 @@ def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, step
                 "stats": s.to_dict()}
 
 
+def _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps, lr=0.01):
+    """Full-batch least squares; ``slow_worker``'s input pipeline sleeps
+    ``delay_ms`` before each batch (tf.data, chosen by worker index)."""
+    from tensorflow.python.data.experimental.ops import testing as data_testing
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+        opt = tf_keras.optimizers.SGD(lr)
+
+    def dataset_fn():
+        me = tf.distribute.coordinator.experimental_get_current_worker_index()
+        delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
+
+    step = _step_fn(strategy, [w], opt, with_batch=True,
+                    loss_fn=lambda xb, yb: tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb)))
+    _run_steps(coord, step, steps, iter(coord.create_per_worker_dataset(dataset_fn)))
+
+
 @scenario
 def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, steps=45):
     """ssp with one worker slowed by a tf.data sleep: the clock spread stays <= s."""
-    from tensorflow.python.data.experimental.ops import testing as data_testing
     x, y = _least_squares()
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), update_policy=tf_asyncps.policies.get(
                 "ssp", max_staleness=max_staleness, timeout_s=60))
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        with strategy.scope():
-            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
-            opt = tf_keras.optimizers.SGD(0.01)
-
-        def dataset_fn():
-            me = tf.distribute.coordinator.experimental_get_current_worker_index()
-            delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
-            ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-            return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
-
-        it = iter(coord.create_per_worker_dataset(dataset_fn))
-
-        @tf.function
-        def step(iterator):
-            xb, yb = next(iterator)
-
-            def replica_fn(xb, yb):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn, args=(xb, yb))
-
-        for _ in range(steps):
-            coord.schedule(step, args=(it,))
-        coord.join()
+        _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps)
         p = strategy.update_policy
         return {"clocks": p.clock_values().tolist(), "max_spread": p.max_clock_spread(),
                 "released_reads": p.released_reads(),
@@ -394,21 +389,12 @@ def nonfinite_worker(num_workers=2, steps=40, bad_worker=1):
             w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
             opt = tf_keras.optimizers.SGD(0.01)
 
-        @tf.function
-        def step():
+        def loss_fn():
             me = tf.distribute.coordinator.experimental_get_current_worker_index()
             poison = tf.where(tf.equal(me, bad_worker), np.nan, 0.0)
+            return tf.reduce_mean(tf.square(tf.matmul(x + poison, w) - y))
 
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(x + poison, w) - y))
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, [w], opt, loss_fn), steps)
         return {"w": w.numpy().ravel().tolist(), "iterations": int(opt.iterations.numpy()),
                 "stats": _stats(strategy)}
 
@@ -440,18 +426,7 @@ def case002(keras_name="tf_keras", optimizer="sgd", locking=False, num_workers=4
             if keras_name == "keras3":
                 opt.build([w])
 
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(w)
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w)), steps)
         got = w.numpy()
         # Reference: the same optimizer, `steps` sequential steps, in this process.
         ref_w = tf.Variable(tf.zeros([dim]))
@@ -487,18 +462,7 @@ def read_modify_write(locking=True, num_workers=4, steps=20):
             if locking:
                 opt = tf_asyncps.optimizers.LockingOptimizer(opt)
 
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = w * 1.0
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: w * 1.0), steps)
         return {"w": float(w.numpy()), "iterations": int(opt.iterations.numpy()),
                 "stats": _stats(strategy)}
 
@@ -558,17 +522,8 @@ def lock_timeout(timeout_s=2.0):
             opt = tf_asyncps.optimizers.LockingOptimizer(tf_keras.optimizers.SGD(0.1),
                                                          timeout_s=timeout_s)
 
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = w * 2.0
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        coord.schedule(step)
-        coord.join()  # traces the step and creates the lock
+        step = _step_fn(strategy, [w], opt, lambda: w * 2.0)
+        _run_steps(coord, step, 1)  # traces the step and creates the lock
         lock = strategy.extended._lock
         lock._queue.dequeue()  # steal the token: nobody can acquire now
         t0 = time.perf_counter()
@@ -586,7 +541,6 @@ def lock_timeout(timeout_s=2.0):
 def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_ms=80,
                    steps=60):
     """sync_replicas with one worker slowed by a sleep in its input pipeline."""
-    from tensorflow.python.data.experimental.ops import testing as data_testing
     x, y = _least_squares()
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
@@ -594,35 +548,10 @@ def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_
                 "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
                 total_num_replicas=num_workers, timeout_s=60))
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        with strategy.scope():
-            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
-            opt = tf_keras.optimizers.SGD(0.01)
-
-        def dataset_fn():
-            me = tf.distribute.coordinator.experimental_get_current_worker_index()
-            delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
-            ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-            return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
-
-        it = iter(coord.create_per_worker_dataset(dataset_fn))
-
-        @tf.function
-        def step(iterator):
-            xb, yb = next(iterator)
-
-            def replica_fn(xb, yb):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn, args=(xb, yb))
-
-        for _ in range(steps):
-            coord.schedule(step, args=(it,))
-        coord.join()
+        _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps)
         p = strategy.update_policy
         return {"sent": p.gradients_sent().tolist(), "rounds": p.rounds(),
-                "released_reads": p.gate.released_reads(), "stats": _stats(strategy)}
+                "released_reads": p.released_reads(), "stats": _stats(strategy)}
 
 
 @scenario
@@ -642,15 +571,8 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
             w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
             opt = tf_keras.optimizers.SGD(0.01)
 
-        @tf.function
-        def step():
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
+        step = _step_fn(strategy, [w], opt,
+                        lambda: tf.reduce_mean(tf.square(tf.matmul(x, w) - y)))
         done = threading.Event()
         killed = threading.Event()
 
@@ -666,9 +588,7 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
         t0 = time.perf_counter()
         err = None
         try:
-            for _ in range(steps):
-                coord.schedule(step)
-            coord.join()
+            _run_steps(coord, step, steps)
         except Exception as e:  # noqa: BLE001 - reported to the test
             err = e
         finally:
@@ -691,25 +611,16 @@ def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
             opt = tf_keras.optimizers.SGD(0.1)
         m = tf.random.stateless_normal([200, 200], seed=[1, 2]) / 20.0
 
-        @tf.function
-        def step():
+        def loss_fn():
             me = tf.distribute.coordinator.experimental_get_current_worker_index()
             iters = tf.where(tf.equal(me, 0), slow_iters, 1)
+            v = tf.reduce_sum(w) * tf.ones([200, 1])
+            _, v = tf.while_loop(lambda i, v: i < iters,
+                                 lambda i, v: (i + 1, tf.tanh(tf.matmul(m, v))),
+                                 [tf.constant(0, iters.dtype), v])
+            return tf.reduce_sum(w) + 0.0 * tf.reduce_sum(v)
 
-            def replica_fn():
-                with tf.GradientTape() as tape:
-                    v = tf.reduce_sum(w) * tf.ones([200, 1])
-                    _, v = tf.while_loop(lambda i, v: i < iters,
-                                         lambda i, v: (i + 1, tf.tanh(tf.matmul(m, v))),
-                                         [tf.constant(0, iters.dtype), v])
-                    loss = tf.reduce_sum(w) + 0.0 * tf.reduce_sum(v)
-                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-                return loss
-            return strategy.run(replica_fn)
-
-        for _ in range(steps):
-            coord.schedule(step)
-        coord.join()
+        _run_steps(coord, _step_fn(strategy, [w], opt, loss_fn), steps)
         return {"stats": _stats(strategy)}
 
 

@@ -42,7 +42,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_asyncps.gate import WorkerGate
+from tf_asyncps.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies.base import UpdatePolicy
 
 __all__ = ["SyncReplicasAggregator"]
@@ -54,7 +54,7 @@ def _check_count(name, value, minimum=1):
             f"sync_replicas: {name} must be an int >= {minimum}, got {value!r}.")
 
 
-class SyncReplicasAggregator(UpdatePolicy):
+class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
     """Aggregates exactly ``replicas_to_aggregate`` gradients per update.
 
     Args:
@@ -99,14 +99,6 @@ class SyncReplicasAggregator(UpdatePolicy):
         return {"replicas_to_aggregate": self.replicas_to_aggregate,
                 "total_num_replicas": self.total_num_replicas,
                 "max_staleness": self.max_staleness}
-
-    @property
-    def timeout_error(self):
-        return self.gate.timeout_error if self.gate else None
-
-    def set_pending_probe(self, probe):
-        if self.gate:
-            self.gate.set_pending_probe(probe)
 
     # -- per-cluster state -----------------------------------------------------
     def build(self, num_workers, device):

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-__all__ = ["WorkerGate"]
+__all__ = ["WorkerGate", "GatedPolicy"]
 
 
 class WorkerGate:
@@ -146,3 +146,23 @@ class WorkerGate:
 
     def stop(self):
         self._stop.set()
+
+
+class GatedPolicy:
+    """Mixin for policies that make workers wait on a :class:`WorkerGate`
+    (``self.gate``, created in their ``build``): exposes the gate's timeout
+    message and drain probe to the strategy."""
+
+    gate: Optional[WorkerGate] = None
+
+    @property
+    def timeout_error(self) -> Optional[str]:
+        return self.gate.timeout_error if self.gate else None
+
+    def set_pending_probe(self, probe: Callable[[], bool]) -> None:
+        if self.gate:
+            self.gate.set_pending_probe(probe)
+
+    def released_reads(self) -> int:
+        """Steps let through by an end-of-schedule release."""
+        return self.gate.released_reads() if self.gate else 0

@@ -212,14 +212,20 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         state = self._state_for(variables)
         tracker, policy = self.tracker, self.policy
         finite = all_finite(grads) if self.skip_nonfinite else None
+        worker_index = step.worker_index
+        if locking:
+            # Bring every worker-side input onto the PS before the lock is
+            # taken, so the locked region never waits for a worker that may die.
+            grads = [_copy_to(g, _device_of(v)) for g, v in zip(grads, variables)]
+            worker_index = _copy_to(worker_index, tracker.device)
+            finite = None if finite is None else _copy_to(finite, tracker.device)
         grad_tensors = [t for g in grads for t in (
             (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
-        if finite is not None:
-            grad_tensors.append(finite)
+        grad_tensors += [worker_index] + ([finite] if finite is not None else [])
         read_values = None
         if policy.needs_read_values:
             known = {id(v) for v in self._trainable}
-            read_values = [tf.gather(self._backup_for(v), step.worker_index)
+            read_values = [tf.gather(self._backup_for(v), worker_index)
                            if id(v) in known else None for v in variables]
 
         def decide_and_apply():
@@ -229,7 +235,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             tau = g_now - step.read_step
             info = policies_lib.StepInfo(
                 tau=tau, read_step=step.read_step, global_step=g_now,
-                variables=variables, worker_index=step.worker_index,
+                variables=variables, worker_index=worker_index,
                 read_values=read_values, finite=finite)
             decision = policy.update(list(grads), state, info)
             new_grads, keep = decision[0], decision[1]
@@ -282,6 +288,20 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             with tf.control_dependencies(after):
                 g_after = tf.identity(g_after)
         return g_after
+
+
+def _device_of(var):
+    """The device of a tf.Variable or of a Keras 3 Variable's backing variable."""
+    return getattr(getattr(var, "value", None), "device", None) or var.device
+
+
+def _copy_to(value, device):
+    """``tf.identity`` of a tensor or IndexedSlices, placed on ``device``."""
+    with tf.device(device):
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices),
+                                    value.dense_shape)
+        return tf.identity(value)
 
 
 def _worker_index():

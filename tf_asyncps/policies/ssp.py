@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_asyncps.gate import WorkerGate
+from tf_asyncps.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy
 
@@ -36,7 +36,7 @@ __all__ = ["BoundedStaleness"]
 
 
 @registry.register("ssp")
-class BoundedStaleness(UpdatePolicy):
+class BoundedStaleness(GatedPolicy, UpdatePolicy):
     """Stale Synchronous Parallel with bound ``max_staleness`` (clocks).
 
     Args:
@@ -63,14 +63,6 @@ class BoundedStaleness(UpdatePolicy):
 
     def get_config(self):
         return {"max_staleness": self.max_staleness, "timeout_s": self.timeout_s}
-
-    @property
-    def timeout_error(self):
-        return self.gate.timeout_error if self.gate else None
-
-    def set_pending_probe(self, probe):
-        if self.gate:
-            self.gate.set_pending_probe(probe)
 
     def build(self, num_workers, device):
         with tf.init_scope(), tf.device(device):
@@ -136,6 +128,3 @@ class BoundedStaleness(UpdatePolicy):
         (released reads excluded)."""
         return int(self.max_spread.numpy()[0])
 
-    def released_reads(self) -> int:
-        """Steps let through by an end-of-schedule release."""
-        return self.gate.released_reads()
