@@ -121,12 +121,16 @@ class WorkerGate:
     def _watch(self):
         last, since = None, time.monotonic()
         n = self.num_workers
-        while not self._stop.wait(0.02):
+        interval = 0.25
+        while not self._stop.wait(interval):
             try:
                 waiting = self._state.numpy()[:n]
                 progress = self._progress()
             except Exception:  # the cluster is gone: nothing left to watch
                 return
+            # Two small reads per poll: every 0.25 s when nobody waits, every
+            # 20 ms while someone does (to release the end of a schedule quickly).
+            interval = 0.02 if waiting.any() else 0.25
             if progress != last or not waiting.any():
                 last, since = progress, time.monotonic()
                 continue
