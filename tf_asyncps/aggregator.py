@@ -27,12 +27,14 @@ slowest M − N workers.
 
 Fresh parameters (max_staleness = 0): each worker has a token queue on the PS.
 A worker takes a token before reading the model; every update grants one
-token to each worker holding none. A worker whose gradient is in waits for
-the next update before reading again, so it never computes on parameters older
-than the latest update, and each worker contributes at most one gradient per
-round. A watchdog on the chief releases waiting workers when no closures are
-queued (end of a schedule) and fails with a TimeoutError naming the round if
-no update happens for ``timeout_s`` (e.g. fewer than N live workers).
+token to each worker holding none, and a refused (late or non-finite) gradient
+gives its worker a token back at once. A worker whose gradient is in waits
+for the next update before reading again, so it never computes on parameters
+older than the latest update, and each worker contributes at most one
+gradient per round. A watchdog on the chief releases waiting workers when the
+program drains the schedule (``join``) with no closure queued, and fails with
+a TimeoutError naming the round if no update happens for ``timeout_s`` (e.g.
+fewer than N live workers).
 
 ``model.fit``'s ``steps_per_epoch`` counts worker steps (gradients), not
 updates: an epoch of S steps makes at most S / N updates.
@@ -171,9 +173,15 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
 
         if info.finite is not None:  # a NaN/Inf gradient must not poison the round
             accept = tf.logical_and(accept, info.finite)
+        def refused():
+            # The step was wasted (late or non-finite): let the worker read
+            # the current parameters at once instead of waiting for an update
+            # that may need its gradient.
+            with tf.control_dependencies([self.gate.grant(info.worker_index)]):
+                return tf.gather(self.round.read_value(), 0)
+
         with tf.control_dependencies([sent]):
-            count = tf.cond(accept, accumulate,
-                            lambda: tf.gather(self.round.read_value(), 0))
+            count = tf.cond(accept, accumulate, refused)
         complete = tf.logical_and(accept, tf.equal(count, n))
         with tf.control_dependencies([count]):
             means = self._take_means(grads, state, complete)

@@ -5,9 +5,10 @@ A worker step that must wait (``ssp``: too far ahead of the slowest worker;
 a ``FIFOQueue.dequeue`` of its own token queue on the PS. Policies grant tokens
 from inside their (PS-side) updates. A watchdog thread on the chief:
 
-* releases waiting workers when the ClusterCoordinator has no queued closures
-  (the end of a schedule: the worker they wait for may have nothing left to
-  run); such reads are counted in ``released_reads``;
+* releases waiting workers when the program is draining (inside
+  ``coordinator.join``/``done``/``fetch``, which ``model.fit`` calls at each
+  epoch's end) and no closure is queued: the worker they wait for may have
+  nothing left to run; such reads are counted in ``released_reads``;
 * fails the wait after ``timeout_s`` seconds without progress, closing the
   queues so the waiting steps end with an error that
   ``coordinator.join``/``model.fit`` turn into a TimeoutError with
@@ -92,6 +93,14 @@ class WorkerGate:
         with tf.control_dependencies([unmark]):
             return tf.cond(released, consume_release, lambda: tf.constant(False))
 
+    def grant(self, worker_index) -> tf.Tensor:
+        """Op giving worker ``worker_index`` one token if it holds none."""
+        def give(q):
+            return tf.cond(q.size() > 0, lambda: tf.constant(False),
+                           lambda: _enqueued(q))
+        return tf.switch_case(tf.cast(worker_index, tf.int32),
+                              [(lambda q=q: give(q)) for q in self.queues])
+
     def grant_all(self, only_if_empty: bool = False) -> List[tf.Operation]:
         """Ops giving every worker one token (or only workers holding none)."""
         ops = []
@@ -150,6 +159,11 @@ class WorkerGate:
 
     def stop(self):
         self._stop.set()
+
+
+def _enqueued(q):
+    with tf.control_dependencies([q.enqueue(tf.constant(0, tf.int64))]):
+        return tf.constant(True)
 
 
 class GatedPolicy:

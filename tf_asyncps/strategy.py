@@ -319,7 +319,24 @@ def _worker_index():
 class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     """ClusterCoordinator that turns a policy's timeout into a clear error."""
 
+    _waiting_callers = 0
+
+    def has_queued_closures(self) -> bool:
+        """True unless the caller is draining: inside ``join``/``done``/``fetch``
+        with no closure left in the queue. Only then may waiting workers be
+        released: while the program is still scheduling, the queue can be
+        empty for a moment between two ``schedule`` calls."""
+        if self._waiting_callers <= 0:
+            return True
+        try:
+            q = self._cluster.closure_queue
+            return (not q._queue.empty()) or any(
+                not t.empty() for t in q._tagged_queue.values())
+        except AttributeError:  # internals moved: never release early
+            return True
+
     def _translate(self, call, *args, **kwargs):
+        self._waiting_callers += 1
         try:
             return call(*args, **kwargs)
         except (tf.errors.OpError, RuntimeError) as e:
@@ -327,16 +344,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             if msg:
                 raise TimeoutError(msg) from e
             raise
-
-    def has_queued_closures(self) -> bool:
-        """Whether closures wait in the queue for a free worker (best effort:
-        True when the queue cannot be inspected)."""
-        try:
-            q = self._cluster.closure_queue
-            return (not q._queue.empty()) or any(
-                not t.empty() for t in q._tagged_queue.values())
-        except AttributeError:  # internals moved: never release early
-            return True
+        finally:
+            self._waiting_callers -= 1
 
     def join(self):
         return self._translate(super().join)
