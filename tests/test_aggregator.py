@@ -63,7 +63,7 @@ def test_dead_worker_with_spare_capacity_does_not_stop_training():
     assert r["killed"] and r["error"] is None
     s = r["stats"]
     assert r["rounds"] > 10 and s["global_step"] == s["applied"] // 2
-    assert 120 <= s["applied"] + s["dropped"] <= 120 + s["reexecuted"] + 1
+    assert 120 <= s["applied"] + s["dropped"] <= 121  # at-least-once retry of 1 closure
 
 
 def test_dead_worker_below_replicas_to_aggregate_fails_after_the_timeout():

@@ -56,8 +56,8 @@ def test_a_killed_worker_does_not_block_the_lock():
                      kill_after=60)
     assert r["killed"]
     s = r["stats"]
-    # TensorFlow may run the killed worker's closure again (at-least-once).
-    assert 200 <= s["applied"] <= 200 + s["reexecuted"] + 1
+    # TensorFlow may run the killed worker's in-flight closure again (at-least-once).
+    assert 200 <= s["applied"] <= 201
     assert r["iterations"] == s["applied"] == s["global_step"]
     assert r["weights_finite"]
 

@@ -103,7 +103,7 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
                 "max_staleness": self.max_staleness}
 
     # -- per-cluster state -----------------------------------------------------
-    def build(self, num_workers, device):
+    def validate_cluster(self, num_workers):
         n, m = self.replicas_to_aggregate, self.total_num_replicas
         if m is not None and m != num_workers:
             raise ValueError(
@@ -114,6 +114,9 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
                 f"sync_replicas: replicas_to_aggregate={n} can never be reached with "
                 f"{num_workers} worker(s): each worker gives at most one gradient per "
                 f"update. Use replicas_to_aggregate <= {num_workers}.")
+
+    def build(self, num_workers, device):
+        self.validate_cluster(num_workers)
         self.num_workers = num_workers
         with tf.init_scope(), tf.device(device):
             # [accepted in this round, rounds done], then per-worker gradients sent

@@ -114,6 +114,8 @@ def cmd_train(argv):
 def cmd_launch(argv):
     from tf_asyncps import cluster
     cfg = _job_config()  # bad flags fail here, before any process starts
+    from tf_asyncps import policies
+    policies.get(cfg.policy, **cfg.policy_args).validate_cluster(FLAGS.num_workers)
     if cfg.dataset != "digits":  # may need a download: fail before starting anything
         from tf_asyncps import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)

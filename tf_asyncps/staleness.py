@@ -40,8 +40,6 @@ class StalenessStats:
       dropped_histogram: same shape, dropped gradients by τ.
       mean: mean τ of applied gradients (float, exact, not binned; 0.0 if none).
       max: largest τ of an applied gradient (int, exact; 0 if none).
-      reexecuted: worker steps that ran more than once because TensorFlow
-        retried a closure after a worker failure (int).
       nonfinite: dropped gradients that held NaN or Inf (int; included in
         ``dropped``).
     """
@@ -53,7 +51,6 @@ class StalenessStats:
     dropped_histogram: np.ndarray
     mean: float
     max: int
-    reexecuted: int = 0
     nonfinite: int = 0
 
     @property
@@ -71,7 +68,6 @@ class StalenessStats:
             "dropped_histogram": [int(v) for v in self.dropped_histogram],
             "mean": float(self.mean),
             "max": int(self.max),
-            "reexecuted": int(self.reexecuted),
             "nonfinite": int(self.nonfinite),
         }
 
@@ -113,9 +109,6 @@ class StalenessTracker:
                 name="asyncps_staleness_counts")
             self.tau_max = tf.Variable(
                 tf.zeros([2], tf.int64), trainable=False, name="asyncps_tau_max")
-            # Steps that ran twice (closure retried after a worker failure).
-            self.reexecuted = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="asyncps_reexecuted")
 
     # -- graph side (called while tracing a worker step) ---------------------
     def read_step(self) -> tf.Tensor:
@@ -204,11 +197,9 @@ class StalenessTracker:
         return StalenessStats(
             global_step=g, applied=applied, dropped=int(dhist.sum()),
             histogram=hist, dropped_histogram=dhist, mean=mean,
-            max=int(tmax[0]), reexecuted=int(self.reexecuted.numpy()),
-            nonfinite=int(counts[self._nonfinite]))
+            max=int(tmax[0]), nonfinite=int(counts[self._nonfinite]))
 
     def reset(self) -> None:
         """Zeroes the histograms and maxima (the global step is kept)."""
         self.counts.assign(tf.zeros_like(self.counts))
         self.tau_max.assign(tf.zeros_like(self.tau_max))
-        self.reexecuted.assign(0)

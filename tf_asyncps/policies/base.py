@@ -77,6 +77,10 @@ class UpdatePolicy:
     needs_read_values: bool = False
     uses_tau: bool = True
 
+    def validate_cluster(self, num_workers: int) -> None:
+        """Raises ValueError if the policy cannot work with ``num_workers``
+        workers (checked before any process starts). Default: any count."""
+
     def build(self, num_workers: int, device: str) -> None:
         """Creates per-cluster resources on the PS (called once, eagerly, by
         the strategy). Default: nothing."""

@@ -29,6 +29,10 @@ class Chain(UpdatePolicy):
                     f"chain(): {p!r} aggregates gradients across workers and cannot be "
                     "chained; use it as the strategy's update_policy on its own.")
 
+    def validate_cluster(self, num_workers):
+        for p in self.policies:
+            p.validate_cluster(num_workers)
+
     def build(self, num_workers, device):
         for p in self.policies:
             p.build(num_workers, device)
