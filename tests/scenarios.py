@@ -624,6 +624,31 @@ def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
         return {"stats": _stats(strategy)}
 
 
+@scenario
+def fit_evaluate_fit(policy="sync_replicas", policy_args=None, num_workers=2, steps=20):
+    """model.fit, model.evaluate (steps without updates), model.fit again."""
+    x, y = _small_problem()
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(16)
+
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                policy, **(policy_args or {"replicas_to_aggregate": num_workers,
+                                           "timeout_s": 30})))
+        with strategy.scope():
+            model = _mlp()
+            model.compile(tf_keras.optimizers.SGD(0.1),
+                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        loss = model.evaluate(data, steps=steps, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        return {"eval_loss": float(loss), "stats": _stats(strategy)}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

@@ -110,3 +110,12 @@ def test_digits_with_sync_replicas(tmp_path):
     assert m["test_accuracy"] >= 0.90
     assert s["applied"] + s["dropped"] == m["worker_steps"] == 1000
     assert s["global_step"] == s["applied"] // 2
+
+
+def test_evaluate_between_fits_does_not_stall_the_rounds():
+    """Evaluation steps take a token but give no gradient: the token comes back."""
+    r = run_scenario("fit_evaluate_fit", policy="sync_replicas", num_workers=2, steps=20)
+    s = r["stats"]
+    assert np.isfinite(r["eval_loss"])
+    assert s["applied"] + s["dropped"] == 40  # the two fits' worker steps
+    assert s["global_step"] == s["applied"] // 2

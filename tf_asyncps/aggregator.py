@@ -152,6 +152,10 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
     def before_read(self, worker_index):
         return [self.gate.wait(worker_index)]
 
+    def step_without_update(self, worker_index):
+        # An evaluation step took a token but gave no gradient: give it back.
+        return [self.gate.grant(worker_index)]
+
     def update(self, grads, state, info):
         n = self.replicas_to_aggregate
         accept = tf.cast(info.tau, tf.int64) <= self.max_staleness

@@ -135,10 +135,10 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             step = WorkerStep(self, r, w)
             with tf.control_dependencies([r] + snap), step.active():
                 out = fn(*a, **kw)
-            if not step.applied:  # e.g. an evaluation step: still a clock tick
+            if not step.applied:  # e.g. an evaluation step
                 with tf.control_dependencies(
                         [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
-                    self.policy.after_step(w)
+                    self.policy.step_without_update(w)
             return out
 
         return super()._call_for_each_replica(worker_step, args, kwargs)

@@ -97,6 +97,11 @@ class UpdatePolicy:
         del worker_index
         return []
 
+    def step_without_update(self, worker_index) -> List[Any]:
+        """Ops run when a worker step ends without applying gradients (e.g.
+        an evaluation step). Default: :meth:`after_step`."""
+        return self.after_step(worker_index)
+
     def init(self, variables: Sequence[tf.Variable]) -> Any:
         """Creates the policy state for ``variables``; default: no state."""
         del variables

@@ -40,6 +40,9 @@ class Chain(UpdatePolicy):
     def before_read(self, worker_index):
         return [op for p in self.policies for op in p.before_read(worker_index)]
 
+    def step_without_update(self, worker_index):
+        return [op for p in self.policies for op in p.step_without_update(worker_index)]
+
     def after_step(self, worker_index):
         return [op for p in self.policies for op in p.after_step(worker_index)]
 
