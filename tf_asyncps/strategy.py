@@ -282,7 +282,10 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             g_after = self._get_lock(lock_timeout(optimizer)).execute(
                 locked, inputs=grad_tensors + [step.read_step])
         else:
-            g_after = decide_and_apply()
+            # On the PS: a rule that needs τ (read on the PS) and transforms the
+            # gradients would otherwise cost an extra worker<->PS round trip.
+            with tf.device(tracker.device):
+                g_after = decide_and_apply()
         after = policy.after_step(step.worker_index)
         if after:
             with tf.control_dependencies(after):
