@@ -10,7 +10,7 @@ import numpy as np
 import portpicker
 import pytest
 
-from conftest import ROOT, _env, pid_alive, run_command, stop_process, wait_dead
+from conftest import ROOT, _env, run_command, stop_process, wait_dead
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import ipaddress
 import json
-import logging as _pylogging
 import os
 import re
 import signal

@@ -1,7 +1,6 @@
 """Real data sets for the main job: scikit-learn digits (bundled) and MNIST."""
 
 import dataclasses
-import os
 
 import numpy as np
 

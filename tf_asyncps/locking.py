@@ -13,9 +13,8 @@ the region is placed on the PS, so a worker that dies cannot hold the lock.
 
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 from absl import logging
 

@@ -20,11 +20,10 @@ AsyncParameterServerStrategy it calls the original method unchanged.
 import contextlib
 import functools
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_asyncps.policies.base import StepInfo
 
 __all__ = ["WorkerStep", "current_step", "install_optimizer_hooks"]
 

@@ -14,9 +14,8 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
   optimizer update under ``tf.cond``).
 """
 
-import inspect
 import sys
-from typing import Optional, Union
+from typing import Union
 
 import tensorflow as tf
 from absl import logging
