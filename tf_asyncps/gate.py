@@ -95,22 +95,13 @@ class WorkerGate:
 
     def grant(self, worker_index) -> tf.Tensor:
         """Op giving worker ``worker_index`` one token if it holds none."""
-        def give(q):
-            return tf.cond(q.size() > 0, lambda: tf.constant(False),
-                           lambda: _enqueued(q))
         return tf.switch_case(tf.cast(worker_index, tf.int32),
-                              [(lambda q=q: give(q)) for q in self.queues])
+                              [(lambda q=q: _give_if_empty(q)) for q in self.queues])
 
-    def grant_all(self, only_if_empty: bool = False) -> List[tf.Operation]:
+    def grant_all(self, only_if_empty: bool = False) -> List[tf.Tensor]:
         """Ops giving every worker one token (or only workers holding none)."""
-        ops = []
-        for q in self.queues:
-            if only_if_empty:
-                ops.append(tf.cond(q.size() > 0, tf.no_op,
-                                   lambda q=q: q.enqueue(tf.constant(0, tf.int64))))
-            else:
-                ops.append(q.enqueue(tf.constant(0, tf.int64)))
-        return ops
+        give = _give_if_empty if only_if_empty else _enqueued
+        return [give(q) for q in self.queues]
 
     # -- chief side ---------------------------------------------------------------
     def set_pending_probe(self, probe: Callable[[], bool]) -> None:
@@ -162,8 +153,14 @@ class WorkerGate:
 
 
 def _enqueued(q):
+    """Enqueues one token; returns True once it is in."""
     with tf.control_dependencies([q.enqueue(tf.constant(0, tf.int64))]):
         return tf.constant(True)
+
+
+def _give_if_empty(q):
+    """Enqueues one token unless ``q`` holds one; returns whether it did."""
+    return tf.cond(q.size() > 0, lambda: tf.constant(False), lambda: _enqueued(q))
 
 
 class GatedPolicy:
