@@ -101,7 +101,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         s0 = self._s0
         applied = s.applied - s0.applied
         dropped = s.dropped - s0.dropped
-        steps = applied + dropped
+        steps = s.worker_steps - s0.worker_steps  # local steps under local_sgd
         tau_sum = s.mean * s.applied - s0.mean * s0.applied
         hist = s.histogram - s0.histogram
         nz = [i for i, c in enumerate(hist) if c]

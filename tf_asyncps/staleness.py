@@ -42,6 +42,8 @@ class StalenessStats:
       max: largest τ of an applied gradient (int, exact; 0 if none).
       nonfinite: dropped gradients that held NaN or Inf (int; included in
         ``dropped``).
+      local_steps: worker steps trained on local copies and pushed to the PS
+        (int; ``local_sgd`` only, where ``applied`` counts exchanges).
     """
 
     global_step: int
@@ -52,11 +54,13 @@ class StalenessStats:
     mean: float
     max: int
     nonfinite: int = 0
+    local_steps: int = 0
 
     @property
     def worker_steps(self) -> int:
-        """Worker steps whose gradient reached the PS: ``applied + dropped``."""
-        return self.applied + self.dropped
+        """Worker steps executed: ``applied + dropped`` (each step's gradient
+        reaches the PS), or ``local_steps`` under ``local_sgd``."""
+        return self.local_steps or (self.applied + self.dropped)
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns a JSON-serialisable dict (histograms as lists of ints)."""
@@ -69,15 +73,17 @@ class StalenessStats:
             "mean": float(self.mean),
             "max": int(self.max),
             "nonfinite": int(self.nonfinite),
+            "local_steps": int(self.local_steps),
         }
 
 
 class StalenessTracker:
     """PS-resident counters behind :class:`StalenessStats`.
 
-    Layout of the int64 ``counts`` vector (length ``2 * (T + 1) + 2`` with
-    ``T = max_tracked``, plus one): applied histogram, dropped histogram, sum
-    of applied τ, sum of dropped τ, non-finite drops. ``tau_max`` holds ``[max applied τ, max dropped τ]``.
+    Layout of the int64 ``counts`` vector (length ``2 * (T + 1) + 4`` with
+    ``T = max_tracked``): applied histogram, dropped histogram, sum of applied
+    τ, sum of dropped τ, non-finite drops, local steps (``local_sgd``).
+    ``tau_max`` holds ``[max applied τ, max dropped τ]``.
 
     Per worker step the tracker adds, all on the PS: one scalar read of ``g``
     (the read step), one scalar read of ``g`` at apply time, and at most one
@@ -101,11 +107,12 @@ class StalenessTracker:
         self._sum_applied = 2 * bins
         self._sum_dropped = 2 * bins + 1
         self._nonfinite = 2 * bins + 2
+        self._local_steps = 2 * bins + 3
         with tf.init_scope(), tf.device(device):
             self.global_step = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="asyncps_global_step")
             self.counts = tf.Variable(
-                tf.zeros([2 * bins + 3], tf.int64), trainable=False,
+                tf.zeros([2 * bins + 4], tf.int64), trainable=False,
                 name="asyncps_staleness_counts")
             self.tau_max = tf.Variable(
                 tf.zeros([2], tf.int64), trainable=False, name="asyncps_tau_max")
@@ -183,6 +190,14 @@ class StalenessTracker:
             with tf.control_dependencies(ops):
                 return tf.identity(g_after)
 
+    def add_local_steps(self, n: tf.Tensor) -> tf.Tensor:
+        """Adds ``n`` (int64 scalar) worker steps trained on local copies
+        (``local_sgd``). Returns the op's output (int64 vector, the counts)."""
+        with tf.device(self.device):
+            return self.counts.scatter_add(tf.IndexedSlices(
+                tf.reshape(tf.cast(n, tf.int64), [1]),
+                tf.constant([self._local_steps], tf.int64)))
+
     # -- host side ----------------------------------------------------------
     def stats(self) -> StalenessStats:
         """Reads the counters from the PS (a direct read: no training sync)."""
@@ -197,7 +212,8 @@ class StalenessTracker:
         return StalenessStats(
             global_step=g, applied=applied, dropped=int(dhist.sum()),
             histogram=hist, dropped_histogram=dhist, mean=mean,
-            max=int(tmax[0]), nonfinite=int(counts[self._nonfinite]))
+            max=int(tmax[0]), nonfinite=int(counts[self._nonfinite]),
+            local_steps=int(counts[self._local_steps]))
 
     def reset(self) -> None:
         """Zeroes the histograms and maxima (the global step is kept)."""

@@ -111,9 +111,14 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
     # -- variables: remember the trainable ones (for read snapshots) -----------
     def _create_variable(self, next_creator, **kwargs):
+        per_worker = kwargs.get("per_worker_variable", False)
         var = super()._create_variable(next_creator, **kwargs)
-        if kwargs.get("trainable", True) is not False and isinstance(var, tf.Variable):
+        if per_worker or not isinstance(var, tf.Variable):
+            return var
+        if kwargs.get("trainable", True) is not False:
             self._trainable.append(var)
+        if getattr(self.policy, "local_copies", False):
+            self.policy.add_variable(var)
         return var
 
     # -- the worker step ------------------------------------------------------
@@ -123,6 +128,9 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
         if not tf.executing_eagerly():
             fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx())
+
+        if getattr(self.policy, "local_copies", False):
+            return super()._call_for_each_replica(self._local_step(fn), args, kwargs)
 
         @tf.autograph.experimental.do_not_convert
         def worker_step(*a, **kw):
@@ -141,6 +149,41 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             return out
 
         return super()._call_for_each_replica(worker_step, args, kwargs)
+
+    def _local_step(self, fn):
+        """A worker step on the worker's local copies (``local_sgd``): no PS
+        traffic except every ``sync_every``-th step's exchange."""
+
+        @tf.autograph.experimental.do_not_convert
+        def worker_step(*a, **kw):
+            step = WorkerStep(self, tf.constant(0, tf.int64), _worker_index())
+            step.local_state = traced = self.policy.begin_step()
+            try:
+                self.policy.start_closure(traced)
+                with step.active():
+                    return fn(*a, **kw)
+            finally:
+                traced.undo()
+
+        return worker_step
+
+    def _apply_local(self, step, grads_and_vars, apply_fn):
+        """Applies a step's gradients to the local copies, then counts it
+        (and exchanges with the PS every ``sync_every`` steps)."""
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        step.applied = True
+
+        def applied():
+            _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
+            with tf.control_dependencies(update_ops):
+                return tf.constant(True)
+
+        if self.skip_nonfinite:
+            # A non-finite local step is skipped (and never pushed).
+            ok = tf.cond(all_finite(grads), applied, lambda: tf.constant(False))
+        else:
+            ok = applied()
+        return self.policy.after_local_update(step.local_state, [ok])
 
     def _snapshot(self, w):
         """PS-side copy of every trainable variable into worker w's backup."""
@@ -199,6 +242,8 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
           int64 scalar tensor: the global step after this step.
         """
         make_counter_exact(optimizer)
+        if getattr(step, "local_state", None) is not None:
+            return self._apply_local(step, grads_and_vars, apply_fn)
         locking = self.policy.atomic
         if is_locking(optimizer):
             locking = True
@@ -350,7 +395,11 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._waiting_callers -= 1
 
     def join(self):
-        return self._translate(super().join)
+        out = self._translate(super().join)
+        flush = getattr(self.strategy.extended.policy, "flush", None)
+        if flush is not None:  # local_sgd: push what workers trained since
+            flush()            # their last exchange
+        return out
 
     def done(self):
         return self._translate(super().done)
@@ -429,6 +478,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         install_optimizer_hooks()
         # Model.fit and user code get this coordinator (one per strategy).
         coordinator = _AsyncCoordinator(self)
+        if getattr(policy, "local_copies", False):
+            policy.attach(self, self._tracker)  # needs the coordinator
         if hasattr(policy, "set_pending_probe"):
             policy.set_pending_probe(coordinator.has_queued_closures)
         logging.info("AsyncParameterServerStrategy: %d worker(s), %d ps, policy %r",

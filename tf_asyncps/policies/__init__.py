@@ -13,7 +13,8 @@ from tf_asyncps.policies.staleness_aware import StalenessAwareLR
 from tf_asyncps.policies.ssp import BoundedStaleness
 from tf_asyncps.policies.dc_asgd import DCASGD
 from tf_asyncps.policies.sync_replicas import SyncReplicas
+from tf_asyncps.policies.local_sgd import LocalSteps
 
 __all__ = ["UpdatePolicy", "StepInfo", "get", "names", "register", "chain",
            "Chain", "Async", "DropStale", "StalenessAwareLR", "BoundedStaleness",
-           "DCASGD", "SyncReplicas"]
+           "DCASGD", "SyncReplicas", "LocalSteps"]
