@@ -18,6 +18,7 @@ setup(
         "numpy>=1.23",
         "portpicker>=1.5",
         "tensorboard>=2.20",  # tf.summary writers (TensorBoard logs)
+        "matplotlib>=3.5",  # tf-asyncps bench plots
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1"],

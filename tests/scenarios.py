@@ -170,6 +170,59 @@ def custom_loop_linear(num_workers=3, steps=60, lr=0.5, dim=4):
 
 
 @scenario
+def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4):
+    """local_sgd with loss = sum(w) (gradient 1): every local step moves a
+    worker's copy by -lr, so after the drain w == w0 - lr * steps exactly."""
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "local_sgd", sync_every=sync_every))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.fill([dim], 2.0), name="w")
+            opt = tf_keras.optimizers.SGD(lr)
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w)), steps)
+        first = {"w": w.numpy().tolist(), "iterations": int(opt.iterations.numpy()),
+                 "stats": _stats(strategy)}
+        # The chief changes the model between runs: workers must pull it.
+        w.assign(tf.fill([dim], 100.0))
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w)), steps)
+        return {"first": first, "w": w.numpy().tolist(),
+                "iterations": int(opt.iterations.numpy()), "stats": _stats(strategy)}
+
+
+@scenario
+def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40):
+    """tf_asyncps.straggler.slow_dataset_fn: closures taken by each worker,
+    counted on the PS (ClusterCoordinator gives closures to free workers)."""
+    from tf_asyncps.straggler import slow_dataset_fn
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False)
+
+        def dataset_fn(ctx):
+            return tf.data.Dataset.from_tensors(tf.constant(1, tf.int64)).repeat()
+
+        slow = slow_dataset_fn(dataset_fn, slow_worker, delay_ms)
+        it = iter(coord.create_per_worker_dataset(
+            lambda: slow(tf.distribute.InputContext())))
+
+        @tf.function
+        def step(iterator):
+            one = next(iterator)
+            w = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                        tf.int64)
+            counts.scatter_add(tf.IndexedSlices(tf.reshape(one, [1]), tf.reshape(w, [1])))
+
+        for _ in range(steps):
+            coord.schedule(step, args=(it,))
+        coord.join()
+        return {"counts": counts.numpy().tolist()}
+
+
+@scenario
 def shard_per_worker(num_workers=2, n=1000, batch=10, steps=100):
     """Case 003: each worker must read its own shard; ids counted on the PS."""
     ids = np.arange(n, dtype=np.int64)

@@ -7,6 +7,9 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
   train    one binary for every role: reads TF_CONFIG; ps/worker serve, the
            chief trains with the flags below
   server   serve the ps/worker task named in TF_CONFIG
+  bench    every policy side by side with vanilla ParameterServerStrategy and
+           single-process training (bench.json, bench.md, PNG plots):
+             tf-asyncps bench --output_dir=runs/bench
 
 All flags: tf-asyncps --helpfull
 """
@@ -20,7 +23,7 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-COMMANDS = ("launch", "train", "server")
+COMMANDS = ("launch", "train", "server", "bench")
 
 flags.DEFINE_string("model", "mlp", "Model: mlp or linear.")
 flags.DEFINE_string("dataset", "digits", "Data set: digits (bundled) or mnist (download).")
@@ -47,6 +50,28 @@ flags.DEFINE_float("timeout_s", 1800.0, "launch: seconds before the whole job is
                    lower_bound=1.0)
 flags.DEFINE_integer("max_tracked_staleness", 32, "Last bin of the staleness histograms.",
                      lower_bound=1)
+
+
+# bench (see tf_asyncps/bench.py); it also uses --num_workers, --batch_size,
+# --learning_rate, --seed and --output_dir.
+flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
+                  "single,vanilla,async,local_sgd.")
+flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
+flags.DEFINE_integer("bench_eval_every", 160, "bench: worker steps between test-accuracy "
+                     "checks (a multiple of the steps per closure).", lower_bound=1)
+flags.DEFINE_integer("bench_steps_per_execution", 16, "bench: worker steps per closure "
+                     "(fit's steps_per_execution) for every run but the straggler pair.",
+                     lower_bound=1)
+flags.DEFINE_integer("bench_sync_every", 16, "bench: local_sgd's sync_every (also its steps "
+                     "per closure).", lower_bound=1)
+flags.DEFINE_float("bench_target_accuracy", 0.90, "bench: test accuracy for the "
+                   "steps/seconds-to-target columns.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("bench_straggler_workers", 4, "bench: workers N of the sync_replicas "
+                     "N-of-N vs (N-1)-of-N straggler pair.", lower_bound=2)
+flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms) of the "
+                   "slowed worker in the straggler pair.", lower_bound=0.0)
+flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
+                   "and reported as failed.", lower_bound=1.0)
 
 
 def _job_config():
@@ -154,6 +179,38 @@ def cmd_launch(argv):
         raise SystemExit(f"tf-asyncps launch: the chief exited with code {rc}.")
 
 
+def cmd_bench(argv):
+    from tf_asyncps import bench
+    runs = bench.default_configs(
+        num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
+        steps_per_execution=FLAGS.bench_steps_per_execution,
+        straggler_workers=FLAGS.bench_straggler_workers,
+        straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None)
+    for r in runs:
+        if FLAGS.bench_eval_every % r["spe"]:
+            raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
+                             f"of the steps per closure of run {r['name']} ({r['spe']}).")
+    if FLAGS.bench_steps < FLAGS.bench_eval_every:
+        raise ValueError(f"--bench_steps={FLAGS.bench_steps} must be >= --bench_eval_every="
+                         f"{FLAGS.bench_eval_every}.")
+    out = FLAGS.output_dir or os.path.join("runs", "bench")
+    settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
+                "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
+                "eval_every": FLAGS.bench_eval_every,
+                "target_accuracy": FLAGS.bench_target_accuracy}
+    print(f"tf-asyncps bench: {len(runs)} runs, {FLAGS.bench_steps} worker steps each; "
+          f"results in {out}/", flush=True)
+    results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
+                            say=lambda s: print(s, flush=True))
+    doc = bench.summarize(results, settings)
+    paths = bench.write_outputs(doc, out)
+    print(bench.markdown(doc), flush=True)
+    print("wrote " + ", ".join(paths), flush=True)
+    failed = [r["name"] for r in results if "error" in r]
+    if failed:
+        raise RuntimeError(f"runs failed: {failed} (see {paths[1]}).")
+
+
 def main(argv):
     if not FLAGS["verbosity"].present:
         # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
@@ -166,7 +223,8 @@ def main(argv):
     if len(argv) > 2:
         raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
     try:
-        {"launch": cmd_launch, "train": cmd_train, "server": cmd_server}[argv[1]](argv)
+        {"launch": cmd_launch, "train": cmd_train, "server": cmd_server,
+         "bench": cmd_bench}[argv[1]](argv)
     except (ValueError, TimeoutError, RuntimeError) as e:
         # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")

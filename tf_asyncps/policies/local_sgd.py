@@ -273,39 +273,74 @@ class LocalSteps(UpdatePolicy):
 
     # -- host side ---------------------------------------------------------------
     def flush(self) -> int:
-        """Pushes every worker's steps since its last exchange (chief, eager).
+        """Pushes every worker's steps since its last exchange (on the chief).
 
         Called by the strategy's coordinator when it drains (``join``), so the
-        PS copy holds every trained step. Returns the number of local steps
-        pushed (int).
+        PS copy holds every trained step; each worker then pulls the PS copy
+        at its next closure. One compiled function for all workers (eager
+        remote ops would cost one round trip each).
+
+        Returns:
+          The number of local steps pushed (int).
         """
         if self.strategy is None or not self._copies:
             return 0
-        pushed = 0
         with self._flush_lock:
             since_all = _per_worker(self._since)
             if since_all is None:  # no worker step has run yet
                 return 0
             copies = [c for c in self._copies.values()
                       if getattr(c.local, "_per_worker_vars", None) is not None]
-            for w, since_var in enumerate(since_all):
+            per_worker = [(since_all[w], _per_worker(self._last_g)[w],
+                           _per_worker(self._fresh)[w],
+                           [(_per_worker(c.local)[w], _per_worker(c.anchor)[w]) for c in copies])
+                          for w in range(len(since_all))]
+            # Rebuilt when workers re-created their variables or copies were added.
+            key = tuple(id(v) for _, _, _, pairs in per_worker for pair in pairs for v in pair)
+            key += tuple(id(s) for s, _, _, _ in per_worker)
+            if getattr(self, "_flush_key", None) != key:
+                self._flush_key = key
+                self._flush_fn = self._make_flush(copies, per_worker)
+            return int(self._flush_fn().numpy())
+
+    def _make_flush(self, copies, per_worker):
+        tracker = self.tracker
+
+        @tf.function(autograph=False)
+        def flush_all():
+            total = tf.constant(0, tf.int64)
+            for since_v, last_v, fresh_v, pairs in per_worker:
+                with tf.device(since_v.device):
+                    n = since_v.read_value()
+                pushes = []
                 # Every copy, also after evaluation-only closures (metrics).
-                for c in copies:
-                    local, anchor = _per_worker(c.local)[w], _per_worker(c.anchor)[w]
-                    value = local.read_value()
-                    c.master.assign_add(value - anchor.read_value())
-                    anchor.assign(value)
-                n = int(since_var.read_value().numpy())
-                if n:
-                    last = _per_worker(self._last_g)[w]
-                    g_after = self.tracker.record_increment(last.read_value())
-                    self.tracker.add_local_steps(tf.constant(n, tf.int64))
-                    last.assign(g_after)
-                    since_var.assign(tf.constant(0, tf.int64))
-                    pushed += n
-                # The worker pulls the merged model at its next step.
-                _per_worker(self._fresh)[w].assign(False)
-        return pushed
+                for c, (local, anchor) in zip(copies, pairs):
+                    with tf.device(local.device):
+                        value = local.read_value()
+                        delta = value - anchor.read_value()
+                    with tf.device(c.handle.device):
+                        pushes.append(gen_resource_variable_ops.assign_add_variable_op(
+                            c.handle, delta))
+                    with tf.device(local.device), tf.control_dependencies(pushes[-1:]):
+                        pushes.append(anchor.assign(value, read_value=False))
+
+                def record(n=n, last_v=last_v):
+                    g_after = tracker.record_increment(last_v.read_value())
+                    counted = tracker.add_local_steps(n)
+                    with tf.control_dependencies([counted]):
+                        return last_v.assign(g_after, read_value=True)
+
+                with tf.control_dependencies(pushes):
+                    done = tf.cond(n > 0, record, last_v.read_value)
+                with tf.control_dependencies([done]):
+                    # The worker pulls the merged model at its next closure.
+                    reset = [since_v.assign(tf.constant(0, tf.int64), read_value=False),
+                             fresh_v.assign(False, read_value=False)]
+                with tf.control_dependencies(reset):
+                    total = total + n
+            return total
+
+        return flush_all
 
 
 def _read(handle, dtype):

@@ -1,0 +1,128 @@
+"""tf-asyncps bench (its logic and a tiny real run) and straggler injection."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run_command, run_scenario, wait_dead
+from tf_asyncps import bench
+from tf_asyncps.straggler import StopContCycler, slow_dataset_fn
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_default_runs_cover_every_policy_and_the_baselines():
+    names = [r["name"] for r in bench.default_configs(num_workers=2)]
+    assert names[:2] == ["single", "vanilla"]
+    for p in ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas",
+              "async+locking", "local_sgd", "straggler_sync_all", "straggler_sync_backup"):
+        assert p in names
+    runs = {r["name"]: r for r in bench.default_configs(num_workers=2, sync_every=8,
+                                                        straggler_workers=5)}
+    assert runs["local_sgd"]["spe"] == 8 and runs["local_sgd"]["policy_args"] == {"sync_every": 8}
+    assert runs["straggler_sync_all"]["policy_args"] == {"replicas_to_aggregate": 5,
+                                                         "total_num_replicas": 5}
+    assert runs["straggler_sync_backup"]["policy_args"]["replicas_to_aggregate"] == 4
+
+
+def test_unknown_run_name_is_rejected():
+    with pytest.raises(ValueError, match="bench_only.*nope"):
+        bench.default_configs(only=["async", "nope"])
+
+
+def _result(name, steps_per_sec, acc=0.95, updates=None):
+    return {"name": name, "num_workers": 2, "spe": 16, "steps_per_sec": steps_per_sec,
+            "examples_per_sec": steps_per_sec * 32, "updates_per_sec": updates,
+            "test_accuracy": acc, "steps_to_target": 160, "seconds_to_target": 1.0,
+            "staleness": None, "segments": [{"steps": 160, "seconds": 1.0,
+                                             "test_accuracy": acc, "global_step": None}]}
+
+
+def test_summary_ratios_and_target_checks(tmp_path):
+    settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 160,
+                "eval_every": 160, "target_accuracy": 0.9}
+    results = [_result("single", 4000.0), _result("vanilla", 400.0),
+               _result("async", 380.0), _result("local_sgd", 2400.0, acc=0.91),
+               _result("straggler_sync_all", 50.0, updates=10.0),
+               _result("straggler_sync_backup", 50.0, updates=25.0),
+               {"name": "dc_asgd", "num_workers": 2, "spe": 16, "error": "timed out"}]
+    doc = bench.summarize(results, settings)
+    by = {r["name"]: r for r in doc["results"]}
+    assert by["async"]["x_vanilla"] == pytest.approx(0.95)
+    assert by["local_sgd"]["x_single"] == pytest.approx(0.6)
+    assert by["local_sgd"]["x_vanilla"] == pytest.approx(6.0)
+    checks = {c["check"]: c for c in doc["checks"]}
+    assert checks["async throughput / vanilla PSS"]["met"]
+    assert checks["local_sgd throughput / single process"]["met"]
+    backup = [c for c in doc["checks"] if c["check"].startswith("sync_replicas")][0]
+    assert backup["value"] == pytest.approx(2.5) and backup["met"]
+    paths = bench.write_outputs(doc, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == [
+        "bench.json", "bench.md", "throughput.png", "accuracy.png", "staleness.png"]
+    for p in paths[2:]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    md = open(paths[1]).read()
+    assert "| async | 2 | 16 | 380 |" in md and "failed: timed out" in md
+    assert json.load(open(paths[0]))["results"][2]["x_vanilla"] == pytest.approx(0.95)
+
+
+def test_tiny_bench_run_writes_a_well_formed_bench_json(tmp_path):
+    out = tmp_path / "bench"
+    rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench",
+                     "--bench_only=single,async", "--num_workers=1", "--bench_steps=32",
+                     "--bench_eval_every=16", "--bench_steps_per_execution=16",
+                              f"--output_dir={out}"], timeout=240)
+    assert rc == 0
+    assert "[2/2] async" in output  # progress lines
+    doc = json.load(open(out / "bench.json"))
+    by = {x["name"]: x for x in doc["results"]}
+    assert set(by) == {"single", "async"}
+    for x in by.values():
+        assert len(x["segments"]) == 2 and x["steps_per_sec"] > 0
+        assert 0.0 <= x["test_accuracy"] <= 1.0
+    assert by["single"]["staleness"] is None and by["single"]["x_single"] == 1.0
+    s = by["async"]["staleness"]
+    # One worker: every step applied once, tau always 0.
+    assert s["applied"] == s["global_step"] == 32 and s["max"] == 0
+    assert by["async"]["segments"][-1]["global_step"] == 32
+    assert (out / "bench.md").exists() and (out / "throughput.png").exists()
+
+
+def test_slow_dataset_fn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="slow_worker"):
+        slow_dataset_fn(lambda ctx: None, -1, 10)
+    with pytest.raises(ValueError, match="delay_ms"):
+        slow_dataset_fn(lambda ctx: None, 0, -5)
+
+
+def test_straggler_injection_slows_the_chosen_worker():
+    r = run_scenario("straggler_counts", num_workers=2, slow_worker=0, delay_ms=30, steps=40)
+    slow, fast = r["counts"]
+    assert slow + fast == 40  # every closure ran once
+    assert slow * 3 < fast  # the slowed worker took far fewer closures
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_stop_cont_cycler_pauses_and_always_continues():
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        with StopContCycler(proc.pid, stop_s=5.0, period_s=10.0) as cyc:
+            deadline = time.monotonic() + 5  # bounded poll for the first SIGSTOP
+            while _state(proc.pid) != "T" and time.monotonic() < deadline:
+                pass
+            assert _state(proc.pid) == "T" and cyc.cycles >= 1
+        assert _state(proc.pid) != "T"  # continued on exit, before stop_s elapsed
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    wait_dead([proc.pid], 10)

@@ -1,0 +1,52 @@
+"""local_sgd (LocalSteps): exactness with one worker, exact sums with several."""
+
+import pytest
+
+import tf_asyncps
+from conftest import run_scenario
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_sync_every_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="sync_every"):
+        tf_asyncps.policies.get("local_sgd", sync_every=bad)
+
+
+def test_registered_with_its_default():
+    p = tf_asyncps.policies.get("local_sgd")
+    assert isinstance(p, tf_asyncps.policies.LocalSteps)
+    assert p.get_config() == {"sync_every": 16}
+
+
+def test_one_worker_equals_plain_sgd():
+    """sync_every=3 with 20 steps per epoch: windows end mid-epoch and the
+    drain at each epoch end pushes the rest; the result is plain SGD."""
+    r = run_scenario("single_worker_fit", policy="local_sgd",
+                     policy_args={"sync_every": 3}, epochs=2, steps_per_epoch=20)
+    assert r["moved"] > 1e-2
+    assert r["max_abs_diff"] < 1e-5
+    s = r["stats"]
+    assert s["local_steps"] == 40  # every step counted
+    # Per epoch: exchanges at the starts of closures 4, 7, ..., 19 (6), plus
+    # the drain's push of the last 2 steps.
+    assert s["applied"] == s["global_step"] == 14 and s["dropped"] == 0
+    assert s["max"] == 0  # one worker: tau is always 0
+    assert r["iterations"] == 40  # the optimizer's counter is pushed exactly
+
+
+def test_several_workers_sum_exactly_and_pull_chief_changes():
+    r = run_scenario("local_sgd_linear", num_workers=3, steps=60, lr=0.5, sync_every=4)
+    first, s = r["first"], r["stats"]
+    # Gradient 1 everywhere: each local step moves w by -0.5, whoever runs it.
+    assert first["w"] == [2.0 - 0.5 * 60] * 4
+    assert first["iterations"] == 60
+    assert first["stats"]["local_steps"] == 60
+    fs = first["stats"]
+    assert fs["applied"] == fs["global_step"]
+    # At most one exchange per sync_every steps per worker, plus one drain push each.
+    assert 60 // 4 // 3 <= fs["applied"] <= 60 // 4 + 3
+    # After the chief's assign, workers continued from 100, not from their copies.
+    assert r["w"] == [100.0 - 0.5 * 60] * 4
+    assert r["iterations"] == 120 and s["local_steps"] == 120

@@ -1,0 +1,407 @@
+"""``tf-asyncps bench``: every policy side by side on the same cluster shape.
+
+One invocation runs, each in its own process (TensorFlow allows one cluster
+per process) on the same local cluster shape, model, data and settings:
+
+* ``single``: the model in one process, no strategy (the machine's limit);
+* ``vanilla``: ``tf.distribute.ParameterServerStrategy``;
+* each policy of this project under :class:`AsyncParameterServerStrategy`,
+  and ``async`` with a ``LockingOptimizer``;
+* the straggler pair: ``sync_replicas`` N-of-N and (N-1)-of-N (one backup
+  worker) with one worker slowed by a fixed delay per step.
+
+Every run trains the digits MLP with ``model.fit`` for ``--bench_steps``
+worker steps, evaluates test accuracy every ``--bench_eval_every`` steps
+(evaluation time excluded), and reports steps/s and examples/s after the
+first segment (which includes tracing), applied updates/s, the staleness
+histogram, and steps and seconds to ``--bench_target_accuracy``.
+
+Output in ``--output_dir``: ``bench.json`` (every number), ``bench.md`` (the
+table, with ratios to vanilla PSS and to single-process, and the issue's
+targets marked), and PNG plots (``throughput.png``, ``accuracy.png``,
+``staleness.png``).
+"""
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+__all__ = ["default_configs", "run_one", "run_all", "summarize", "write_outputs", "TARGETS"]
+
+#: Throughput ratios to vanilla PSS (same run) that the project aims for.
+TARGETS = {"async": 0.95, "drop_stale": 0.90, "staleness_aware": 0.90,
+           "dc_asgd": 0.75, "async+locking": 0.80}
+#: local_sgd: ratio to single-process, ratio to vanilla, test accuracy.
+LOCAL_SGD_TARGETS = {"x_single": 0.5, "x_vanilla": 5.0, "accuracy": 0.90}
+#: Applied updates/s of (N-1)-of-N over N-of-N with one slowed worker.
+BACKUP_TARGET = 2.0
+
+POLICY_ARGS = {"drop_stale": {"max_staleness": 2}, "ssp": {"max_staleness": 2},
+               "staleness_aware": {}, "dc_asgd": {}, "async": {}}
+
+
+def default_configs(num_workers: int = 2, sync_every: int = 16,
+                    steps_per_execution: int = 16, straggler_workers: int = 4,
+                    straggler_delay_ms: float = 100.0,
+                    only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """The runs of one bench invocation (dicts, JSON-serialisable).
+
+    Args:
+      num_workers: workers of every run except the straggler pair.
+      sync_every: local_sgd's window (steps); its closures hold that many steps.
+      steps_per_execution: worker steps per closure for the other runs.
+      straggler_workers: N of the straggler pair (>= 2).
+      straggler_delay_ms: delay per step of the slowed worker (ms).
+      only: run names to keep (None: all). Names: single, vanilla, async,
+        drop_stale, staleness_aware, ssp, dc_asgd, sync_replicas,
+        async+locking, local_sgd, straggler_sync_all, straggler_sync_backup.
+
+    Raises:
+      ValueError: an unknown name in ``only``.
+    """
+    spe = steps_per_execution
+    runs = [{"name": "single", "kind": "single", "spe": spe},
+            {"name": "vanilla", "kind": "vanilla", "spe": spe}]
+    for p in ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd"):
+        runs.append({"name": p, "kind": "policy", "policy": p,
+                     "policy_args": POLICY_ARGS[p], "spe": spe})
+    runs.append({"name": "sync_replicas", "kind": "policy", "policy": "sync_replicas",
+                 "policy_args": {"replicas_to_aggregate": num_workers}, "spe": spe})
+    runs.append({"name": "async+locking", "kind": "policy", "policy": "async",
+                 "policy_args": {}, "locking": True, "spe": spe})
+    runs.append({"name": "local_sgd", "kind": "policy", "policy": "local_sgd",
+                 "policy_args": {"sync_every": sync_every}, "spe": sync_every})
+    n = straggler_workers
+    for name, agg in (("straggler_sync_all", n), ("straggler_sync_backup", n - 1)):
+        runs.append({"name": name, "kind": "policy", "policy": "sync_replicas",
+                     "policy_args": {"replicas_to_aggregate": agg, "total_num_replicas": n},
+                     "spe": 1, "num_workers": n, "slow_worker": 0,
+                     "delay_ms": straggler_delay_ms, "straggler": True})
+    for r in runs:
+        r.setdefault("num_workers", num_workers)
+        r.setdefault("locking", False)
+    if only:
+        names = {r["name"] for r in runs}
+        unknown = [o for o in only if o not in names]
+        if unknown:
+            raise ValueError(f"--bench_only: unknown run(s) {unknown}; choose from "
+                             f"{sorted(names)}.")
+        runs = [r for r in runs if r["name"] in only]
+    return runs
+
+
+# -- one run (in its own process) ---------------------------------------------
+def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Trains one configuration and measures it. Runs in a fresh process.
+
+    Args:
+      run: one of :func:`default_configs`.
+      settings: batch_size, learning_rate, seed, steps, eval_every,
+        target_accuracy.
+
+    Returns:
+      A JSON-serialisable dict: ``segments`` (per evaluation: steps, seconds,
+      test_accuracy, global_step), ``steps_per_sec``, ``examples_per_sec``,
+      ``updates_per_sec``, ``steps_to_target``, ``seconds_to_target``,
+      ``test_accuracy``, ``staleness`` (StalenessStats.to_dict() or None).
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf_keras
+
+    from tf_asyncps import datasets, models, policies, straggler
+    from tf_asyncps import cluster as cluster_lib
+    from tf_asyncps.optimizers import LockingOptimizer
+    from tf_asyncps.strategy import AsyncParameterServerStrategy
+
+    batch, seed = settings["batch_size"], settings["seed"]
+    spe, eval_every = run["spe"], settings["eval_every"]
+    data = datasets.load("digits", seed=seed)
+    ds_fn = datasets.make_dataset_fn(data.x_train, data.y_train, batch, seed)
+    if run.get("slow_worker") is not None:
+        ds_fn = straggler.slow_dataset_fn(ds_fn, run["slow_worker"], run["delay_ms"])
+    tf_keras.utils.set_random_seed(seed)
+
+    def build():
+        model = models.build_model("mlp", data.num_features, data.num_classes, (128,), seed)
+        opt = tf_keras.optimizers.SGD(settings["learning_rate"])
+        if run["locking"]:
+            opt = LockingOptimizer(opt)
+        model.compile(opt, tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=spe)
+        return model
+
+    strategy = cluster = None
+    if run["kind"] == "single":
+        model = build()
+        fit_data = ds_fn(tf.distribute.InputContext())
+    else:
+        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"], num_ps=1).start()
+        if run["kind"] == "vanilla":
+            config = cluster_lib.validate_tf_config(cluster.tf_config("chief", 0))
+            cluster_lib.wait_for_tasks(config, 30.0)
+            cluster_lib.configure_local_context(run["num_workers"])
+            strategy = tf.distribute.ParameterServerStrategy(cluster.resolver())
+        else:
+            strategy = AsyncParameterServerStrategy(
+                cluster.resolver(), update_policy=policies.get(run["policy"],
+                                                               **run["policy_args"]))
+        with strategy.scope():
+            model = build()
+        fit_data = tf_keras.utils.experimental.DatasetCreator(ds_fn)
+
+    # Built after connecting: the connection replaces the local devices.
+    evaluator = models.build_model("mlp", data.num_features, data.num_classes, (128,), seed)
+
+    def global_step():
+        if isinstance(strategy, AsyncParameterServerStrategy):
+            return strategy.staleness_stats().global_step
+        return None
+
+    segments = []
+
+    class Probe(tf_keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self.t0  # before evaluation
+            evaluator.set_weights(model.get_weights())
+            # A direct call: evaluate() inside fit would take the PSS path.
+            logits = evaluator(data.x_test, training=False).numpy()
+            acc = float((logits.argmax(axis=1) == data.y_test).mean())
+            segments.append({"steps": eval_every, "seconds": seconds,
+                             "test_accuracy": float(acc), "global_step": global_step()})
+
+    n_segments = max(1, settings["steps"] // eval_every)
+    try:
+        model.fit(fit_data, epochs=n_segments, steps_per_epoch=eval_every, verbose=0,
+                  callbacks=[Probe()])
+    finally:
+        if cluster is not None:  # children also die with this process
+            cluster.stop(defer_if_connected=True)
+    steady = segments[1:] or segments
+    secs = sum(s["seconds"] for s in steady)
+    steps = sum(s["steps"] for s in steady)
+    out = {"segments": segments, "steps_per_sec": steps / secs,
+           "examples_per_sec": steps * batch / secs, "updates_per_sec": None,
+           "test_accuracy": segments[-1]["test_accuracy"],
+           "steps_to_target": None, "seconds_to_target": None, "staleness": None}
+    if len(steady) < len(segments) and steady[0]["global_step"] is not None:
+        out["updates_per_sec"] = (segments[-1]["global_step"] -
+                                  segments[0]["global_step"]) / secs
+    cum_steps = cum_secs = 0
+    for s in segments:
+        cum_steps += s["steps"]
+        cum_secs += s["seconds"]
+        if s["test_accuracy"] >= settings["target_accuracy"]:
+            out["steps_to_target"], out["seconds_to_target"] = cum_steps, cum_secs
+            break
+    if isinstance(strategy, AsyncParameterServerStrategy):
+        out["staleness"] = strategy.staleness_stats().to_dict()
+    return out
+
+
+# -- orchestration ---------------------------------------------------------------
+def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
+            timeout_s: float = 300.0, say=print) -> List[Dict[str, Any]]:
+    """Runs each configuration in a child process, one after the other.
+
+    A run that fails or outlives ``timeout_s`` is reported with an ``error``
+    (its process group is killed) and the others still run.
+
+    Returns:
+      One dict per run: the run's settings plus :func:`run_one`'s result.
+    """
+    results = []
+    t_start = time.perf_counter()
+    for i, run in enumerate(runs):
+        say(f"[{i + 1}/{len(runs)}] {run['name']}: {run['num_workers']} worker(s), "
+            f"{run['spe']} steps per closure"
+            + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
+               if run.get("straggler") else "") + " ...")
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "tf_asyncps.bench", json.dumps(run), json.dumps(settings)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+            error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            error = f"timed out after {timeout_s:g} s"
+        result = None
+        for line in (output or "").splitlines():
+            if line.startswith("BENCH_RESULT: "):
+                result = json.loads(line[len("BENCH_RESULT: "):])
+        entry = dict(run)
+        if result is None:
+            tail = "\n".join((output or "").splitlines()[-8:])
+            entry["error"] = (error or "no result") + (f"\n{tail}" if tail else "")
+            say(f"    FAILED ({error or 'no result'}); last output:\n{tail}")
+        else:
+            entry.update(result)
+            say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
+                f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
+                f"{time.perf_counter() - t_start:.0f} s so far)")
+        results.append(entry)
+    return results
+
+
+def _by_name(results):
+    return {r["name"]: r for r in results if "error" not in r}
+
+
+def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Adds ratios and target checks; returns the bench.json document."""
+    ok = _by_name(results)
+    single = ok.get("single", {}).get("steps_per_sec")
+    vanilla = ok.get("vanilla", {}).get("steps_per_sec")
+    for r in results:
+        if "error" in r:
+            continue
+        r["x_vanilla"] = r["steps_per_sec"] / vanilla if vanilla else None
+        r["x_single"] = r["steps_per_sec"] / single if single else None
+    checks = []
+
+    def check(what, value, target):
+        checks.append({"check": what, "value": value, "target": target,
+                       "met": value is not None and value >= target})
+
+    for name, target in TARGETS.items():
+        if name in ok and vanilla:
+            check(f"{name} throughput / vanilla PSS", ok[name]["x_vanilla"], target)
+    if "local_sgd" in ok:
+        ls = ok["local_sgd"]
+        if single:
+            check("local_sgd throughput / single process", ls["x_single"],
+                  LOCAL_SGD_TARGETS["x_single"])
+        if vanilla:
+            check("local_sgd throughput / vanilla PSS", ls["x_vanilla"],
+                  LOCAL_SGD_TARGETS["x_vanilla"])
+        check("local_sgd test accuracy", ls["test_accuracy"], LOCAL_SGD_TARGETS["accuracy"])
+    if "straggler_sync_all" in ok and "straggler_sync_backup" in ok:
+        a = ok["straggler_sync_all"]["updates_per_sec"]
+        b = ok["straggler_sync_backup"]["updates_per_sec"]
+        check("sync_replicas with a backup worker: applied updates/s vs N-of-N",
+              b / a if a else None, BACKUP_TARGET)
+    import tensorflow as tf
+    return {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "tensorflow": tf.__version__},
+        "settings": settings, "results": results, "checks": checks,
+    }
+
+
+def _fmt(v, spec=".2f"):
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(bench: Dict[str, Any]) -> str:
+    """The bench table (and target checks) as markdown."""
+    s = bench["settings"]
+    lines = [
+        f"Digits MLP 64-128-10, SGD lr {s['learning_rate']}, batch {s['batch_size']} "
+        f"per worker step, {s['steps']} worker steps per run, 1 ps; "
+        f"{bench['machine']['cpus']} CPUs, TensorFlow {bench['machine']['tensorflow']}, "
+        f"{bench['machine']['platform']}.",
+        "",
+        "| run | workers | steps/closure | steps/s | examples/s | × vanilla | × single | "
+        "updates/s | τ mean | τ max | dropped | steps to "
+        f"{s['target_accuracy']:.0%} | s to {s['target_accuracy']:.0%} | test acc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in bench["results"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['num_workers']} | {r['spe']} | failed: "
+                         f"{r['error'].splitlines()[0]} |" + " |" * 10)
+            continue
+        st = r.get("staleness") or {}
+        lines.append(
+            f"| {r['name']} | {r['num_workers']} | {r['spe']} | {r['steps_per_sec']:.0f} | "
+            f"{r['examples_per_sec']:.0f} | {_fmt(r.get('x_vanilla'))} | "
+            f"{_fmt(r.get('x_single'))} | {_fmt(r.get('updates_per_sec'), '.0f')} | "
+            f"{_fmt(st.get('mean'))} | {st.get('max', '–')} | {st.get('dropped', '–')} | "
+            f"{r['steps_to_target'] or 'not reached'} | {_fmt(r['seconds_to_target'], '.1f')} | "
+            f"{r['test_accuracy']:.3f} |")
+    if bench["checks"]:
+        lines += ["", "| target | measured | aim | met |", "|---|---|---|---|"]
+        for c in bench["checks"]:
+            lines.append(f"| {c['check']} | {_fmt(c['value'])} | >= {c['target']} | "
+                         f"{'yes' if c['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:
+    """Writes bench.json, bench.md and the PNG plots; returns the paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(output_dir, exist_ok=True)
+    paths = [os.path.join(output_dir, n) for n in
+             ("bench.json", "bench.md", "throughput.png", "accuracy.png", "staleness.png")]
+    with open(paths[0], "w") as f:
+        json.dump(bench, f, indent=2)
+    with open(paths[1], "w") as f:
+        f.write(markdown(bench))
+    ok = [r for r in bench["results"] if "error" not in r]
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar([r["name"] for r in ok], [r["steps_per_sec"] for r in ok])
+    ax.set_ylabel("worker steps / s")
+    ax.set_title("Throughput (after the first segment)")
+    ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in ok:
+        xs, ys, t = [], [], 0.0
+        for seg in r["segments"]:
+            t += seg["seconds"]
+            xs.append(t)
+            ys.append(seg["test_accuracy"])
+        ax.plot(xs, ys, marker="o", label=r["name"])
+    ax.axhline(bench["settings"]["target_accuracy"], color="gray", linestyle="--")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("test accuracy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[3], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in ok:
+        st = r.get("staleness")
+        if st and sum(st["histogram"]):
+            h = st["histogram"]
+            last = max(i for i, c in enumerate(h) if c) + 1
+            total = float(sum(h))
+            ax.plot(range(last), [c / total for c in h[:last]], marker=".", label=r["name"])
+    ax.set_xlabel("staleness τ (global steps)")
+    ax.set_ylabel("fraction of applied updates")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[4], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def main_child(argv: List[str]) -> None:
+    result = run_one(json.loads(argv[1]), json.loads(argv[2]))
+    print("BENCH_RESULT: " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip TF's teardown against the stopped cluster
+
+
+if __name__ == "__main__":
+    main_child(sys.argv)

@@ -1,0 +1,104 @@
+"""Straggler injection for benchmarks and tests.
+
+Two ways to slow one chosen worker:
+
+* :func:`slow_dataset_fn`: a fixed delay per worker step, added to the input
+  pipeline of the worker with a given index (a tf.data sleep that runs on
+  that worker only: deterministic, no signals, works on remote hosts).
+* :class:`StopContCycler`: SIGSTOP/SIGCONT cycles of a worker process (local
+  processes only), a whole-process pause as on an overloaded host.
+"""
+
+import os
+import signal
+import threading
+from typing import Callable
+
+__all__ = ["slow_dataset_fn", "StopContCycler"]
+
+
+def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> Callable:
+    """Wraps a per-worker ``dataset_fn(input_context)`` so that the worker with
+    index ``slow_worker`` waits ``delay_ms`` before each element (one element =
+    one worker step's batch).
+
+    Args:
+      dataset_fn: the per-worker dataset function (as for ``DatasetCreator``).
+      slow_worker: index of the worker to slow (int >= 0); other workers get
+        no delay. The index is read on the worker when its dataset is built.
+      delay_ms: delay per element in milliseconds (float >= 0).
+
+    Returns:
+      A dataset function of the same signature.
+
+    Raises:
+      ValueError: a negative ``slow_worker`` or ``delay_ms``.
+    """
+    if isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0:
+        raise ValueError(f"slow_worker must be a worker index >= 0, got {slow_worker!r}.")
+    if not delay_ms >= 0:
+        raise ValueError(f"delay_ms must be >= 0 milliseconds, got {delay_ms!r}.")
+
+    def wrapped(input_context):
+        import tensorflow as tf
+        from tensorflow.python.data.experimental.ops import testing as data_testing
+        ds = dataset_fn(input_context)
+        me = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                     tf.int64)
+        delay_us = tf.where(tf.equal(me, slow_worker),
+                            tf.constant(int(delay_ms * 1000), tf.int64),
+                            tf.constant(0, tf.int64))
+        return ds.apply(data_testing.sleep(delay_us))
+
+    return wrapped
+
+
+class StopContCycler:
+    """Pauses a process with SIGSTOP for ``stop_s`` every ``period_s`` seconds.
+
+    Use as a context manager; on exit (also on error) the process is always
+    continued with SIGCONT.
+
+    Args:
+      pid: the worker process id (int).
+      stop_s: seconds stopped per cycle (float > 0).
+      period_s: cycle length in seconds (float > stop_s).
+
+    Raises:
+      ValueError: bad timings.
+    """
+
+    def __init__(self, pid: int, stop_s: float, period_s: float):
+        if not (stop_s > 0 and period_s > stop_s):
+            raise ValueError(f"need 0 < stop_s < period_s, got stop_s={stop_s!r}, "
+                             f"period_s={period_s!r}.")
+        self.pid, self.stop_s, self.period_s = pid, stop_s, period_s
+        self.cycles = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._done.is_set():
+            try:
+                os.kill(self.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                return
+            self.cycles += 1
+            self._done.wait(self.stop_s)
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+            self._done.wait(self.period_s - self.stop_s)
+
+    def __enter__(self) -> "StopContCycler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.period_s + 5)
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
