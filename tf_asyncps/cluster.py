@@ -113,7 +113,7 @@ def _check_address(job: str, i: int, addr, cluster) -> str:
             sep = ""
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         _fail(f'{where} = "{addr}" is not a "host:port" address with a port in '
-              f'1..65535 (IPv6: "[::1]:2222").', cluster)
+              f'1..65535; write it like "10.0.0.2:2222" (IPv6: "[::1]:2222").', cluster)
     return addr
 
 
@@ -186,7 +186,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
                   f'"host:port".', cluster)
     if len(cluster["chief"]) != 1:
         _fail(f'cluster["chief"] has {len(cluster["chief"])} addresses; a cluster '
-              'has exactly one chief.', cluster)
+              'has exactly one chief: keep one address there (extra trainers are '
+              '"worker" tasks).', cluster)
     seen = {}
     for job in ROLES:
         for i, addr in enumerate(cluster[job]):
@@ -200,7 +201,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
         _check_address("evaluator", i, addr, cluster)
     rpc = cfg.get("rpc_layer", "grpc")
     if rpc != "grpc":
-        _fail(f'"rpc_layer" is {rpc!r}; only "grpc" is supported.', cluster)
+        _fail(f'"rpc_layer" is {rpc!r}; only "grpc" is supported: set '
+              '"rpc_layer": "grpc" or leave it out.', cluster)
     task = cfg.get("task")
     task_type = task_id = None
     if task is None or task == {}:
