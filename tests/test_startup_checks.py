@@ -1,0 +1,105 @@
+"""Start-up checks (issue 6): a port that is not a TF gRPC server is named
+instead of hanging."""
+
+import http.server
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import portpicker
+import pytest
+
+from conftest import ROOT, _env, stop_process, wait_dead
+from tf_asyncps import cluster
+from tf_asyncps.cluster import validate_tf_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(ps="127.0.0.1:2001", worker="127.0.0.1:2002", chief="127.0.0.1:2000",
+            task=("worker", 0), **extra):
+    cfg = {"cluster": {"chief": [chief], "ps": [ps], "worker": [worker], **extra},
+           "task": {"type": task[0], "index": task[1]}}
+    return cfg
+
+
+# -- the gRPC handshake probe -----------------------------------------------
+
+def test_probe_passes_for_a_real_tensorflow_server(tmp_path):
+    """A real `tf-asyncps server` (tf.distribute.Server) in a subprocess."""
+    ports = [portpicker.pick_unused_port() for _ in range(3)]
+    cfg = _config(ps=f"127.0.0.1:{ports[0]}", worker=f"127.0.0.1:{ports[1]}",
+                  chief=f"127.0.0.1:{ports[2]}", task=("ps", 0))
+    env = _env()
+    env["TF_CONFIG"] = json.dumps(cfg)
+    log = tmp_path / "ps.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "server"], env=env,
+                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        config = validate_tf_config(cfg)
+        cluster.wait_for_tasks(config, timeout_s=60, jobs=("ps",), procs={"ps:0": p})
+        assert cluster.probe_grpc(f"127.0.0.1:{ports[0]}") == (cluster.PROBE_OK, "")
+        assert p.poll() is None
+    finally:
+        stop_process(p)
+    wait_dead([p.pid])
+    text = log.read_text()
+    assert f"serving ps:0 at 127.0.0.1:{ports[0]}" in text, text
+
+
+def test_silent_open_port_is_named_within_the_timeout():
+    port = portpicker.pick_unused_port()
+    with socket.create_server(("127.0.0.1", port), backlog=4):  # accepts, says nothing
+        assert cluster.probe_grpc(f"127.0.0.1:{port}", timeout=0.5)[0] == cluster.PROBE_SILENT
+        config = validate_tf_config(_config(ps=f"127.0.0.1:{port}"))
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError) as e:
+            cluster.wait_for_tasks(config, timeout_s=1.5, jobs=("ps",))
+        seconds = time.perf_counter() - t0
+    assert (f"ps:0 at 127.0.0.1:{port} answers but is not a TensorFlow gRPC server"
+            in str(e.value))
+    assert "no HTTP/2 SETTINGS frame" in str(e.value)
+    assert 1.5 <= seconds < 3.5, seconds
+
+
+def test_http_server_is_named_at_once():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        addr = f"127.0.0.1:{server.server_address[1]}"
+        config = validate_tf_config(_config(ps=addr))
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError) as e:
+            cluster.wait_for_tasks(config, timeout_s=30, jobs=("ps",))
+        seconds = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    msg = str(e.value)
+    assert f"ps:0 at {addr} answers but is not a TensorFlow gRPC server" in msg
+    assert "it answered b'" in msg and "not an HTTP/2 SETTINGS frame" in msg
+    assert "Another program holds that port" in msg
+    assert seconds < 1.0, seconds
+
+
+def test_unreachable_and_silent_tasks_are_each_named_within_the_timeout():
+    dead, quiet = portpicker.pick_unused_port(), portpicker.pick_unused_port()
+    with socket.create_server(("127.0.0.1", quiet), backlog=4):
+        config = validate_tf_config(_config(ps=f"127.0.0.1:{dead}",
+                                            worker=f"127.0.0.1:{quiet}"))
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError) as e:
+            cluster.wait_for_tasks(config, timeout_s=1.0)
+        seconds = time.perf_counter() - t0
+    msg = str(e.value)
+    assert f"cannot reach ps:0 at 127.0.0.1:{dead}" in msg
+    assert f"worker:0 at 127.0.0.1:{quiet} answers but is not" in msg
+    assert "after 1 s" in msg and "--connect_timeout_s" in msg
+    assert 1.0 <= seconds < 3.0, seconds
