@@ -1,8 +1,9 @@
 """Start-up checks (issue 6): a port that is not a TF gRPC server is named
-instead of hanging."""
+instead of hanging, and evaluator jobs are left out of training."""
 
 import http.server
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -26,13 +27,21 @@ def _config(ps="127.0.0.1:2001", worker="127.0.0.1:2002", chief="127.0.0.1:2000"
     return cfg
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(cluster, "_WARNED", set())
+
+
 # -- the gRPC handshake probe -----------------------------------------------
 
-def test_probe_passes_for_a_real_tensorflow_server(tmp_path):
-    """A real `tf-asyncps server` (tf.distribute.Server) in a subprocess."""
-    ports = [portpicker.pick_unused_port() for _ in range(3)]
+def test_probe_passes_for_a_real_tensorflow_server_and_evaluator_is_left_out(tmp_path):
+    """A real `tf-asyncps server` (tf.distribute.Server) in a subprocess. Its
+    TF_CONFIG names an evaluator at a silent port: the server must ignore it."""
+    ports = [portpicker.pick_unused_port() for _ in range(4)]
+    silent = socket.create_server(("127.0.0.1", ports[3]), backlog=4)  # never accepts
     cfg = _config(ps=f"127.0.0.1:{ports[0]}", worker=f"127.0.0.1:{ports[1]}",
-                  chief=f"127.0.0.1:{ports[2]}", task=("ps", 0))
+                  chief=f"127.0.0.1:{ports[2]}", task=("ps", 0),
+                  evaluator=[f"127.0.0.1:{ports[3]}"])
     env = _env()
     env["TF_CONFIG"] = json.dumps(cfg)
     log = tmp_path / "ps.log"
@@ -47,9 +56,11 @@ def test_probe_passes_for_a_real_tensorflow_server(tmp_path):
         assert p.poll() is None
     finally:
         stop_process(p)
+        silent.close()
     wait_dead([p.pid])
     text = log.read_text()
     assert f"serving ps:0 at 127.0.0.1:{ports[0]}" in text, text
+    assert text.count("TF_CONFIG lists evaluator task(s)") == 1, text
 
 
 def test_silent_open_port_is_named_within_the_timeout():
@@ -103,3 +114,17 @@ def test_unreachable_and_silent_tasks_are_each_named_within_the_timeout():
     assert f"worker:0 at 127.0.0.1:{quiet} answers but is not" in msg
     assert "after 1 s" in msg and "--connect_timeout_s" in msg
     assert 1.0 <= seconds < 3.0, seconds
+
+
+# -- evaluator jobs ----------------------------------------------------------
+
+def test_evaluator_is_left_out_of_the_resolver_with_one_warning(caplog):
+    caplog.set_level(logging.WARNING)
+    cfg = validate_tf_config(_config(task=("chief", 0), evaluator=["127.0.0.1:2011"]))
+    resolver = cluster.cluster_resolver(cfg)
+    cluster.cluster_resolver(cfg)
+    assert resolver.cluster_spec().as_dict() == {
+        "chief": ["127.0.0.1:2000"], "ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002"]}
+    assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("chief", 0, "grpc")
+    warnings = [r.getMessage() for r in caplog.records if "evaluator" in r.getMessage()]
+    assert len(warnings) == 1 and "['127.0.0.1:2011']" in warnings[0], warnings

@@ -24,6 +24,7 @@ from absl import logging
 __all__ = [
     "ClusterConfig", "validate_tf_config", "tf_config_from_env",
     "cluster_resolver", "server_config", "configure_local_context",
+    "warn_evaluators",
     "wait_for_tasks", "probe_grpc", "start_server", "LocalCluster", "ROLES",
 ]
 
@@ -239,18 +240,52 @@ def tf_config_from_env(require_task: bool = True) -> ClusterConfig:
     return validate_tf_config(None, require_task=require_task)
 
 
+_WARNED = set()  # keys of the warnings this process has logged
+
+
+def _warn_once(key: str, msg: str, *args) -> bool:
+    """Logs ``msg`` with absl ``logging.warning`` unless ``key`` already was."""
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    logging.warning(msg, *args)
+    return True
+
+
+def warn_evaluators(config: ClusterConfig) -> bool:
+    """Logs (once per process) that the cluster's evaluator tasks are ignored.
+
+    Returns:
+      True if the warning was logged by this call.
+    """
+    if not config.evaluators:
+        return False
+    return _warn_once(
+        "evaluator",
+        "TF_CONFIG lists evaluator task(s) %s: training ignores them and leaves them "
+        "out of the cluster it gives TensorFlow (run sidecar evaluation separately).",
+        config.evaluators)
+
+
 def cluster_resolver(config: Union[ClusterConfig, str, dict, None] = None):
     """A ``SimpleClusterResolver`` for a validated config (default: TF_CONFIG).
 
-    An "evaluator" job is dropped with a warning: it takes no part in training.
+    Args:
+      config: a ClusterConfig, a TF_CONFIG string or dict, or None (reads the
+        ``TF_CONFIG`` environment variable).
+
+    Returns:
+      A ``tf.distribute.cluster_resolver.SimpleClusterResolver`` over the
+      chief, ps and worker jobs only: an "evaluator" job is left out, with a
+      warning, so TensorFlow never waits for it.
+
+    Raises:
+      ValueError: an invalid TF_CONFIG (see :func:`validate_tf_config`).
     """
     import tensorflow as tf
     if not isinstance(config, ClusterConfig):
         config = validate_tf_config(config)
-    if config.evaluators:
-        logging.warning(
-            "TF_CONFIG lists evaluator task(s) %s: they are ignored by training "
-            "(run sidecar evaluation separately).", config.evaluators)
+    warn_evaluators(config)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         config.cluster_spec(), task_type=config.task_type,
         task_id=config.task_id, rpc_layer="grpc")
@@ -422,6 +457,15 @@ def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
 def start_server(config: ClusterConfig):
     """Starts the ``tf.distribute.Server`` of this ps/worker task (not joined).
 
+    An "evaluator" job in the TF_CONFIG is left out of the server's cluster
+    (with a warning, see :func:`warn_evaluators`).
+
+    Args:
+      config: the validated cluster; its task must be a ps or a worker.
+
+    Returns:
+      The started ``tf.distribute.Server``.
+
     Raises:
       ValueError: if the task is not a ps or worker.
     """
@@ -429,6 +473,7 @@ def start_server(config: ClusterConfig):
     if config.task_type not in ("ps", "worker"):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
+    warn_evaluators(config)
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.
         try:
