@@ -1,5 +1,6 @@
-"""Start-up checks (issue 6): a port that is not a TF gRPC server is named
-instead of hanging, and evaluator jobs are left out of training."""
+"""Start-up checks (issue 6): a bad TF_CONFIG fails before TensorFlow is
+imported, a port that is not a TF gRPC server is named instead of hanging,
+and evaluator jobs are left out of training."""
 
 import http.server
 import json
@@ -13,7 +14,7 @@ import time
 import portpicker
 import pytest
 
-from conftest import ROOT, _env, stop_process, wait_dead
+from conftest import ROOT, _env, run_command, stop_process, wait_dead
 from tf_asyncps import cluster
 from tf_asyncps.cluster import validate_tf_config
 
@@ -27,9 +28,53 @@ def _config(ps="127.0.0.1:2001", worker="127.0.0.1:2002", chief="127.0.0.1:2000"
     return cfg
 
 
+def _cli(*args, tf_config, timeout=60):
+    env = _env()
+    env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
+    t0 = time.perf_counter()
+    rc, out = run_command([sys.executable, "-m", "tf_asyncps", *args], timeout=timeout,
+                          env=env, check=False)
+    return rc, out, time.perf_counter() - t0
+
+
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(cluster, "_WARNED", set())
+
+
+# -- a malformed TF_CONFIG fails in under 2 s, before TensorFlow ------------
+
+CLI_BAD = [
+    ({"cluster": {"ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002"]},
+      "task": {"type": "worker", "index": 0}}, 'no "chief" task'),
+    ('{"cluster": {"chief": ["127.0.0.1:2000"]', "not valid JSON"),
+    (_config(ps="127.0.0.1:70000"), 'cluster["ps"][0] = "127.0.0.1:70000"'),
+    (_config(workers=["127.0.0.1:2003"]), 'unknown job "workers"'),
+    (_config(task=("worker", 3)), "task index 3 is out of range"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "server"])
+@pytest.mark.parametrize("tf_config,words", CLI_BAD, ids=[str(i) for i in range(len(CLI_BAD))])
+def test_cli_fails_on_bad_tf_config_in_under_2_s(command, tf_config, words):
+    rc, out, seconds = _cli(command, tf_config=tf_config)
+    assert rc == 1 and f"tf-asyncps {command}: error: Invalid TF_CONFIG" in out, out
+    assert words in out, out
+    assert "Traceback" not in out
+    assert seconds < 2.0, f"took {seconds:.2f} s"
+
+
+def test_cli_validates_before_importing_tensorflow():
+    code = ("import sys\n"
+            "sys.argv = ['tf-asyncps', 'train']\n"
+            "from tf_asyncps import cli\n"
+            "try:\n    cli.run()\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+            "print('TF_IMPORTED', 'tensorflow' in sys.modules)\n")
+    env = _env()
+    env["TF_CONFIG"] = json.dumps(_config(ps="127.0.0.1:0"))
+    _, out = run_command([sys.executable, "-c", code], timeout=60, env=env)
+    assert 'cluster["ps"][0] = "127.0.0.1:0"' in out
+    assert "TF_IMPORTED False" in out, out
 
 
 # -- the gRPC handshake probe -----------------------------------------------
