@@ -1,10 +1,12 @@
 """Start-up checks (issue 6): a bad TF_CONFIG fails before TensorFlow is
 imported, a port that is not a TF gRPC server is named instead of hanging,
-and evaluator jobs are left out of training."""
+evaluator jobs are left out, and a task refuses an address that is not its
+host's (security: the servers are unauthenticated)."""
 
 import http.server
 import json
 import logging
+import pathlib
 import socket
 import subprocess
 import sys
@@ -19,6 +21,8 @@ from tf_asyncps import cluster
 from tf_asyncps.cluster import validate_tf_config
 
 pytestmark = pytest.mark.timeout(120)
+
+FOREIGN = "203.0.113.77"  # TEST-NET-3 (RFC 5737): never a real host's address
 
 
 def _config(ps="127.0.0.1:2001", worker="127.0.0.1:2002", chief="127.0.0.1:2000",
@@ -106,6 +110,7 @@ def test_probe_passes_for_a_real_tensorflow_server_and_evaluator_is_left_out(tmp
     text = log.read_text()
     assert f"serving ps:0 at 127.0.0.1:{ports[0]}" in text, text
     assert text.count("TF_CONFIG lists evaluator task(s)") == 1, text
+    assert "SECURITY" not in text  # every address is loopback
 
 
 def test_silent_open_port_is_named_within_the_timeout():
@@ -173,3 +178,126 @@ def test_evaluator_is_left_out_of_the_resolver_with_one_warning(caplog):
     assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("chief", 0, "grpc")
     warnings = [r.getMessage() for r in caplog.records if "evaluator" in r.getMessage()]
     assert len(warnings) == 1 and "['127.0.0.1:2011']" in warnings[0], warnings
+
+
+# -- security: exposure warning, own address ---------------------------------
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.3.2.1", True), ("localhost", True), ("[::1]", True),
+    ("::1", True), ("LOCALHOST", True), ("10.0.0.2", False), ("host-a", False),
+    ("[fd00::2]", False), ("0.0.0.0", False)])
+def test_is_loopback(host, loopback):
+    assert cluster.is_loopback(host) is loopback
+
+
+def test_non_loopback_cluster_warns_once_with_the_addresses(caplog):
+    caplog.set_level(logging.WARNING)
+    cfg = validate_tf_config(_config(worker="10.0.0.7:2222", evaluator=["host-e:1"]))
+    assert cluster.exposed_addresses(cfg) == ["worker:0 at 10.0.0.7:2222",
+                                              "evaluator:0 at host-e:1"]
+    assert cluster.warn_if_exposed(cfg) is True
+    assert cluster.warn_if_exposed(cfg) is False  # once per process
+    msgs = [r.getMessage() for r in caplog.records if "SECURITY" in r.getMessage()]
+    assert len(msgs) == 1
+    assert "worker:0 at 10.0.0.7:2222" in msgs[0] and "evaluator:0 at host-e:1" in msgs[0]
+    assert ".github/SECURITY.md" in msgs[0] and msgs[0].count("\n") >= 5
+
+
+def test_loopback_cluster_does_not_warn(caplog):
+    caplog.set_level(logging.WARNING)
+    cfg = validate_tf_config(_config(worker="localhost:2222", ps="[::1]:2001"))
+    assert cluster.exposed_addresses(cfg) == []
+    assert cluster.warn_if_exposed(cfg) is False
+    assert not [r for r in caplog.records if "SECURITY" in r.getMessage()]
+
+
+def _local_non_loopback_ip():
+    """An IPv4 address of a local interface, found with a UDP connect (sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if cluster.is_loopback(ip) or ip == "0.0.0.0" else ip
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "0.0.0.0",
+                                  socket.gethostname(), "local-interface-ip"])
+def test_own_address_of_this_host_passes(host):
+    if host == "local-interface-ip":
+        host = _local_non_loopback_ip()
+        if host is None:
+            pytest.skip("this machine has no non-loopback IPv4 address")
+    cfg = validate_tf_config(_config(worker=f"{host}:2222"))
+    t0 = time.perf_counter()
+    cluster.check_own_address(cfg)  # no error
+    assert cluster.host_is_local(host.strip("[]"))
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_foreign_own_address_fails_unless_allowed():
+    with socket.socket() as s, pytest.raises(OSError):  # premise: FOREIGN is not ours
+        s.bind((FOREIGN, 0))
+    cfg = validate_tf_config(_config(worker=f"{FOREIGN}:2222", ps=f"{FOREIGN}:2223"))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        cluster.check_own_address(cfg)
+    assert time.perf_counter() - t0 < 2.0
+    msg = str(e.value)
+    assert f'this task is worker:0, but its address cluster["worker"][0] = "{FOREIGN}:2222"' \
+        in msg and "is not an address of this host" in msg
+    assert "--allow_foreign_address" in msg
+    cluster.check_own_address(cfg, allow_foreign=True)  # the override
+    # Only this task's own address matters: a foreign ps is fine for the chief.
+    cluster.check_own_address(validate_tf_config(_config(ps=f"{FOREIGN}:2223",
+                                                         task=("chief", 0))))
+
+
+def test_unresolvable_own_address_fails_with_the_name():
+    cfg = validate_tf_config(_config(ps="no-such-host.invalid:2001", task=("ps", 0)))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        cluster.check_own_address(cfg, timeout_s=1.0)
+    assert time.perf_counter() - t0 < 2.0
+    msg = str(e.value)
+    assert 'host "no-such-host.invalid" does not resolve' in msg
+    assert 'cluster["ps"][0] = "no-such-host.invalid:2001"' in msg
+    assert "--allow_foreign_address" in msg
+
+
+def test_cli_server_refuses_a_foreign_own_address_fast():
+    rc, out, seconds = _cli("server", tf_config=_config(worker=f"{FOREIGN}:2222"))
+    assert rc == 1 and f'cluster["worker"][0] = "{FOREIGN}:2222"' in out, out
+    assert "is not an address of this host" in out and "--allow_foreign_address" in out
+    assert "Traceback" not in out and seconds < 2.0
+
+
+def test_cli_allow_foreign_address_passes_the_check_and_warns_once():
+    # The chief's own address is foreign; with the flag it passes the check
+    # and stops at the next bad input (--hidden), before training starts.
+    rc, out, _ = _cli("train", "--allow_foreign_address", "--hidden=x",
+                      tf_config=_config(chief=f"{FOREIGN}:2220", task=("chief", 0)))
+    assert rc != 0 and "--hidden must be integers" in out, out
+    assert "is not an address of this host" not in out
+    assert out.count("*** SECURITY: this cluster has non-loopback addresses: "
+                     f"chief:0 at {FOREIGN}:2220") == 1, out
+    assert out.count(".github/SECURITY.md") == 1
+
+
+def test_security_docs_and_network_policy():
+    root = pathlib.Path(ROOT)
+    readme = (root / "README.md").read_text()
+    assert "(.github/SECURITY.md)" in readme and "(configs/k8s_networkpolicy.yaml)" in readme
+    security = (root / ".github" / "SECURITY.md").read_text()
+    for words in ("unauthenticated", "*:port", "NetworkPolicy", "--allow_foreign_address",
+                  "unshare --net"):
+        assert words in security, words
+    yaml = pytest.importorskip("yaml")
+    policy = yaml.safe_load((root / "configs" / "k8s_networkpolicy.yaml").read_text())
+    assert policy["kind"] == "NetworkPolicy"
+    spec = policy["spec"]
+    job = spec["podSelector"]["matchLabels"]
+    assert list(job) == ["tf-asyncps/job"] and spec["policyTypes"] == ["Ingress"]
+    # The only ingress rule: from pods of the same job.
+    assert spec["ingress"] == [{"from": [{"podSelector": {"matchLabels": job}}]}]
