@@ -299,9 +299,14 @@ def _split(addr: str):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or IP, IPv6 with or without brackets) is loopback.
+    """Whether ``host`` is a loopback address, without any name lookup.
 
-    Names other than "localhost" count as not loopback (no lookup is made).
+    Args:
+      host: a name or an IP (IPv6 with or without brackets).
+
+    Returns:
+      True for "localhost" (and "*.localhost") and loopback IPs; False for
+      every other name, even one that resolves to loopback.
     """
     h = host.strip("[]").lower()
     if h == "localhost" or h.endswith(".localhost"):
@@ -313,7 +318,14 @@ def is_loopback(host: str) -> bool:
 
 
 def exposed_addresses(config: ClusterConfig) -> List[str]:
-    """The "job:i at host:port" entries of ``config`` whose host is not loopback."""
+    """The tasks of ``config`` (evaluators included) whose host is not loopback.
+
+    Args:
+      config: a validated cluster.
+
+    Returns:
+      A list of "job:i at host:port" strings, in cluster order.
+    """
     named = [(f"{j}:{i}", a) for j in config.jobs for i, a in enumerate(config[j])]
     named += [(f"evaluator:{i}", a) for i, a in enumerate(config.evaluators)]
     return [f"{n} at {a}" for n, a in named if not is_loopback(_split(a)[0])]
@@ -324,6 +336,9 @@ def warn_if_exposed(config: ClusterConfig) -> bool:
 
     TensorFlow's gRPC servers accept unauthenticated requests that can run any
     op, and listen on all interfaces whatever host the cluster names.
+
+    Args:
+      config: a validated cluster.
 
     Returns:
       True if the warning was logged by this call.
@@ -350,7 +365,7 @@ def _bounded(fn, timeout_s: float):
     def run():
         try:
             box["value"] = fn()
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
 
     t = threading.Thread(target=run, daemon=True, name="tf_asyncps-resolve")
@@ -412,12 +427,12 @@ def host_is_local(host: str, timeout_s: float = 2.0) -> bool:
     try:
         infos = _bounded(lambda: socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP),
                          timeout_s)
-    except (OSError, TimeoutError) as e:
+    except (OSError, TimeoutError, UnicodeError) as e:
         raise ValueError(f'host "{host}" does not resolve on this machine ({e})') from None
     try:
         mine = set(_bounded(lambda: socket.gethostbyname_ex(socket.gethostname())[2],
                             timeout_s))
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, UnicodeError):
         mine = set()
     for family, _, _, _, sockaddr in infos:
         ip = sockaddr[0].split("%")[0]
