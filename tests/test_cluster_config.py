@@ -36,50 +36,89 @@ def _with(**changes):
 
 _DELETE = object()
 
-# (TF_CONFIG, words the message must contain)
+# (TF_CONFIG, words naming the field at fault, words giving the fix)
 BAD = [
     # case 001 as reported: no chief
     ({"cluster": {"ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002", "127.0.0.1:2003"]},
-      "task": {"type": "worker", "index": 0}}, ['no "chief" task', '"worker"']),
-    (_with(cluster__ps=[]), ['cluster["ps"] is an empty list']),
-    (_with(cluster__worker=[]), ['cluster["worker"] is an empty list']),
-    (_with(cluster__ps=_DELETE), ['no "ps" task']),
-    (_with(cluster__worker=_DELETE), ['no "worker" task']),
-    (_with(task__index=2), ["index 2 is out of range", "0..1"]),
-    (_with(task__index=-1), ["out of range"]),
-    (_with(task__index="0"), ['"index"', "integer"]),
-    (_with(task__type="master"), ["'master'", '"chief"']),
-    (_with(cluster__master=["127.0.0.1:2009"]), ['unknown job "master"', '"chief"']),
-    (_with(task__type="gpu_worker"), ["must be one of"]),
-    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1"]), ['"127.0.0.1"', "host:port"]),
-    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:99999"]), ["1..65535"]),
-    (_with(cluster__worker=["127.0.0.1:2002", "host name:1"]), ["host:port"]),
-    (_with(cluster__worker=["127.0.0.1:2002", 2003]), ["not a string"]),
-    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:2002"]), ["used twice"]),
-    (_with(cluster__worker=["127.0.0.1:2002", "localhost:2001"]), ["used twice", "ps:0"]),
-    (_with(cluster__chief=["127.0.0.1:2000", "127.0.0.1:2010"]), ["exactly one chief"]),
-    (_with(cluster__ps="127.0.0.1:2001"), ["must be a list"]),
-    (_with(cluster=_DELETE), ['"cluster" is missing']),
-    (_with(task=_DELETE), ['"task" is missing']),
-    (_with(task=["worker", 0]), ['"task" must be an object']),
-    (_with(rpc_layer="grpc+verbs"), ['"rpc_layer"']),
-    ('{"cluster": {"chief": ["a:1"]', ["not valid JSON"]),
-    ("[1, 2]", ["JSON object"]),
-    (_with(task__type="evaluator", cluster__evaluator=["127.0.0.1:2011"]), ["evaluator"]),
+      "task": {"type": "worker", "index": 0}}, ['no "chief" task', '"worker"'],
+     ['add "chief": ["host:port"]']),
+    (_with(cluster__ps=[]), ['cluster["ps"] is an empty list'], ['at least one "host:port"']),
+    (_with(cluster__worker=[]), ['cluster["worker"] is an empty list'], ["at least one"]),
+    (_with(cluster__chief=[]), ['cluster["chief"] is an empty list'], ["at least one"]),
+    (_with(cluster__ps=_DELETE), ['no "ps" task'], ['add "ps": ["host:port"]']),
+    (_with(cluster__worker=_DELETE), ['no "worker" task'], ['add "worker": ["host:port"]']),
+    (_with(cluster__chief=_DELETE), ['no "chief" task'], ['add "chief": ["host:port"]']),
+    (_with(task__index=2), ["index 2 is out of range"], ["0..1"]),
+    (_with(task__index=-1), ["index -1 is out of range"], ["0..1"]),
+    (_with(task__index="0"), ['"index" is \'0\''], ["an integer such as 0"]),
+    (_with(task__index=True), ['"index" is True'], ["an integer such as 0"]),
+    (_with(task__index=1.0), ['"index" is 1.0'], ["an integer such as 0"]),
+    (_with(task__index=None), ['"index" is None'], ["an integer such as 0"]),
+    (_with(task__type="master"), ['"type" is \'master\''], ['name it "chief"']),
+    (_with(task__type=None), ['"type" is None'], ["must be one of ['chief', 'ps', 'worker']"]),
+    (_with(task__type="gpu_worker"), ["'gpu_worker'"], ["must be one of"]),
+    (_with(task__type="evaluator", cluster__evaluator=["127.0.0.1:2011"]),
+     ['task is an "evaluator"'], ["separate evaluation job"]),
+    (_with(cluster__master=["127.0.0.1:2009"]), ['unknown job "master"'], ['name it "chief"']),
+    (_with(cluster__workers=["127.0.0.1:2009"]), ['unknown job "workers"'],
+     ['called "worker" (singular)']),
+    (_with(cluster__parameter_server=["127.0.0.1:2009"]),
+     ['unknown job "parameter_server"'], ['called "ps"']),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1"]),
+     ['cluster["worker"][1] = "127.0.0.1"'], ['write it like "10.0.0.2:2222"']),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:99999"]),
+     ['cluster["worker"][1]'], ["port in 1..65535"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:70000"]),
+     ['cluster["worker"][1] = "127.0.0.1:70000"'], ["port in 1..65535"]),
+    (_with(cluster__ps=["127.0.0.1:0"]), ['cluster["ps"][0] = "127.0.0.1:0"'],
+     ["port in 1..65535"]),
+    (_with(cluster__ps=["127.0.0.1:-1"]), ['cluster["ps"][0]'], ["port in 1..65535"]),
+    (_with(cluster__ps=["127.0.0.1:22a"]), ['cluster["ps"][0]'], ["host:port"]),
+    (_with(cluster__ps=[":2001"]), ['cluster["ps"][0] = ":2001"'], ["host:port"]),
+    (_with(cluster__ps=["[::1]"]), ['cluster["ps"][0] = "[::1]"'], ['"[::1]:2222"']),
+    (_with(cluster__worker=["127.0.0.1:2002", "host name:1"]), ['"host name:1"'],
+     ["host:port"]),
+    (_with(cluster__worker=["127.0.0.1:2002", 2003]), ['cluster["worker"][1] = 2003'],
+     ['write it as "host:port"']),
+    (_with(cluster__chief=[None]), ['cluster["chief"][0] = None'],
+     ['write it as "host:port"']),
+    (_with(cluster__worker=["127.0.0.1:2002", "127.0.0.1:2002"]),
+     ['"127.0.0.1:2002" is used twice', "worker:0 and worker:1"], ["its own port"]),
+    (_with(cluster__worker=["127.0.0.1:2002", "localhost:2001"]), ["used twice", "ps:0"],
+     ["its own port"]),
+    (_with(cluster__chief=["127.0.0.1:2000", "127.0.0.1:2010"]),
+     ['cluster["chief"] has 2 addresses'], ["keep one address"]),
+    (_with(cluster__ps="127.0.0.1:2001"), ['cluster["ps"] must be a list'], ['"host:port"']),
+    (_with(cluster__evaluator=["127.0.0.1"]), ['cluster["evaluator"][0]'], ["host:port"]),
+    (_with(cluster=_DELETE), ['"cluster" is missing'], ['maps "chief", "ps" and "worker"']),
+    (_with(cluster={}), ['"cluster" is missing or empty'], ['maps "chief"']),
+    (_with(task=_DELETE), ['"task" is missing'], ['add "task": {"type": "worker"']),
+    (_with(task=["worker", 0]), ['"task" must be an object'], ['{"type": "worker"']),
+    (_with(rpc_layer="grpc+verbs"), ["\"rpc_layer\" is 'grpc+verbs'"],
+     ['set "rpc_layer": "grpc" or leave it out']),
+    ('{"cluster": {"chief": ["a:1"]', ["not valid JSON"], ["Check the quoting"]),
+    ("{'cluster': {}}", ["not valid JSON"], ["Check the quoting"]),
+    ("[1, 2]", ["must be a JSON object"], ['with "cluster" and "task"']),
 ]
 
 
-@pytest.mark.parametrize("tf_config,words", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_tf_config_fails_fast_with_a_clear_message(tf_config, words):
+@pytest.mark.parametrize("tf_config,field,fix", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_tf_config_fails_fast_with_a_clear_message(tf_config, field, fix):
     t0 = time.perf_counter()
     with pytest.raises(ValueError) as e:
         validate_tf_config(tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
     assert time.perf_counter() - t0 < 2.0
     msg = str(e.value)
-    for w in words:
+    assert msg.startswith("Invalid TF_CONFIG: "), msg
+    for w in field + fix:
         assert w in msg, msg
-    if isinstance(tf_config, dict) and "cluster" in tf_config:
+    if isinstance(tf_config, dict) and tf_config.get("cluster"):
         assert "cluster read from TF_CONFIG" in msg  # shows what it read
+
+
+def test_bad_tf_config_variants_are_distinct():
+    keys = [t if isinstance(t, str) else json.dumps(t, sort_keys=True) for t, _, _ in BAD]
+    assert len(set(keys)) == len(BAD) >= 20
 
 
 def test_case_001_no_chief_shows_the_cluster_it_read():

@@ -50,6 +50,11 @@ flags.DEFINE_float("timeout_s", 1800.0, "launch: seconds before the whole job is
                    lower_bound=1.0)
 flags.DEFINE_integer("max_tracked_staleness", 32, "Last bin of the staleness histograms.",
                      lower_bound=1)
+flags.DEFINE_boolean(
+    "allow_foreign_address", False,
+    "train/server: start even if this task's own address in TF_CONFIG is not an "
+    "address of this host. For NAT or port-forwarding set-ups, where the other tasks "
+    "reach this one at an address it does not own.")
 
 
 # bench (see tf_asyncps/bench.py); it also uses --num_workers, --batch_size,
@@ -116,18 +121,27 @@ def _serve(config):
     server.join()
 
 
+def _startup_checks(config):
+    """Checks that need no TensorFlow: this task's own address, exposure."""
+    from tf_asyncps import cluster
+    cluster.check_own_address(config, allow_foreign=FLAGS.allow_foreign_address)
+    cluster.warn_if_exposed(config)
+
+
 def cmd_server(argv):
     from tf_asyncps import cluster
     config = cluster.tf_config_from_env()
     if config.task_type == "chief":
         raise ValueError('TF_CONFIG names this task "chief": the chief trains; run it with '
                          "`tf-asyncps train`, and `server` for ps/worker tasks.")
+    _startup_checks(config)
     _serve(config)
 
 
 def cmd_train(argv):
     from tf_asyncps import cluster
     config = cluster.tf_config_from_env()
+    _startup_checks(config)
     if config.task_type in ("ps", "worker"):
         return _serve(config)
     cfg = _job_config()

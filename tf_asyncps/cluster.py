@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -24,7 +25,9 @@ from absl import logging
 __all__ = [
     "ClusterConfig", "validate_tf_config", "tf_config_from_env",
     "cluster_resolver", "server_config", "configure_local_context",
-    "wait_for_tasks", "start_server", "LocalCluster", "ROLES",
+    "warn_evaluators", "warn_if_exposed", "exposed_addresses", "is_loopback",
+    "host_is_local", "check_own_address",
+    "wait_for_tasks", "probe_grpc", "start_server", "LocalCluster", "ROLES",
 ]
 
 #: Task types of a training cluster. "evaluator" is accepted and ignored.
@@ -113,7 +116,7 @@ def _check_address(job: str, i: int, addr, cluster) -> str:
             sep = ""
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         _fail(f'{where} = "{addr}" is not a "host:port" address with a port in '
-              f'1..65535 (IPv6: "[::1]:2222").', cluster)
+              f'1..65535; write it like "10.0.0.2:2222" (IPv6: "[::1]:2222").', cluster)
     return addr
 
 
@@ -186,7 +189,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
                   f'"host:port".', cluster)
     if len(cluster["chief"]) != 1:
         _fail(f'cluster["chief"] has {len(cluster["chief"])} addresses; a cluster '
-              'has exactly one chief.', cluster)
+              'has exactly one chief: keep one address there (extra trainers are '
+              '"worker" tasks).', cluster)
     seen = {}
     for job in ROLES:
         for i, addr in enumerate(cluster[job]):
@@ -200,7 +204,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
         _check_address("evaluator", i, addr, cluster)
     rpc = cfg.get("rpc_layer", "grpc")
     if rpc != "grpc":
-        _fail(f'"rpc_layer" is {rpc!r}; only "grpc" is supported.', cluster)
+        _fail(f'"rpc_layer" is {rpc!r}; only "grpc" is supported: set '
+              '"rpc_layer": "grpc" or leave it out.', cluster)
     task = cfg.get("task")
     task_type = task_id = None
     if task is None or task == {}:
@@ -237,21 +242,240 @@ def tf_config_from_env(require_task: bool = True) -> ClusterConfig:
     return validate_tf_config(None, require_task=require_task)
 
 
+_WARNED = set()  # keys of the warnings this process has logged
+
+
+def _warn_once(key: str, msg: str, *args) -> bool:
+    """Logs ``msg`` with absl ``logging.warning`` unless ``key`` already was."""
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    logging.warning(msg, *args)
+    return True
+
+
+def warn_evaluators(config: ClusterConfig) -> bool:
+    """Logs (once per process) that the cluster's evaluator tasks are ignored.
+
+    Returns:
+      True if the warning was logged by this call.
+    """
+    if not config.evaluators:
+        return False
+    return _warn_once(
+        "evaluator",
+        "TF_CONFIG lists evaluator task(s) %s: training ignores them and leaves them "
+        "out of the cluster it gives TensorFlow (run sidecar evaluation separately).",
+        config.evaluators)
+
+
 def cluster_resolver(config: Union[ClusterConfig, str, dict, None] = None):
     """A ``SimpleClusterResolver`` for a validated config (default: TF_CONFIG).
 
-    An "evaluator" job is dropped with a warning: it takes no part in training.
+    Args:
+      config: a ClusterConfig, a TF_CONFIG string or dict, or None (reads the
+        ``TF_CONFIG`` environment variable).
+
+    Returns:
+      A ``tf.distribute.cluster_resolver.SimpleClusterResolver`` over the
+      chief, ps and worker jobs only: an "evaluator" job is left out, with a
+      warning, so TensorFlow never waits for it.
+
+    Raises:
+      ValueError: an invalid TF_CONFIG (see :func:`validate_tf_config`).
     """
     import tensorflow as tf
     if not isinstance(config, ClusterConfig):
         config = validate_tf_config(config)
-    if config.evaluators:
-        logging.warning(
-            "TF_CONFIG lists evaluator task(s) %s: they are ignored by training "
-            "(run sidecar evaluation separately).", config.evaluators)
+    warn_evaluators(config)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         config.cluster_spec(), task_type=config.task_type,
         task_id=config.task_id, rpc_layer="grpc")
+
+
+def _split(addr: str):
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address, without any name lookup.
+
+    Args:
+      host: a name or an IP (IPv6 with or without brackets).
+
+    Returns:
+      True for "localhost" (and "*.localhost") and loopback IPs; False for
+      every other name, even one that resolves to loopback.
+    """
+    h = host.strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed_addresses(config: ClusterConfig) -> List[str]:
+    """The tasks of ``config`` (evaluators included) whose host is not loopback.
+
+    Args:
+      config: a validated cluster.
+
+    Returns:
+      A list of "job:i at host:port" strings, in cluster order.
+    """
+    named = [(f"{j}:{i}", a) for j in config.jobs for i, a in enumerate(config[j])]
+    named += [(f"evaluator:{i}", a) for i, a in enumerate(config.evaluators)]
+    return [f"{n} at {a}" for n, a in named if not is_loopback(_split(a)[0])]
+
+
+def warn_if_exposed(config: ClusterConfig) -> bool:
+    """Warns loudly (once per process) when the cluster reaches past loopback.
+
+    TensorFlow's gRPC servers accept unauthenticated requests that can run any
+    op, and listen on all interfaces whatever host the cluster names.
+
+    Args:
+      config: a validated cluster.
+
+    Returns:
+      True if the warning was logged by this call.
+    """
+    exposed = exposed_addresses(config)
+    if not exposed:
+        return False
+    shown = ", ".join(exposed[:6]) + (f" and {len(exposed) - 6} more" if len(exposed) > 6 else "")
+    return _warn_once(
+        "exposed",
+        "\n*** SECURITY: this cluster has non-loopback addresses: %s.\n"
+        "*** TensorFlow's gRPC servers accept UNAUTHENTICATED requests that can run\n"
+        "*** any op (read and write files, run code), and listen on ALL interfaces\n"
+        "*** (*:port) whatever host TF_CONFIG names. Run this job only on a network\n"
+        "*** that nothing but the job's own tasks can reach (firewall, Kubernetes\n"
+        "*** NetworkPolicy: configs/k8s_networkpolicy.yaml). See .github/SECURITY.md.",
+        shown)
+
+
+def _bounded(fn, timeout_s: float):
+    """Runs ``fn()`` in a daemon thread; raises TimeoutError after ``timeout_s``."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="tf_asyncps-resolve")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _nonlocal_bind_allowed(family) -> bool:
+    path = ("/proc/sys/net/ipv4/ip_nonlocal_bind" if family == socket.AF_INET
+            else "/proc/sys/net/ipv6/ip_nonlocal_bind")
+    try:
+        with open(path) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+def _binds_here(family, sockaddr) -> bool:
+    """Whether a socket can bind ``sockaddr`` (port 0): the IP is this host's."""
+    if _nonlocal_bind_allowed(family):
+        return False  # bind would succeed for any address: no evidence
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0) + tuple(sockaddr[2:]))
+        return True
+    except OSError:
+        return False
+
+
+def host_is_local(host: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``host`` names this machine.
+
+    True for loopback, the wildcard, this host's name, and any name or IP
+    that resolves to an address a socket can bind here (that is, an address
+    of a local interface) or to an address of this host's name. Sends no
+    packet; name lookups are bounded by ``timeout_s``.
+
+    Args:
+      host: a name or an IP (IPv6 with or without brackets).
+      timeout_s: bound on each name lookup, in seconds.
+
+    Returns:
+      bool.
+
+    Raises:
+      ValueError: ``host`` does not resolve (or not within ``timeout_s``).
+    """
+    h = host.strip("[]").lower()
+    if is_loopback(h) or h in ("0.0.0.0", "::"):
+        return True
+    me = socket.gethostname().lower()
+    if h in (me, me.split(".")[0]):
+        return True
+    try:
+        infos = _bounded(lambda: socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP),
+                         timeout_s)
+    except (OSError, TimeoutError, UnicodeError) as e:
+        raise ValueError(f'host "{host}" does not resolve on this machine ({e})') from None
+    try:
+        mine = set(_bounded(lambda: socket.gethostbyname_ex(socket.gethostname())[2],
+                            timeout_s))
+    except (OSError, TimeoutError, UnicodeError):
+        mine = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0].split("%")[0]
+        if ip in mine or is_loopback(ip) or _binds_here(family, sockaddr):
+            return True
+    return False
+
+
+def check_own_address(config: ClusterConfig, allow_foreign: bool = False,
+                      timeout_s: float = 2.0) -> None:
+    """Checks that this task's address in the cluster belongs to this host.
+
+    Other tasks reach this one at ``cluster[task.type][task.index]``; when that
+    address is another machine's, the task index or type is usually wrong, and
+    this task's traffic would go to someone else.
+
+    Args:
+      config: the validated cluster with this task's type and index.
+      allow_foreign: skip the check (NAT or port forwarding, where the address
+        others use is not one of this host's own).
+      timeout_s: bound on each name lookup, in seconds.
+
+    Raises:
+      ValueError: naming the address and the fix.
+    """
+    if allow_foreign or config.task_type is None:
+        return
+    where = f'cluster["{config.task_type}"][{config.task_id}]'
+    addr = config[config.task_type][config.task_id]
+    host = _split(addr)[0]
+    fix = ('Fix this task\'s "type"/"index" or the address; behind NAT or port '
+           'forwarding pass --allow_foreign_address.')
+    try:
+        local = host_is_local(host, timeout_s)
+    except ValueError as e:
+        raise ValueError(f"Invalid TF_CONFIG: this task is {config.task_type}:"
+                         f"{config.task_id} at {where} = \"{addr}\", and {e}. {fix}") from None
+    if not local:
+        raise ValueError(
+            f"Invalid TF_CONFIG: this task is {config.task_type}:{config.task_id}, but "
+            f"its address {where} = \"{addr}\" is not an address of this host "
+            f"({socket.gethostname()}): the other tasks would send its traffic to "
+            f"another machine. {fix}")
 
 
 def inter_op_threads(num_workers: int) -> int:
@@ -301,28 +525,96 @@ def _reachable(addr: str, timeout: float) -> bool:
         return False
 
 
+# HTTP/2 client preface + an empty SETTINGS frame (RFC 9113 3.4, 6.5).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_H2_SETTINGS = 0x04
+
+#: Results of :func:`probe_grpc`.
+PROBE_OK, PROBE_UNREACHABLE, PROBE_SILENT, PROBE_WRONG = "ok", "unreachable", "silent", "wrong"
+
+
+def probe_grpc(addr: str, timeout: float = 1.0):
+    """Checks that ``addr`` is an HTTP/2 (gRPC) server, such as a TF server.
+
+    Connects, sends the HTTP/2 client preface and an empty SETTINGS frame,
+    and requires the peer's first frame to be SETTINGS (every HTTP/2 server
+    opens with one). A TCP connect alone is not enough: a port held by some
+    other program accepts it, and TensorFlow's connect then hangs.
+
+    Args:
+      addr: "host:port" (IPv6 as "[::1]:port").
+      timeout: seconds for the connect and, again, for the answer.
+
+    Returns:
+      (status, detail): status is PROBE_OK, PROBE_UNREACHABLE (no TCP
+      connection), PROBE_SILENT (accepted but no answer within ``timeout``,
+      or closed) or PROBE_WRONG (answered with something that is not
+      HTTP/2); detail says what was seen.
+    """
+    host, _, port = addr.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except OSError as e:
+        return PROBE_UNREACHABLE, f"connect failed: {e.strerror or e}"
+    with sock:
+        head = b""
+        deadline = time.monotonic() + timeout
+        try:
+            sock.sendall(_H2_PREFACE)
+            while len(head) < 4:  # frame header: length (3 bytes), type (1 byte)
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = sock.recv(9 - len(head))
+                if not chunk:
+                    return PROBE_SILENT, "it closed the connection without an HTTP/2 answer"
+                head += chunk
+        except socket.timeout:
+            return PROBE_SILENT, (f"it accepted the connection but sent no HTTP/2 "
+                                  f"SETTINGS frame within {timeout:.1f} s")
+        except OSError as e:  # reset: the process went away
+            return PROBE_UNREACHABLE, f"the connection failed: {e.strerror or e}"
+    if head[3] != _H2_SETTINGS:
+        return PROBE_WRONG, f"it answered {head!r}, not an HTTP/2 SETTINGS frame"
+    return PROBE_OK, ""
+
+
 def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
                    jobs: Sequence[str] = ("ps", "worker"),
-                   procs: Optional[Dict[str, subprocess.Popen]] = None) -> None:
-    """Waits until every task of ``jobs`` accepts TCP connections.
+                   procs: Optional[Dict[str, subprocess.Popen]] = None,
+                   probe_timeout_s: float = 1.0) -> None:
+    """Waits until every task of ``jobs`` is a serving gRPC server.
+
+    Each task must accept a TCP connection and answer the HTTP/2 handshake
+    (:func:`probe_grpc`), so a port held by another program is reported
+    instead of hanging TensorFlow's connect.
 
     Args:
       config: the cluster.
       timeout_s: seconds to wait in all.
       jobs: which jobs to check.
       procs: optional {"job:i": Popen}; a process that exits fails at once.
+      probe_timeout_s: seconds for one probe's connect and for its answer.
 
     Raises:
-      TimeoutError: naming each task still unreachable after ``timeout_s``.
-      RuntimeError: a process in ``procs`` exited during the wait.
+      TimeoutError: naming each task still unreachable or silent after
+        ``timeout_s``.
+      RuntimeError: a task answered with something that is not HTTP/2 (fails
+        at once), or a process in ``procs`` exited during the wait.
     """
     pending = {f"{j}:{i}": a for j in jobs for i, a in enumerate(config.get(j, []))}
+    state = {}  # name -> (status, detail) of its last probe
     deadline = time.monotonic() + timeout_s
     delay = 0.05
     while pending:
         for name, addr in list(pending.items()):
-            if _reachable(addr, timeout=1.0):
+            left = max(0.05, min(probe_timeout_s, deadline - time.monotonic()))
+            status, detail = state[name] = probe_grpc(addr, timeout=left)
+            if status == PROBE_OK:
                 del pending[name]
+            elif status == PROBE_WRONG:
+                raise RuntimeError(
+                    f"{name} at {addr} answers but is not a TensorFlow gRPC server: "
+                    f"{detail}. Another program holds that port: fix the address "
+                    "in TF_CONFIG or stop that program.")
         if not pending:
             return
         for name, p in (procs or {}).items():
@@ -331,16 +623,35 @@ def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
                     f"task {name} exited with code {p.returncode} before serving at "
                     f"{pending[name]}.")
         if time.monotonic() > deadline:
+            silent = {n: a for n, a in pending.items() if state[n][0] == PROBE_SILENT}
+            parts = []
+            if silent:
+                parts.append("; ".join(
+                    f"{n} at {a} answers but is not a TensorFlow gRPC server "
+                    f"({state[n][1]})" for n, a in silent.items()))
+            down = {n: a for n, a in pending.items() if n not in silent}
+            if down:
+                parts.append("cannot reach " + ", ".join(
+                    f"{n} at {a}" for n, a in down.items()))
             raise TimeoutError(
-                "cannot reach " + ", ".join(f"{n} at {a}" for n, a in pending.items())
-                + f" after {timeout_s:.0f} s: is the task running, is the address "
-                "right and is its port open? (connect timeout: --connect_timeout_s)")
+                "; ".join(parts) + f" after {timeout_s:g} s: is the task running "
+                "(`tf-asyncps server`), is the address right and is its port open? "
+                "(connect timeout: --connect_timeout_s)")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
 
 
 def start_server(config: ClusterConfig):
     """Starts the ``tf.distribute.Server`` of this ps/worker task (not joined).
+
+    An "evaluator" job in the TF_CONFIG is left out of the server's cluster
+    (with a warning, see :func:`warn_evaluators`).
+
+    Args:
+      config: the validated cluster; its task must be a ps or a worker.
+
+    Returns:
+      The started ``tf.distribute.Server``.
 
     Raises:
       ValueError: if the task is not a ps or worker.
@@ -349,6 +660,7 @@ def start_server(config: ClusterConfig):
     if config.task_type not in ("ps", "worker"):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
+    warn_evaluators(config)
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.
         try:

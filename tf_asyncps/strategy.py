@@ -426,7 +426,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     Args:
       cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver``
-        with "chief", "ps" and "worker" jobs.
+        with "chief", "ps" and "worker" jobs; an "evaluator" job is left out
+        of the cluster TensorFlow connects to, with a warning.
       update_policy: a registered policy name (``tf_asyncps.policies.names()``)
         or a ``tf_asyncps.policies.UpdatePolicy``.
       variable_partitioner: as in ``ParameterServerStrategy``.
@@ -464,6 +465,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 f"AsyncParameterServerStrategy runs on the chief; this task is "
                 f"{config.task_type}:{config.task_id}. Start ps and worker tasks "
                 "with `tf-asyncps server` (or `train`, which serves them).")
+        if set(spec) - set(cluster_lib.ROLES):
+            # An evaluator is no server of this cluster: connecting to it would hang.
+            cluster_resolver = cluster_lib.cluster_resolver(config)
         cluster_lib.wait_for_tasks(config, connect_timeout_s)
         cluster_lib.configure_local_context(config.num_workers)
         super().__init__(cluster_resolver, variable_partitioner)
