@@ -11,7 +11,8 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
 * ``_use_merge_call``/``_replica_ctx_update``/``_replica_ctx_all_reduce``:
   with one replica per worker there is nothing to merge, so updates run
   directly in the replica context (this is what lets a policy put an
-  optimizer update under ``tf.cond``).
+  optimizer update under ``tf.cond``). Workers with several GPUs would run
+  one replica per GPU, so the strategy refuses them when it is built.
 """
 
 import sys
@@ -22,6 +23,7 @@ from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
+from tf_asyncps import devices
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.locking import PSLock, run_collecting_ops
@@ -306,6 +308,24 @@ def _copy_to(value, device):
         return tf.identity(value)
 
 
+def _check_one_replica_per_worker(num_replicas: int) -> None:
+    """Raises ValueError if workers would run several replicas per step.
+
+    ParameterServerStrategy makes one replica per GPU of a worker and joins
+    them with ``merge_call``; the policy engine's ``tf.cond`` around the
+    update cannot contain a ``merge_call`` (TensorFlow raises "merge_call
+    called while defining a new graph"), and per-replica bookkeeping would
+    count one worker step K times. See README "GPU workers".
+    """
+    if num_replicas > 1:
+        raise ValueError(
+            f"every worker has {num_replicas} GPUs, so each worker step would run "
+            f"{num_replicas} replicas. {devices.ONE_GPU_PER_WORKER} Give each worker task one "
+            "GPU: tf-asyncps launch --gpus_per_worker=1, or CUDA_VISIBLE_DEVICES=<one index> "
+            f"(tf-asyncps train --gpus=<one index>) per worker task, and unset "
+            f"{devices.LOGICAL_GPUS}.")
+
+
 def _worker_index():
     """The current worker's index (int64 scalar) inside a scheduled closure."""
     from tensorflow.python.framework import ops
@@ -425,6 +445,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._extended._retrace_functions_for_each_device = (
             old._retrace_functions_for_each_device)
         self._extended.skip_nonfinite = bool(skip_nonfinite)
+        _check_one_replica_per_worker(self._extended._num_replicas_in_sync)
         policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
         # Model.fit and user code get this coordinator (one per strategy).
@@ -438,6 +459,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def update_policy(self) -> "policies_lib.UpdatePolicy":
         """The UpdatePolicy object in use."""
         return self._extended.policy
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """GPUs each worker task has (0: CPU workers); at most 1."""
+        return int(self._extended._num_gpus_per_worker)
 
     @property
     def staleness_tracker(self) -> StalenessTracker:
