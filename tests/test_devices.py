@@ -132,11 +132,13 @@ def _env_with_gpus(tmp_path, gpus):
     (2, ["--gpus=0"], ["--gpus is for `train`/`server`", "--gpus_per_worker"]),
 ], ids=["no_gpu", "too_few", "k2", "gpus_flag"])
 def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, words):
+    t0 = time.perf_counter()
     rc, out = _cli("launch", *args, env=_env_with_gpus(tmp_path, gpus))
     assert rc != 0 and "Traceback" not in out
     for w in words:
         assert w in out, out[-2000:]
     assert "cluster up" not in out
+    assert time.perf_counter() - t0 < 10  # checked before TensorFlow is imported
 
 
 def test_train_rejects_a_bad_gpus_flag_before_tensorflow_loads():

@@ -135,10 +135,8 @@ def cmd_train(argv):
 
 
 def cmd_launch(argv):
-    from tf_asyncps import cluster
-    cfg = _job_config()  # bad flags fail here, before any process starts
-    from tf_asyncps import devices, policies
-    policies.get(cfg.policy, **cfg.policy_args).validate_cluster(FLAGS.num_workers)
+    from tf_asyncps import cluster, devices
+    # GPU placement first: it needs neither TensorFlow nor CUDA.
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
                          "each worker its GPUs with --gpus_per_worker=K.")
@@ -150,6 +148,9 @@ def cmd_launch(argv):
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),
         memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
+    cfg = _job_config()  # bad flags fail here, before any process starts
+    from tf_asyncps import policies
+    policies.get(cfg.policy, **cfg.policy_args).validate_cluster(FLAGS.num_workers)
     if cfg.dataset != "digits":  # may need a download: fail before starting anything
         from tf_asyncps import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)
