@@ -151,3 +151,26 @@ def test_train_rejects_a_bad_gpus_flag_before_tensorflow_loads():
     rc, out = _cli("server", "--gpus=first", env=env)
     assert rc != 0 and "--gpus='first'" in out and "Traceback" not in out
     assert time.perf_counter() - t0 < 30
+
+
+def test_launch_gives_each_worker_its_gpu_and_trains_mixed_bfloat16(tmp_path):
+    """Two (fake) GPUs, one per worker: each task's CUDA_VISIBLE_DEVICES is in
+    its log; on this CPU machine TensorFlow finds no GPU and trains on CPU."""
+    out_dir = tmp_path / "run"
+    _, log = run_command(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--flagfile=configs/digits_async.flags",
+         "--gpus_per_worker=1", "--mixed_precision=mixed_bfloat16", "--epochs=2",
+         "--steps_per_epoch=50", f"--output_dir={out_dir}"],
+        timeout=200, env=_env_with_gpus(tmp_path, 2))
+    assert "worker 0: GPU 0; worker 1: GPU 1; ps and chief: no GPU" in log
+    logs = {n: (out_dir / "logs" / f"{n}.log").read_text() for n in
+            ("ps-0", "worker-0", "worker-1")}
+    assert "(CUDA_VISIBLE_DEVICES='')" in logs["ps-0"]
+    assert "(CUDA_VISIBLE_DEVICES='0')" in logs["worker-0"]
+    assert "(CUDA_VISIBLE_DEVICES='1')" in logs["worker-1"]
+    m = json.loads((out_dir / "metrics.json").read_text())
+    s = m["staleness"]
+    assert m["mixed_precision"] == "mixed_bfloat16" and m["loss_scale"] is None
+    assert m["worker_steps"] == 100 == s["applied"] + s["dropped"] == m["optimizer_iterations"]
+    assert s["global_step"] == s["applied"] == 100
+    assert m["test_accuracy"] >= 0.8 and m["test_loss"] < 1.0, m

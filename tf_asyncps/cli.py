@@ -55,6 +55,11 @@ flags.DEFINE_string("gpus", None,
                     "train/server: the GPUs this task sees, as CUDA_VISIBLE_DEVICES takes them "
                     "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
                     "CUDA_VISIBLE_DEVICES. launch assigns GPUs with --gpus_per_worker instead.")
+flags.DEFINE_enum("mixed_precision", "none",
+                  ["none", "mixed_float16", "mixed_bfloat16", "auto"],
+                  "tf_keras mixed-precision policy of the model (variables stay float32); "
+                  "mixed_float16 adds loss scaling; auto: mixed_float16 if the workers have "
+                  "GPUs, else mixed_bfloat16.")
 
 
 def _job_config():
@@ -71,7 +76,8 @@ def _job_config():
         hidden=hidden, seed=FLAGS.seed, output_dir=FLAGS.output_dir,
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
-        max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking)
+        max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
+        mixed_precision=FLAGS.mixed_precision)
     cfg.validate()
     return cfg
 

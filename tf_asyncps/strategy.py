@@ -24,6 +24,7 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import devices
+from tf_asyncps import mixed_precision
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.locking import PSLock, run_collecting_ops
@@ -208,11 +209,16 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         if not pairs:
             return apply_fn(grads_and_vars)
         step.applied = True
-        grads = [g for g, _ in pairs]
+        # Policies and aggregators work in the variables' dtype (float32 under
+        # mixed precision, where tf_keras keeps float32 variables).
+        grads = [_cast_to(g, v.dtype.base_dtype) for g, v in pairs]
         variables = [v for _, v in pairs]
         state = self._state_for(variables)
         tracker, policy = self.tracker, self.policy
-        finite = all_finite(grads) if self.skip_nonfinite else None
+        # A LossScaleOptimizer skips non-finite steps itself: always check, so
+        # such a step is counted as dropped and lowers the loss scale.
+        lso = mixed_precision.loss_scale_optimizer(optimizer)
+        finite = all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
         worker_index = step.worker_index
         if locking:
             # Bring every worker-side input onto the PS before the lock is
@@ -226,8 +232,9 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         read_values = None
         if policy.needs_read_values:
             known = {id(v) for v in self._trainable}
-            read_values = [tf.gather(self._backup_for(v), worker_index)
-                           if id(v) in known else None for v in variables]
+            bases = [mixed_precision.base_variable(v) for v in variables]
+            read_values = [tf.gather(self._backup_for(b), worker_index)
+                           if id(b) in known else None for b in bases]
 
         def decide_and_apply():
             # g is read once the gradients exist: τ covers the whole step.
@@ -259,9 +266,14 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                     return tracker.record(tau, applied=True)
 
             def dropped():
-                return tracker.record(
-                    tau, applied=False,
-                    nonfinite=None if finite is None else tf.logical_not(finite))
+                # The LossScaleOptimizer is not called: adjust its scale here,
+                # from the step's own gradients (lowered if they are not finite).
+                scale_ops = [] if lso is None else mixed_precision.update_loss_scale(
+                    lso, grads)
+                with tf.control_dependencies(scale_ops):
+                    return tracker.record(
+                        tau, applied=False,
+                        nonfinite=None if finite is None else tf.logical_not(finite))
 
             if keep is True:
                 return applied()
@@ -297,6 +309,15 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 def _device_of(var):
     """The device of a tf.Variable or of a Keras 3 Variable's backing variable."""
     return getattr(getattr(var, "value", None), "device", None) or var.device
+
+
+def _cast_to(grad, dtype):
+    """``grad`` (tensor or IndexedSlices) cast to ``dtype`` if it differs."""
+    if grad.dtype.base_dtype == dtype or not dtype.is_floating:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
 
 
 def _copy_to(value, device):
@@ -448,6 +469,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         _check_one_replica_per_worker(self._extended._num_replicas_in_sync)
         policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
+        mixed_precision.allow_loss_scaling()
         # Model.fit and user code get this coordinator (one per strategy).
         coordinator = _AsyncCoordinator(self)
         if hasattr(policy, "set_pending_probe"):
