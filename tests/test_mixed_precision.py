@@ -151,6 +151,25 @@ def test_job_model_keeps_float32_weights_and_logits(policy):
     assert [w.shape for w in plain.weights] == [w.shape for w in m.weights]
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
+def test_base_variable_finds_the_variable_under_an_autocast_variable(policy):
+    """dc_asgd's read backups are keyed by the variable the strategy created,
+    which tf_keras hides under an AutoCastVariable (it got no backup before)."""
+    created = []
+
+    def creator(next_creator, **kwargs):
+        created.append(next_creator(**kwargs))
+        return created[-1]
+
+    layer = tf_keras.layers.Dense(2)
+    with tf.variable_creator_scope(creator):
+        layer.build((None, 3))
+    assert type(layer.kernel).__name__ == "AutoCastVariable"
+    assert mixed_precision.base_variable(layer.kernel) is created[0]
+    plain = tf.Variable(1.0)
+    assert mixed_precision.base_variable(plain) is plain
+
+
 def test_several_gpus_per_worker_are_refused_with_the_fix():
     _check_one_replica_per_worker(1)
     with pytest.raises(ValueError, match="2 GPUs.*--gpus_per_worker=1"):
