@@ -8,6 +8,10 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
            chief trains with the flags below
   server   serve the ps/worker task named in TF_CONFIG
 
+GPU workers: launch --gpus_per_worker=1 (one GPU per worker process);
+train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). Mixed precision:
+--mixed_precision=mixed_bfloat16|mixed_float16|auto. See README.md.
+
 All flags: tf-asyncps --helpfull
 """
 
