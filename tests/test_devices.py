@@ -141,7 +141,7 @@ def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, 
     assert time.perf_counter() - t0 < 10  # checked before TensorFlow is imported
 
 
-def test_train_rejects_a_bad_gpus_flag_before_tensorflow_loads():
+def test_server_rejects_a_bad_gpus_flag_before_tensorflow_loads():
     env = _env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"chief": ["127.0.0.1:2000"],
                                                "ps": ["127.0.0.1:2001"],
