@@ -785,6 +785,126 @@ def sigstop_worker(policy="async", policy_args=None, num_workers=2, steps=80,
                 "stats": _stats(strategy)}
 
 
+@scenario
+def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=None,
+                        num_workers=2, epochs=2, steps_per_epoch=40, batch=16, lr=0.1,
+                        initial_scale=None, locking=False):
+    """model.fit of a small MLP under a tf_keras mixed-precision policy.
+
+    Records, at trace time on this chief, the dtypes of the gradients the
+    update policy receives. ``initial_scale`` (mixed_float16 only) starts the
+    loss scale high enough to overflow float16, so the first steps have
+    non-finite gradients. ``locking`` wraps the inner optimizer in
+    LockingOptimizer (the LossScaleOptimizer goes around it).
+    """
+    x, y = _small_problem()
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.shuffle(len(x), seed=0).repeat().batch(batch)
+
+    def full_loss(weights):  # float32, in this process
+        ref = _mlp()
+        ref.set_weights(weights)
+        return float(loss(y, ref(x)))
+
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        seen = []
+        original_update = strategy.update_policy.update
+
+        def recording_update(grads, state, info):
+            seen.extend(sorted({g.dtype.name for g in grads}))
+            return original_update(grads, state, info)
+
+        strategy.update_policy.update = recording_update
+        tf_keras.utils.set_random_seed(0)
+        tf_keras.mixed_precision.set_global_policy(precision)
+        with strategy.scope():
+            model = tf_keras.Sequential([
+                tf_keras.Input(shape=(8,)),
+                tf_keras.layers.Dense(16, activation="tanh"),
+                tf_keras.layers.Dense(3),
+                tf_keras.layers.Activation("linear", dtype="float32")])
+            opt = tf_keras.optimizers.SGD(lr)
+            if locking:
+                opt = tf_asyncps.optimizers.LockingOptimizer(opt)
+            if precision == "mixed_float16":
+                opt = tf_keras.mixed_precision.LossScaleOptimizer(
+                    opt, **({"initial_scale": initial_scale} if initial_scale else {}))
+            model.compile(opt, loss)
+        w0 = model.get_weights()
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+                  steps_per_epoch=steps_per_epoch, verbose=0)
+        tf_keras.mixed_precision.set_global_policy("float32")
+        lock = strategy.extended._lock
+        return {
+            "scheduled": epochs * steps_per_epoch,
+            "compute_dtypes": sorted({l.compute_dtype for l in model.layers[:2]}),
+            "variable_dtypes": sorted({v.dtype.name for v in model.weights}),
+            "policy_grad_dtypes": sorted(set(seen)), "traces": len(seen),
+            "loss0": full_loss(w0), "loss": full_loss(model.get_weights()),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "loss_scale": (float(model.optimizer.loss_scale.numpy())
+                           if precision == "mixed_float16" else None),
+            "lock_acquisitions": lock.acquisitions() if lock is not None else 0,
+            "stats": _stats(strategy)}
+
+
+@scenario
+def gpu_placement(gpu_ids, steps=200, dim=1024):
+    """Workers with one GPU each (ids from the caller): where ops and variables
+    go, which processes hold GPU memory, and steps/s of a matmul step."""
+    import subprocess
+    import time
+    from tf_asyncps import devices
+    plan = devices.plan_gpus(len(gpu_ids), 1, gpu_ids)
+    with _cluster(num_workers=len(gpu_ids), num_ps=1, worker_env=plan.worker_env) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.random.normal([dim, dim], stddev=0.01, seed=0), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+        traced = {}
+
+        @tf.function
+        def step():
+            def replica_fn():
+                x = tf.random.normal([dim, dim])
+                with tf.GradientTape() as tape:
+                    y = tf.matmul(x, w)
+                    loss = tf.reduce_mean(tf.square(y))
+                traced["matmul"] = y.device
+                opt.apply_gradients([(tape.gradient(loss, w), w)])
+                return loss
+            return strategy.run(replica_fn)
+
+        _run_steps(coord, step, 10)  # warm-up and tracing
+        t0 = time.perf_counter()
+        _run_steps(coord, step, steps)
+        rate = steps / (time.perf_counter() - t0)
+        try:
+            apps = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            apps = f"nvidia-smi failed: {e}"
+        gpu_pids = sorted(int(line.split(",")[0]) for line in apps.splitlines()
+                          if line.split(",")[0].strip().isdigit())
+        return {"worker_devices": list(strategy.extended.worker_devices),
+                "gpus_per_worker": strategy.gpus_per_worker,
+                "remote_gpus": sorted(d.name for d in tf.config.list_logical_devices("GPU")),
+                "var_device": w.device, "matmul_device": traced["matmul"],
+                "steps_per_sec": rate, "flops_per_step": 6 * dim ** 3,
+                "gpu_pids": gpu_pids, "nvidia_smi_apps": apps,
+                "worker_pids": [c.pids[f"worker:{i}"] for i in range(len(gpu_ids))],
+                "ps_pid": c.pids["ps:0"], "chief_pid": os.getpid(),
+                "stats": _stats(strategy), "steps": steps + 10}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

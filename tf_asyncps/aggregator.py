@@ -10,7 +10,9 @@ Rule, for each worker gradient g computed at read step r (τ = g_step − r):
   ``dropped_histogram``;
 * accepted gradients are summed per variable on the variable's own PS task
   (dense: one buffer of the variable's shape; tf.IndexedSlices: rows added to
-  the buffer and their indices remembered, so the update stays sparse);
+  the buffer and their indices remembered, so the update stays sparse), in
+  float32 at least (16-bit gradients are cast up; mixed-precision tf_keras
+  models have float32 variables and gradients anyway);
 * the gradient that makes the count reach ``replicas_to_aggregate`` = N
   triggers one optimizer update with the mean of exactly those N gradients,
   resets the buffers and advances the global step by one.
@@ -54,6 +56,20 @@ def _check_count(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(
             f"sync_replicas: {name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _accumulator_dtype(dtype):
+    """float32 for 16-bit float variables, else the variable's own dtype."""
+    dtype = tf.as_dtype(dtype).base_dtype
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _cast_values(g, dtype):
+    if g.dtype == dtype:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
+    return tf.cast(g, dtype)
 
 
 class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
@@ -141,8 +157,8 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
         state = []
         for v in variables:
             with tf.init_scope(), tf.device(v.device):
-                buf = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                  name="sync_replicas_accumulator")
+                buf = tf.Variable(tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
+                                  trainable=False, name="sync_replicas_accumulator")
                 rows = tf.Variable(tf.zeros([v.shape[0]] if v.shape.rank else [1], tf.bool),
                                    trainable=False, name="sync_replicas_touched_rows")
             state.append((buf, rows))
@@ -165,6 +181,7 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
         def accumulate():
             ops = []
             for g, (buf, rows) in zip(grads, state):
+                g = _cast_values(g, buf.dtype)  # sums of 16-bit gradients lose precision
                 with tf.device(buf.device):
                     if isinstance(g, tf.IndexedSlices):
                         ops.append(buf.scatter_add(g))
@@ -204,13 +221,14 @@ class SyncReplicasAggregator(GatedPolicy, UpdatePolicy):
                 if isinstance(g, tf.IndexedSlices):
                     idx = tf.reshape(tf.where(rows.read_value()), [-1])
                     vals = tf.gather(buf.read_value(), idx) / tf.cast(n, buf.dtype)
-                    mean = tf.IndexedSlices(vals, idx, tf.shape(buf, out_type=tf.int64))
+                    mean = tf.IndexedSlices(tf.cast(vals, g.dtype), idx,
+                                            tf.shape(buf, out_type=tf.int64))
                     resets.append(lambda buf=buf, rows=rows, idx=idx, vals=vals: [
                         buf.scatter_update(tf.IndexedSlices(tf.zeros_like(vals), idx)),
                         rows.scatter_update(tf.IndexedSlices(
                             tf.zeros_like(idx, tf.bool), idx))])
                 else:
-                    mean = buf.read_value() / tf.cast(n, buf.dtype)
+                    mean = tf.cast(buf.read_value() / tf.cast(n, buf.dtype), g.dtype)
                     resets.append(lambda buf=buf: [buf.assign(tf.zeros_like(buf))])
             out.append(mean)
         flat = [t for m in out for t in ((m.values, m.indices)

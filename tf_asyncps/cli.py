@@ -11,6 +11,10 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
            single-process training (bench.json, bench.md, PNG plots):
              tf-asyncps bench --output_dir=runs/bench
 
+GPU workers: launch --gpus_per_worker=1 (one GPU per worker process);
+train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). Mixed precision:
+--mixed_precision=mixed_bfloat16|mixed_float16|auto. See README.md.
+
 All flags: tf-asyncps --helpfull
 """
 
@@ -50,6 +54,20 @@ flags.DEFINE_float("timeout_s", 1800.0, "launch: seconds before the whole job is
                    lower_bound=1.0)
 flags.DEFINE_integer("max_tracked_staleness", 32, "Last bin of the staleness histograms.",
                      lower_bound=1)
+flags.DEFINE_integer("gpus_per_worker", 0,
+                     "launch: GPUs each worker process sees (worker i: GPUs i*K..i*K+K-1 via "
+                     "CUDA_VISIBLE_DEVICES); ps and chief see none. 0: CPU workers. "
+                     "At most 1 for now (README: GPU workers).", lower_bound=0)
+flags.DEFINE_string("gpus", None,
+                    "train/server: the GPUs this task sees, as CUDA_VISIBLE_DEVICES takes them "
+                    "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
+                    "CUDA_VISIBLE_DEVICES. launch assigns GPUs with --gpus_per_worker instead.")
+flags.DEFINE_enum("mixed_precision", "none",
+                  ["none", "mixed_float16", "mixed_bfloat16", "auto"],
+                  "tf_keras mixed-precision policy of the model (variables stay float32); "
+                  "mixed_float16 adds loss scaling; auto: mixed_float16 if the workers have "
+                  "GPUs, else mixed_bfloat16.")
+
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
     "train/server: start even if this task's own address in TF_CONFIG is not an "
@@ -93,7 +111,8 @@ def _job_config():
         hidden=hidden, seed=FLAGS.seed, output_dir=FLAGS.output_dir,
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
-        max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking)
+        max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
+        mixed_precision=FLAGS.mixed_precision)
     cfg.validate()
     return cfg
 
@@ -103,6 +122,17 @@ def _quiet_tensorflow():
     import tensorflow as tf
     if logging.get_verbosity() < logging.INFO:
         tf.get_logger().setLevel("WARNING")
+
+
+def _apply_gpus_flag():
+    """--gpus -> CUDA_VISIBLE_DEVICES, before TensorFlow loads CUDA."""
+    if FLAGS.gpus is None:
+        return
+    from tf_asyncps import devices
+    value = devices.parse_gpus_flag(FLAGS.gpus)
+    if "tensorflow" in sys.modules:  # pragma: no cover - commands import TF later
+        logging.warning("--gpus is applied after TensorFlow was imported; it may be ignored.")
+    os.environ[devices.VISIBLE_DEVICES] = value
 
 
 def _serve(config):
@@ -116,8 +146,10 @@ def _serve(config):
             f"{config.task_type}:{config.task_id} could not serve at {address}: "
             f"{e.message.splitlines()[0]}. Is the port already in use (another task, "
             "an earlier run still alive)?") from None
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     print(f"tf-asyncps: serving {config.task_type}:{config.task_id} at "
-          f"{config[config.task_type][config.task_id]}", flush=True)
+          f"{config[config.task_type][config.task_id]}"
+          f"{'' if gpus is None else f' (CUDA_VISIBLE_DEVICES={gpus!r})'}", flush=True)
     server.join()
 
 
@@ -135,6 +167,7 @@ def cmd_server(argv):
         raise ValueError('TF_CONFIG names this task "chief": the chief trains; run it with '
                          "`tf-asyncps train`, and `server` for ps/worker tasks.")
     _startup_checks(config)
+    _apply_gpus_flag()
     _serve(config)
 
 
@@ -142,6 +175,7 @@ def cmd_train(argv):
     from tf_asyncps import cluster
     config = cluster.tf_config_from_env()
     _startup_checks(config)
+    _apply_gpus_flag()
     if config.task_type in ("ps", "worker"):
         return _serve(config)
     cfg = _job_config()
@@ -151,7 +185,19 @@ def cmd_train(argv):
 
 
 def cmd_launch(argv):
-    from tf_asyncps import cluster
+    from tf_asyncps import cluster, devices
+    # GPU placement first: it needs neither TensorFlow nor CUDA.
+    if FLAGS["gpus"].present:
+        raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
+                         "each worker its GPUs with --gpus_per_worker=K.")
+    if FLAGS.gpus_per_worker > 1:
+        raise ValueError(f"--gpus_per_worker={FLAGS.gpus_per_worker}: "
+                         f"{devices.ONE_GPU_PER_WORKER} Use --gpus_per_worker=1 and "
+                         f"--num_workers={FLAGS.num_workers * FLAGS.gpus_per_worker}.")
+    gpu_plan = devices.plan_gpus(
+        FLAGS.num_workers, FLAGS.gpus_per_worker,
+        devices.available_gpus() if FLAGS.gpus_per_worker else (),
+        memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
     cfg = _job_config()  # bad flags fail here, before any process starts
     from tf_asyncps import policies
     policies.get(cfg.policy, **cfg.policy_args).validate_cluster(FLAGS.num_workers)
@@ -164,11 +210,13 @@ def cmd_launch(argv):
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.perf_counter()
-    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir) as c:
+    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
+                              worker_env=gpu_plan.worker_env) as c:
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
-              f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s); task logs in {c.log_dir}",
-              flush=True)
+              f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
+              f"task logs in {c.log_dir}", flush=True)
         env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
+        env.update(gpu_plan.task_env("chief"))
         args = [a for a in sys.argv[1:] if a != "launch"]
         chief = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "train"] + args,
                                  env=env, preexec_fn=cluster._set_pdeathsig)

@@ -488,11 +488,27 @@ def inter_op_threads(num_workers: int) -> int:
     return max(int(num_workers) + 1, os.cpu_count() or 1, 2)
 
 
-def server_config(num_workers: int):
-    """``tf.compat.v1.ConfigProto`` for a ps/worker server of this cluster."""
+def server_config(num_workers: int, task_type: Optional[str] = None, num_gpus: int = 0,
+                  environ: Optional[Dict[str, str]] = None):
+    """``tf.compat.v1.ConfigProto`` for a ps/worker server of this cluster.
+
+    Args:
+      num_workers: workers in the cluster (sets the inter-op threads).
+      task_type: "ps" or "worker"; with it, GPU memory growth and logical GPUs
+        are set (see :func:`tf_asyncps.devices.configure_server_gpus`).
+      num_gpus: physical GPUs this process sees.
+      environ: default ``os.environ``.
+
+    Raises:
+      ValueError: bad logical-GPU settings in the environment.
+    """
     import tensorflow as tf
-    return tf.compat.v1.ConfigProto(
+    from tf_asyncps import devices
+    config = tf.compat.v1.ConfigProto(
         inter_op_parallelism_threads=inter_op_threads(num_workers))
+    if task_type is not None:
+        devices.configure_server_gpus(config, task_type, num_gpus, environ)
+    return config
 
 
 def configure_local_context(num_workers: int) -> None:
@@ -661,16 +677,22 @@ def start_server(config: ClusterConfig):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
     warn_evaluators(config)
+    from tf_asyncps import devices
+    num_gpus = 0
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.
         try:
             tf.config.set_visible_devices([], "GPU")
         except (RuntimeError, ValueError):
             pass
+    elif os.environ.get(devices.LOGICAL_GPUS, "").strip() not in ("", "0", "1"):
+        # Enumerating GPUs does not create devices: the server creates them
+        # below, from its ConfigProto.
+        num_gpus = len(tf.config.list_physical_devices("GPU"))
     return tf.distribute.Server(
         config.cluster_spec(), job_name=config.task_type,
         task_index=config.task_id, protocol="grpc",
-        config=server_config(config.num_workers), start=True)
+        config=server_config(config.num_workers, config.task_type, num_gpus), start=True)
 
 
 def _connected_here() -> bool:
@@ -713,7 +735,10 @@ class LocalCluster:
       log_dir: where each task writes ``<job>-<i>.log``; default a temp dir.
       start_timeout_s: seconds to wait for every task to serve.
       env: extra environment variables for the children.
-      worker_env: {worker index: {var: value}} for single workers.
+      worker_env: {worker index: {var: value}} for single workers. GPUs:
+        ``worker_env=tf_asyncps.devices.plan_gpus(n, k, available).worker_env``
+        gives each worker its own ``CUDA_VISIBLE_DEVICES``; ps tasks never
+        see a GPU.
       host: loopback address to bind.
 
     Raises:

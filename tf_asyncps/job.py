@@ -18,7 +18,7 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import datasets, models, policies
+from tf_asyncps import datasets, mixed_precision, models, policies
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
@@ -51,6 +51,7 @@ class JobConfig:
     connect_timeout_s: float = 30.0
     max_tracked_staleness: int = 32
     locking: bool = False
+    mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
 
@@ -75,6 +76,7 @@ class JobConfig:
             raise ValueError(
                 f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
         policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
+        mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:
@@ -169,19 +171,38 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
         max_tracked_staleness=cfg.max_tracked_staleness)
     spec = resolver.cluster_spec()
     num_workers, num_ps = spec.num_tasks("worker"), spec.num_tasks("ps")
+    precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
+    previous_policy = tf_keras.mixed_precision.global_policy()
+    # The dtype policy applies to layers built (and metrics created) while it
+    # is set: keep it for building and training; the export is float32.
+    tf_keras.mixed_precision.set_global_policy(precision)
+    try:
+        return _train_and_export(cfg, data, strategy, num_workers, num_ps, precision,
+                                 t_job, say)
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous_policy)
+
+
+def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
     tf_keras.utils.set_random_seed(cfg.seed)
     with strategy.scope():
         model = models.build_model(cfg.model, data.num_features, data.num_classes,
                                    cfg.hidden, cfg.seed)
         optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
+        if precision == "mixed_float16":
+            # float16 gradients underflow without loss scaling; its loss-scale
+            # variables are created here, on the PS.
+            optimizer = tf_keras.mixed_precision.LossScaleOptimizer(optimizer)
         if cfg.locking:
             optimizer = LockingOptimizer(optimizer)
         _compile(model, optimizer, cfg.steps_per_execution)
     total = cfg.epochs * cfg.steps_per_epoch
+    gpus = strategy.gpus_per_worker
     say(f"training {cfg.model} on {cfg.dataset} ({len(data.x_train)} train / "
-        f"{len(data.x_test)} test examples) with {num_workers} worker(s), {num_ps} ps, "
-        f"policy {strategy.update_policy!r}{' with locking' if cfg.locking else ''}: "
-        f"{cfg.epochs} epochs x "
+        f"{len(data.x_test)} test examples) with {num_workers} worker(s)"
+        f"{f' ({gpus} GPU each)' if gpus else ''}, {num_ps} ps, "
+        f"policy {strategy.update_policy!r}{' with locking' if cfg.locking else ''}"
+        f"{'' if precision == 'float32' else ', ' + precision}: {cfg.epochs} epochs x "
         f"{cfg.steps_per_epoch} worker steps of {cfg.batch_size} examples")
     tb_dir = os.path.join(cfg.output_dir, "tensorboard") if cfg.output_dir else None
     logger = callbacks_lib.StalenessLogger(log_dir=tb_dir, batch_size=cfg.batch_size,
@@ -197,7 +218,10 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     stats = strategy.staleness_stats()
     worker_steps = stats.worker_steps - s0.worker_steps
 
-    # Evaluate and export a plain single-process copy of the trained model.
+    # Evaluate and export a plain single-process float32 copy of the trained
+    # model (mixed-precision variables are float32 already).
+    # (run() restores the caller's policy afterwards.)
+    tf_keras.mixed_precision.set_global_policy("float32")
     local = models.build_model(cfg.model, data.num_features, data.num_classes,
                                cfg.hidden, cfg.seed)
     local.set_weights(model.get_weights())
@@ -224,6 +248,10 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
         "test_accuracy": float(test_acc),
         "test_loss": float(test_loss),
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
+        "mixed_precision": precision,
+        "gpus_per_worker": int(gpus),
+        "loss_scale": (float(model.optimizer.loss_scale.numpy())
+                       if mixed_precision.loss_scale_optimizer(model.optimizer) else None),
         "staleness": stats.to_dict(),
         "epoch_log": logger.epochs,
     }

@@ -63,13 +63,30 @@ def LockingOptimizer(optimizer, timeout_s: float = 60.0):  # noqa: N802 - reads 
     return optimizer
 
 
+def _marks(optimizer):
+    """The lock marks of ``optimizer`` and of the optimizers it wraps.
+
+    A wrapper such as tf_keras's ``LossScaleOptimizer`` is what the strategy
+    sees; the mark may sit on it or on its ``inner_optimizer``.
+    """
+    for _ in range(8):  # wrappers nest a few levels at most
+        if optimizer is None:
+            return
+        mark = getattr(optimizer, _ATTR, None)
+        if mark is not None:
+            yield mark
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
 def is_locking(optimizer) -> bool:
-    """Whether ``optimizer`` was passed through :func:`LockingOptimizer`."""
-    return getattr(optimizer, _ATTR, None) is not None
+    """Whether ``optimizer``, or an optimizer it wraps (``inner_optimizer``),
+    was passed through :func:`LockingOptimizer`."""
+    return next(_marks(optimizer), None) is not None
 
 
 def lock_timeout(optimizer, default: float = 60.0) -> float:
-    return getattr(optimizer, _ATTR, None) or default
+    """The lock timeout of :func:`LockingOptimizer` (the outermost mark), else ``default``."""
+    return next(_marks(optimizer), None) or default
 
 
 def make_counter_exact(optimizer) -> None:

@@ -15,6 +15,13 @@ Data flow of one worker step (``model.fit`` or ``coordinator.schedule``)::
 The optimizer hook is a thin wrapper around ``apply_gradients`` (tf_keras,
 tf_keras legacy) and ``apply`` (Keras 3). Outside a worker step of an
 AsyncParameterServerStrategy it calls the original method unchanged.
+
+Wrapper optimizers: the hook acts once per step, on the outermost optimizer
+called; when that one calls its inner optimizer, the inner call passes
+through (``WorkerStep.apply``). tf_keras's ``LossScaleOptimizer`` overrides
+``apply_gradients``, so it is hooked itself: the policy sees the unscaled
+gradients it receives, and the step is counted even when its gradients are
+non-finite and the inner optimizer is never called (see mixed_precision.py).
 """
 
 import contextlib
@@ -140,7 +147,8 @@ def install_optimizer_hooks() -> None:
     """Routes optimizer updates made inside a worker step through the policy.
 
     Idempotent. Hooks ``tf_keras.optimizers.Optimizer.apply_gradients``,
-    ``tf_keras.optimizers.legacy.Optimizer.apply_gradients`` and Keras 3's
+    ``tf_keras.optimizers.legacy.Optimizer.apply_gradients``, both tf_keras
+    ``LossScaleOptimizer`` classes and Keras 3's
     ``keras.optimizers.Optimizer.apply`` (when those packages are installed).
     """
     global _installed
@@ -150,9 +158,13 @@ def install_optimizer_hooks() -> None:
         targets = []
         try:
             import tf_keras
+            from tf_asyncps import mixed_precision
             targets.append((tf_keras.optimizers.Optimizer, "apply_gradients", _gv_args))
             targets.append((tf_keras.optimizers.legacy.Optimizer, "apply_gradients",
                             _gv_args))
+            # LossScaleOptimizers override apply_gradients: hook them too.
+            targets.extend((cls, "apply_gradients", _gv_args)
+                           for cls in mixed_precision._lso_classes())
         except ImportError:  # pragma: no cover - tf_keras is a dependency
             pass
         try:

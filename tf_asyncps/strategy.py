@@ -11,7 +11,8 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
 * ``_use_merge_call``/``_replica_ctx_update``/``_replica_ctx_all_reduce``:
   with one replica per worker there is nothing to merge, so updates run
   directly in the replica context (this is what lets a policy put an
-  optimizer update under ``tf.cond``).
+  optimizer update under ``tf.cond``). Workers with several GPUs would run
+  one replica per GPU, so the strategy refuses them when it is built.
 """
 
 import sys
@@ -22,6 +23,8 @@ from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
+from tf_asyncps import devices
+from tf_asyncps import mixed_precision
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.locking import PSLock, run_collecting_ops
@@ -251,11 +254,16 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         if not pairs:
             return apply_fn(grads_and_vars)
         step.applied = True
-        grads = [g for g, _ in pairs]
+        # Policies and aggregators work in the variables' dtype (float32 under
+        # mixed precision, where tf_keras keeps float32 variables).
+        grads = [_cast_to(g, v.dtype.base_dtype) for g, v in pairs]
         variables = [v for _, v in pairs]
         state = self._state_for(variables)
         tracker, policy = self.tracker, self.policy
-        finite = all_finite(grads) if self.skip_nonfinite else None
+        # A LossScaleOptimizer skips non-finite steps itself: always check, so
+        # such a step is counted as dropped and lowers the loss scale.
+        lso = mixed_precision.loss_scale_optimizer(optimizer)
+        finite = all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
         worker_index = step.worker_index
         if locking:
             # Bring every worker-side input onto the PS before the lock is
@@ -269,8 +277,9 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         read_values = None
         if policy.needs_read_values:
             known = {id(v) for v in self._trainable}
-            read_values = [tf.gather(self._backup_for(v), worker_index)
-                           if id(v) in known else None for v in variables]
+            bases = [mixed_precision.base_variable(v) for v in variables]
+            read_values = [tf.gather(self._backup_for(b), worker_index)
+                           if id(b) in known else None for b in bases]
 
         def decide_and_apply():
             # g is read once the gradients exist: τ covers the whole step.
@@ -302,9 +311,14 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                     return tracker.record(tau, applied=True)
 
             def dropped():
-                return tracker.record(
-                    tau, applied=False,
-                    nonfinite=None if finite is None else tf.logical_not(finite))
+                # The LossScaleOptimizer is not called: adjust its scale here,
+                # from the step's own gradients (lowered if they are not finite).
+                scale_ops = [] if lso is None else mixed_precision.update_loss_scale(
+                    lso, grads)
+                with tf.control_dependencies(scale_ops):
+                    return tracker.record(
+                        tau, applied=False,
+                        nonfinite=None if finite is None else tf.logical_not(finite))
 
             if keep is True:
                 return applied()
@@ -342,6 +356,15 @@ def _device_of(var):
     return getattr(getattr(var, "value", None), "device", None) or var.device
 
 
+def _cast_to(grad, dtype):
+    """``grad`` (tensor or IndexedSlices) cast to ``dtype`` if it differs."""
+    if grad.dtype.base_dtype == dtype or not dtype.is_floating:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
 def _copy_to(value, device):
     """``tf.identity`` of a tensor or IndexedSlices, placed on ``device``."""
     with tf.device(device):
@@ -349,6 +372,24 @@ def _copy_to(value, device):
             return tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices),
                                     value.dense_shape)
         return tf.identity(value)
+
+
+def _check_one_replica_per_worker(num_replicas: int) -> None:
+    """Raises ValueError if workers would run several replicas per step.
+
+    ParameterServerStrategy makes one replica per GPU of a worker and joins
+    them with ``merge_call``; the policy engine's ``tf.cond`` around the
+    update cannot contain a ``merge_call`` (TensorFlow raises "merge_call
+    called while defining a new graph"), and per-replica bookkeeping would
+    count one worker step K times. See README "GPU workers".
+    """
+    if num_replicas > 1:
+        raise ValueError(
+            f"every worker has {num_replicas} GPUs, so each worker step would run "
+            f"{num_replicas} replicas. {devices.ONE_GPU_PER_WORKER} Give each worker task one "
+            "GPU: tf-asyncps launch --gpus_per_worker=1, or CUDA_VISIBLE_DEVICES=<one index> "
+            f"(tf-asyncps train --gpus=<one index>) per worker task, and unset "
+            f"{devices.LOGICAL_GPUS}.")
 
 
 def _worker_index():
@@ -478,8 +519,10 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._extended._retrace_functions_for_each_device = (
             old._retrace_functions_for_each_device)
         self._extended.skip_nonfinite = bool(skip_nonfinite)
+        _check_one_replica_per_worker(self._extended._num_replicas_in_sync)
         policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
+        mixed_precision.allow_loss_scaling()
         # Model.fit and user code get this coordinator (one per strategy).
         coordinator = _AsyncCoordinator(self)
         if getattr(policy, "local_copies", False):
@@ -493,6 +536,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def update_policy(self) -> "policies_lib.UpdatePolicy":
         """The UpdatePolicy object in use."""
         return self._extended.policy
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """GPUs each worker task has (0: CPU workers); at most 1."""
+        return int(self._extended._num_gpus_per_worker)
 
     @property
     def staleness_tracker(self) -> StalenessTracker:

@@ -1,0 +1,131 @@
+"""GPU workers on a machine with NVIDIA GPUs; every test skips without one.
+
+Run with ``tests/gpu/run_gpu_checks.sh RESULTS_DIR`` (bounded, writes logs and
+metrics there) or ``python -m pytest -q -s tests/gpu``. Throughput lines are
+printed (``-s``) and, with ``ASYNCPS_GPU_RESULTS=DIR``, written to DIR.
+"""
+
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, _env, run_command, run_scenario
+from tf_asyncps import devices
+
+GPU_IDS = devices.available_gpus()  # nvidia-smi -L; CUDA is not touched here
+
+
+@functools.lru_cache(maxsize=None)
+def _tensorflow_gpus() -> int:
+    """GPUs TensorFlow sees, asked in a subprocess (never initialise CUDA here)."""
+    env = dict(_env(), CUDA_VISIBLE_DEVICES=",".join(GPU_IDS))
+    rc, out = run_command(
+        [sys.executable, "-c", "import tensorflow as tf; "
+         "print('NGPU', len(tf.config.list_physical_devices('GPU')))"],
+        timeout=180, env=env, check=False)
+    lines = [line for line in out.splitlines() if line.startswith("NGPU ")]
+    return int(lines[-1].split()[1]) if rc == 0 and lines else 0
+
+
+pytestmark = [
+    pytest.mark.skipif(not GPU_IDS, reason="no GPU: `nvidia-smi -L` lists none"),
+    pytest.mark.timeout(300),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tensorflow_sees_a_gpu():
+    if not _tensorflow_gpus():
+        pytest.skip("nvidia-smi lists GPUs but TensorFlow sees none: "
+                    "pip install -e '.[gpu]' (tensorflow[and-cuda])")
+
+
+def _record(name, data):
+    """Prints a result line and saves it under $ASYNCPS_GPU_RESULTS."""
+    print(f"\n[gpu] {name}: {json.dumps(data, default=str)}", flush=True)
+    out = os.environ.get("ASYNCPS_GPU_RESULTS")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(data, f, indent=2, default=str)
+
+
+def _launch_env(**extra):
+    env = _env()
+    env.pop("CUDA_VISIBLE_DEVICES")  # the launcher hands out the GPUs
+    env.update(extra)
+    return env
+
+
+def test_worker_ops_on_gpu_variables_on_ps():
+    ids = list(GPU_IDS[:2])
+    r = run_scenario("gpu_placement", timeout=280, gpu_ids=ids)
+    _record("placement", {k: r[k] for k in (
+        "worker_devices", "gpus_per_worker", "remote_gpus", "var_device", "matmul_device",
+        "steps_per_sec", "gpu_pids", "worker_pids", "ps_pid", "chief_pid")})
+    print(f"[gpu] throughput: {len(ids)} worker(s) x 1 GPU, 1024x1024 matmul step: "
+          f"{r['steps_per_sec']:.1f} steps/s "
+          f"({r['steps_per_sec'] * r['flops_per_step'] / 1e12:.2f} TFLOP/s)", flush=True)
+    assert r["gpus_per_worker"] == 1 and r["worker_devices"] == ["/device:GPU:0"]
+    assert len(r["remote_gpus"]) == len(ids)
+    assert all("/job:worker/" in d for d in r["remote_gpus"])
+    assert "/job:ps/" in r["var_device"]
+    assert "GPU:0" in r["matmul_device"].upper()
+    s = r["stats"]
+    assert s["applied"] == s["global_step"] == r["steps"]
+    if r["gpu_pids"]:  # nvidia-smi shows processes (not always inside containers)
+        assert set(r["worker_pids"]) <= set(r["gpu_pids"]), r["nvidia_smi_apps"]
+        assert r["ps_pid"] not in r["gpu_pids"] and r["chief_pid"] not in r["gpu_pids"]
+
+
+@pytest.mark.parametrize("precision", ["none", "auto"])
+def test_digits_launch_one_gpu_per_worker(tmp_path, precision):
+    n = min(2, len(GPU_IDS))
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    _, log = run_command(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--flagfile=configs/digits_async.flags",
+         f"--num_workers={n}", "--gpus_per_worker=1", f"--mixed_precision={precision}",
+         "--epochs=3", "--steps_per_epoch=100", f"--output_dir={out}"],
+        timeout=280, env=_launch_env())
+    m = json.loads((out / "metrics.json").read_text())
+    results = os.environ.get("ASYNCPS_GPU_RESULTS")
+    if results:
+        shutil.copytree(out / "logs", os.path.join(results, f"launch_{precision}_logs"),
+                        dirs_exist_ok=True)
+    _record(f"launch_{precision}", {k: m[k] for k in (
+        "num_workers", "gpus_per_worker", "mixed_precision", "loss_scale", "test_accuracy",
+        "steps_per_sec", "steady_steps_per_sec", "examples_per_sec", "worker_steps")} | {
+        "launch_wall_s": time.perf_counter() - t0})
+    print(f"[gpu] throughput: digits mlp, {n} worker(s) x 1 GPU, {m['mixed_precision']}: "
+          f"{m['steady_steps_per_sec']:.1f} steps/s after epoch 1", flush=True)
+    assert f"worker 0: GPU {GPU_IDS[0]}" in log
+    assert m["gpus_per_worker"] == 1
+    assert m["mixed_precision"] == ("float32" if precision == "none" else "mixed_float16")
+    assert (m["loss_scale"] is None) == (precision == "none")
+    s = m["staleness"]
+    assert m["worker_steps"] == 300 == s["applied"] + s["dropped"]
+    assert m["optimizer_iterations"] == s["applied"] == s["global_step"]
+    assert m["test_accuracy"] >= 0.85
+
+
+def test_two_logical_gpus_per_worker_are_refused_with_the_fix(tmp_path):
+    """One physical GPU split into 2 logical GPUs in the worker's server
+    (TF_ASYNCPS_LOGICAL_GPUS): the strategy sees 2 GPUs per worker and stops
+    at once with the fix, instead of failing inside merge_call."""
+    t0 = time.perf_counter()
+    rc, out = run_command(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--flagfile=configs/digits_async.flags",
+         "--num_workers=1", "--gpus_per_worker=1", "--epochs=1", "--steps_per_epoch=10",
+         f"--output_dir={tmp_path}"],
+        timeout=200, env=_launch_env(TF_ASYNCPS_LOGICAL_GPUS="2",
+                                     TF_ASYNCPS_LOGICAL_GPU_MEMORY_MB="1024"), check=False)
+    _record("logical_gpus", {"rc": rc, "seconds": time.perf_counter() - t0,
+                             "tail": out[-1500:]})
+    assert rc != 0 and "every worker has 2 GPUs" in out, out[-3000:]
+    assert "--gpus_per_worker=1" in out and "Traceback" not in out
