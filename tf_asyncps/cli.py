@@ -79,8 +79,8 @@ flags.DEFINE_boolean(
 # --learning_rate, --seed and --output_dir.
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
                   "single,vanilla,async,local_sgd.")
-flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
-flags.DEFINE_integer("bench_eval_every", 160, "bench: worker steps between test-accuracy "
+flags.DEFINE_integer("bench_steps", 1920, "bench: worker steps per run.", lower_bound=1)
+flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)
 flags.DEFINE_integer("bench_steps_per_execution", 16, "bench: worker steps per closure "
                      "(fit's steps_per_execution) for every run but the straggler pair.",

@@ -265,12 +265,12 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         lso = mixed_precision.loss_scale_optimizer(optimizer)
         finite = all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
         worker_index = step.worker_index
-        if locking:
-            # Bring every worker-side input onto the PS before the lock is
-            # taken, so the locked region never waits for a worker that may die.
-            grads = [_copy_to(g, _device_of(v)) for g, v in zip(grads, variables)]
-            worker_index = _copy_to(worker_index, tracker.device)
-            finite = None if finite is None else _copy_to(finite, tracker.device)
+        # Bring every worker-side input onto the PS first: the locked
+        # region then never waits for a worker that may die, and the
+        # decision's tf.cond runs entirely on the PS (measured faster).
+        grads = [_copy_to(g, _device_of(v)) for g, v in zip(grads, variables)]
+        worker_index = _copy_to(worker_index, tracker.device)
+        finite = None if finite is None else _copy_to(finite, tracker.device)
         grad_tensors = [t for g in grads for t in (
             (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
         grad_tensors += [worker_index] + ([finite] if finite is not None else [])
