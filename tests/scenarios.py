@@ -90,7 +90,7 @@ def _optimizer(name, lr):
 
 @scenario
 def single_worker_fit(policy="async", policy_args=None, optimizer="sgd", lr=0.1,
-                      epochs=2, steps_per_epoch=20, batch=16):
+                      epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1):
     """One worker: fit under the strategy vs fit in one process, same order."""
     x, y = _small_problem(n=steps_per_epoch * batch)
     rng = np.random.RandomState(1)
@@ -110,13 +110,14 @@ def single_worker_fit(policy="async", policy_args=None, optimizer="sgd", lr=0.1,
         # (runs on the chief's own CPU, outside the strategy's scope).
         ref = _mlp()
         ref.set_weights(w0)
-        ref.compile(_optimizer(optimizer, lr), loss)
+        ref.compile(_optimizer(optimizer, lr), loss, steps_per_execution=steps_per_execution)
         ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
                 epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
         with strategy.scope():
             model = _mlp()
             model.set_weights(w0)
-            model.compile(_optimizer(optimizer, lr), loss)
+            model.compile(_optimizer(optimizer, lr), loss,
+                          steps_per_execution=steps_per_execution)
         model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
                   steps_per_epoch=steps_per_epoch, verbose=0)
         diffs = [float(np.max(np.abs(a - b)))

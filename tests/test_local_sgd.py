@@ -36,6 +36,20 @@ def test_one_worker_equals_plain_sgd():
     assert r["iterations"] == 40  # the optimizer's counter is pushed exactly
 
 
+def test_one_worker_with_steps_per_execution_equals_plain_sgd():
+    """Regression (fresh-user check): with steps_per_execution > 1 the
+    exchange raced with the closure's steps and lost about one step each."""
+    r = run_scenario("single_worker_fit", policy="local_sgd", optimizer="momentum",
+                     policy_args={"sync_every": 4}, epochs=2, steps_per_epoch=20,
+                     steps_per_execution=4)
+    assert r["moved"] > 1e-2
+    assert r["max_abs_diff"] < 1e-5
+    s = r["stats"]
+    assert s["local_steps"] == 40 and r["iterations"] == 40
+    # Per epoch: exchanges at the starts of closures 2..5, then the drain.
+    assert s["applied"] == s["global_step"] == 10
+
+
 def test_several_workers_sum_exactly_and_pull_chief_changes():
     r = run_scenario("local_sgd_linear", num_workers=3, steps=60, lr=0.5, sync_every=4)
     first, s = r["first"], r["stats"]

@@ -42,6 +42,7 @@ drains); the PS values are exact after each drain.
 
 import functools
 import threading
+import weakref
 from typing import List
 
 import tensorflow as tf
@@ -83,6 +84,9 @@ def _per_worker_variable(strategy, init, name):
                                        trainable=False, name=name)
 
 
+_HANDLES = weakref.WeakKeyDictionary()  # function graph -> {id(variable): handle}
+
+
 class _TracedStep:
     """Trace-time state of one local worker step: which model variables are
     pointed at their local copies, and the per-worker handles.
@@ -95,16 +99,26 @@ class _TracedStep:
     def __init__(self, policy):
         self.policy = policy
         self.top = _outermost_graph()
-        with self.top.as_default():
-            self.since = policy._since.handle
-            self.last_g = policy._last_g.handle
-            self.fresh = policy._fresh.handle
+        self.since = self._handle(policy._since)
+        self.last_g = self._handle(policy._last_g)
+        self.fresh = self._handle(policy._fresh)
         self.copies, self.local, self.anchor = [], [], []
+
+    def _handle(self, per_worker_var):
+        """One placeholder per variable and function: the step may be traced
+        more than once into the same function (autograph traces a loop body
+        to infer its outputs), and auto control dependencies order the
+        exchange before the steps only if they use the same handle tensor."""
+        cache = _HANDLES.setdefault(self.top, {})
+        key = id(per_worker_var)
+        if key not in cache:
+            with self.top.as_default():
+                cache[key] = per_worker_var.handle
+        return cache[key]
 
     def add(self, copies: List[_Copies]) -> None:
         """Points the copies' model variables at the local copies."""
-        with self.top.as_default():
-            handles = [(c.local.handle, c.anchor.handle) for c in copies]
+        handles = [(self._handle(c.local), self._handle(c.anchor)) for c in copies]
         for c, (lh, ah) in zip(copies, handles):
             c.inner._handle = lh
             self.copies.append(c)
