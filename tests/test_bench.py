@@ -126,3 +126,41 @@ def test_stop_cont_cycler_pauses_and_always_continues():
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     wait_dead([proc.pid], 10)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"slow_worker": 0, "delay_ms": float("inf")}, "delay_ms"),
+    ({"slow_worker": 0, "delay_ms": "100"}, "delay_ms"),
+    ({"slow_worker": 1.0, "delay_ms": 10}, "slow_worker"),
+])
+def test_slow_dataset_fn_rejects_bad_types(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        slow_dataset_fn(lambda ctx: None, **kwargs)
+
+
+def test_slow_dataset_fn_accepts_numpy_integers():
+    import numpy as np
+    assert callable(slow_dataset_fn(lambda ctx: None, np.int64(1), np.float32(5)))
+
+
+@pytest.mark.parametrize("pid", [0, -1, "123", True])
+def test_stop_cont_cycler_refuses_process_groups_and_bad_pids(pid):
+    with pytest.raises(ValueError, match="pid"):
+        StopContCycler(pid, stop_s=1.0, period_s=2.0)
+
+
+def test_stop_cont_cycler_refuses_itself():
+    with pytest.raises(ValueError, match="this process"):
+        StopContCycler(os.getpid(), stop_s=1.0, period_s=2.0)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--bench_steps=400", "--bench_eval_every=160"], "multiple"),
+    (["--bench_steps=160", "--bench_eval_every=160"], "twice"),
+    (["--output_dir=/proc/no-such-dir"], "output_dir"),
+])
+def test_bench_rejects_bad_settings_before_running(args, match):
+    rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench"] + args,
+                             timeout=60, check=False)
+    assert rc != 0 and match in output and "Traceback" not in output
+    assert "[1/" not in output  # nothing ran

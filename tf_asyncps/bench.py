@@ -65,7 +65,7 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
       ValueError: an unknown name in ``only``.
     """
     spe = steps_per_execution
-    runs = [{"name": "single", "kind": "single", "spe": spe},
+    runs = [{"name": "single", "kind": "single", "spe": spe, "num_workers": 0},
             {"name": "vanilla", "kind": "vanilla", "spe": spe}]
     for p in ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd"):
         runs.append({"name": p, "kind": "policy", "policy": p,
@@ -221,7 +221,9 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     results = []
     t_start = time.perf_counter()
     for i, run in enumerate(runs):
-        say(f"[{i + 1}/{len(runs)}] {run['name']}: {run['num_workers']} worker(s), "
+        where = (f"{run['num_workers']} worker(s)" if run["num_workers"]
+                 else "one process, no strategy")
+        say(f"[{i + 1}/{len(runs)}] {run['name']}: {where}, "
             f"{run['spe']} steps per closure"
             + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
                if run.get("straggler") else "") + " ...")
@@ -386,7 +388,7 @@ def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:
             last = max(i for i, c in enumerate(h) if c) + 1
             total = float(sum(h))
             ax.plot(range(last), [c / total for c in h[:last]], marker=".", label=r["name"])
-    ax.set_xlabel("staleness τ (global steps)")
+    ax.set_xlabel("staleness τ (global steps; local_sgd: exchanges)")
     ax.set_ylabel("fraction of applied updates")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)

@@ -252,10 +252,20 @@ def cmd_bench(argv):
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
                              f"of the steps per closure of run {r['name']} ({r['spe']}).")
-    if FLAGS.bench_steps < FLAGS.bench_eval_every:
-        raise ValueError(f"--bench_steps={FLAGS.bench_steps} must be >= --bench_eval_every="
-                         f"{FLAGS.bench_eval_every}.")
+    if FLAGS.bench_steps % FLAGS.bench_eval_every or \
+            FLAGS.bench_steps < 2 * FLAGS.bench_eval_every:
+        raise ValueError(
+            f"--bench_steps={FLAGS.bench_steps} must be a multiple of --bench_eval_every="
+            f"{FLAGS.bench_eval_every} and at least twice it (the first segment includes "
+            "tracing and is left out of steps/s).")
     out = FLAGS.output_dir or os.path.join("runs", "bench")
+    try:  # fail now, not after the runs
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".write_test"), "w"):
+            pass
+        os.remove(os.path.join(out, ".write_test"))
+    except OSError as e:
+        raise ValueError(f"--output_dir={out} is not a writable directory ({e.strerror}).")
     settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
                 "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
                 "eval_every": FLAGS.bench_eval_every,

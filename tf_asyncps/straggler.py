@@ -9,12 +9,15 @@ Two ways to slow one chosen worker:
   processes only), a whole-process pause as on an overloaded host.
 """
 
+import numbers
 import os
 import signal
 import threading
 from typing import Callable
 
 __all__ = ["slow_dataset_fn", "StopContCycler"]
+
+_MAX_DELAY_MS = 3600e3
 
 
 def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> Callable:
@@ -26,7 +29,8 @@ def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> 
       dataset_fn: the per-worker dataset function (as for ``DatasetCreator``).
       slow_worker: index of the worker to slow (int >= 0); other workers get
         no delay. The index is read on the worker when its dataset is built.
-      delay_ms: delay per element in milliseconds (float >= 0).
+      delay_ms: delay per element in milliseconds (0 <= delay_ms <= one hour).
+        An index with no worker slows nothing.
 
     Returns:
       A dataset function of the same signature.
@@ -34,10 +38,18 @@ def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> 
     Raises:
       ValueError: a negative ``slow_worker`` or ``delay_ms``.
     """
-    if isinstance(slow_worker, bool) or not isinstance(slow_worker, int) or slow_worker < 0:
-        raise ValueError(f"slow_worker must be a worker index >= 0, got {slow_worker!r}.")
-    if not delay_ms >= 0:
-        raise ValueError(f"delay_ms must be >= 0 milliseconds, got {delay_ms!r}.")
+    if not callable(dataset_fn):
+        raise ValueError(f"dataset_fn must be a function of the input context, got "
+                         f"{dataset_fn!r}.")
+    if isinstance(slow_worker, bool) or not isinstance(slow_worker, numbers.Integral) \
+            or slow_worker < 0:
+        raise ValueError(f"slow_worker must be an integer worker index >= 0, got "
+                         f"{slow_worker!r}.")
+    if isinstance(delay_ms, bool) or not isinstance(delay_ms, numbers.Real) \
+            or not 0 <= delay_ms <= _MAX_DELAY_MS:
+        raise ValueError(f"delay_ms must be a number of milliseconds in 0..{_MAX_DELAY_MS:g} "
+                         f"(one hour), got {delay_ms!r}.")
+    slow_worker, delay_ms = int(slow_worker), float(delay_ms)
 
     def wrapped(input_context):
         import tensorflow as tf
@@ -65,13 +77,25 @@ class StopContCycler:
       period_s: cycle length in seconds (float > stop_s).
 
     Raises:
-      ValueError: bad timings.
+      ValueError: a pid that is not a running process other than this one
+        (0 or negative would signal process groups), or bad timings.
     """
 
     def __init__(self, pid: int, stop_s: float, period_s: float):
-        if not (stop_s > 0 and period_s > stop_s):
-            raise ValueError(f"need 0 < stop_s < period_s, got stop_s={stop_s!r}, "
-                             f"period_s={period_s!r}.")
+        if isinstance(pid, bool) or not isinstance(pid, numbers.Integral) or pid <= 0:
+            raise ValueError(f"pid must be a process id > 0, got {pid!r} (0 and negative "
+                             "values would signal whole process groups).")
+        if pid == os.getpid():
+            raise ValueError("pid is this process: it would stop itself and never resume.")
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            raise ValueError(f"pid {pid} is not a running process.") from None
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                   for v in (stop_s, period_s)) or not 0 < stop_s < period_s:
+            raise ValueError(f"need numbers 0 < stop_s < period_s (seconds), got "
+                             f"stop_s={stop_s!r}, period_s={period_s!r}.")
+        pid = int(pid)
         self.pid, self.stop_s, self.period_s = pid, stop_s, period_s
         self.cycles = 0
         self._done = threading.Event()

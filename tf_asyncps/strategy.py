@@ -246,6 +246,11 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         """
         make_counter_exact(optimizer)
         if getattr(step, "local_state", None) is not None:
+            if is_locking(optimizer) and not getattr(self, "_warned_local_lock", False):
+                self._warned_local_lock = True
+                logging.warning(
+                    "LockingOptimizer has no effect under local_sgd: each worker updates "
+                    "its own copy, and exchanges with the PS are per-variable atomic adds.")
             return self._apply_local(step, grads_and_vars, apply_fn)
         locking = self.policy.atomic
         if is_locking(optimizer):
