@@ -97,3 +97,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(120))
+
+
+def pytest_configure(config):
+    # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
+    if getattr(config.option, "durations", None) is None:
+        config.option.durations = 20
