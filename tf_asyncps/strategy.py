@@ -120,7 +120,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             return var
         if kwargs.get("trainable", True) is not False:
             self._trainable.append(var)
-        if getattr(self.policy, "local_copies", False):
+        if self.policy.local_copies:
             self.policy.add_variable(var)
         return var
 
@@ -132,7 +132,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         if not tf.executing_eagerly():
             fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx())
 
-        if getattr(self.policy, "local_copies", False):
+        if self.policy.local_copies:
             return super()._call_for_each_replica(self._local_step(fn), args, kwargs)
 
         @tf.autograph.experimental.do_not_convert
@@ -530,7 +530,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         mixed_precision.allow_loss_scaling()
         # Model.fit and user code get this coordinator (one per strategy).
         coordinator = _AsyncCoordinator(self)
-        if getattr(policy, "local_copies", False):
+        if policy.local_copies:
             policy.attach(self, self._tracker)  # needs the coordinator
         if hasattr(policy, "set_pending_probe"):
             policy.set_pending_probe(coordinator.has_queued_closures)

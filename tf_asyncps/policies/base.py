@@ -70,12 +70,16 @@ class UpdatePolicy:
         passes it as ``info.read_values`` (costs one PS-local copy per step).
       uses_tau: False for rules that ignore τ (``async``): the engine then
         takes τ from the global step's atomic increment, exact without a lock.
+      local_copies: if True, workers train per-worker copies of the variables
+        and the policy exchanges them with the PS (``local_sgd``; see
+        tf_asyncps/policies/local_sgd.py for the hooks it must provide).
     """
 
     name: str = "base"
     atomic: bool = False
     needs_read_values: bool = False
     uses_tau: bool = True
+    local_copies: bool = False
 
     def validate_cluster(self, num_workers: int) -> None:
         """Raises ValueError if the policy cannot work with ``num_workers``

@@ -97,7 +97,6 @@ class _TracedStep:
     """
 
     def __init__(self, policy):
-        self.policy = policy
         self.top = _outermost_graph()
         self.since = self._handle(policy._since)
         self.last_g = self._handle(policy._last_g)
@@ -305,10 +304,12 @@ class LocalSteps(UpdatePolicy):
                 return 0
             copies = [c for c in self._copies.values()
                       if getattr(c.local, "_per_worker_vars", None) is not None]
-            per_worker = [(since_all[w], _per_worker(self._last_g)[w],
-                           _per_worker(self._fresh)[w],
-                           [(_per_worker(c.local)[w], _per_worker(c.anchor)[w]) for c in copies])
-                          for w in range(len(since_all))]
+            locals_ = [_per_worker(c.local) for c in copies]
+            anchors = [_per_worker(c.anchor) for c in copies]
+            per_worker = [(since, last, fresh,
+                           [(lv[w], av[w]) for lv, av in zip(locals_, anchors)])
+                          for w, (since, last, fresh) in enumerate(zip(
+                              since_all, _per_worker(self._last_g), _per_worker(self._fresh)))]
             # Rebuilt when workers re-created their variables or copies were added.
             key = tuple(id(v) for _, _, _, pairs in per_worker for pair in pairs for v in pair)
             key += tuple(id(s) for s, _, _, _ in per_worker)
@@ -363,11 +364,6 @@ def _read(handle, dtype):
 
 def _assign(handle, value):
     return gen_resource_variable_ops.assign_variable_op(handle, value)
-
-
-def _assign_and_return(handle, value):
-    with tf.control_dependencies([_assign(handle, value)]):
-        return tf.identity(value)
 
 
 def _outermost_graph():
