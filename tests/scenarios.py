@@ -787,6 +787,97 @@ def sigstop_worker(policy="async", policy_args=None, num_workers=2, steps=80,
 
 
 @scenario
+def worker_faults_digits(policy="async", num_workers=2, epochs=16, steps_per_epoch=100,
+                         spe=10, kill_after=150, stop_s=5.0):
+    """Digits MLP under model.fit on a supervised LocalCluster: worker:1 is
+    SIGKILLed mid-fit (the supervisor restarts it; it must rejoin) and, at
+    the same moment, worker:0 is SIGSTOPped for ``stop_s`` s, then continued."""
+    import signal
+    import threading
+    from tf_asyncps import datasets, models
+    data = datasets.load("digits", seed=0)
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        c.supervise(max_restarts=2, poll_s=0.2)
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=policy)
+        with strategy.scope():
+            model = models.build_model("mlp", data.num_features, data.num_classes, (64,), 0)
+            model.compile(tf_keras.optimizers.SGD(0.1),
+                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=spe)
+        ev = {}
+        done = threading.Event()
+
+        def faults():  # polls the counters (tf_keras has no batch hooks under PS)
+            while not done.wait(0.02):
+                if strategy.staleness_stats().worker_steps >= kill_after:
+                    break
+            else:
+                return
+            ev["done_at_kill"] = strategy.closures_done_per_worker()
+            c.kill("worker:1")
+            c.kill("worker:0", signal.SIGSTOP)
+            ev["faults"] = True
+            done.wait(stop_s)
+            c.kill("worker:0", signal.SIGCONT)
+            ev["steps_at_cont"] = strategy.staleness_stats().worker_steps
+            while not done.wait(0.05):  # rejoined: worker 1 completes closures again
+                if strategy.closures_done_per_worker()[1] > ev["done_at_kill"][1]:
+                    ev["rejoined_at_step"] = strategy.staleness_stats().worker_steps
+                    return
+
+        t = threading.Thread(target=faults, daemon=True)
+        t.start()
+        try:
+            model.fit(tf_keras.utils.experimental.DatasetCreator(
+                datasets.make_dataset_fn(data.x_train, data.y_train, 32, 0)),
+                epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+        finally:
+            done.set()
+            t.join(timeout=10)
+            c.kill("worker:0", signal.SIGCONT)  # never leave it stopped
+        local = models.build_model("mlp", data.num_features, data.num_classes, (64,), 0)
+        local.set_weights(model.get_weights())
+        local.compile(loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        acc = local.evaluate(data.x_test, data.y_test, verbose=0)[1]
+        return {"events": ev, "restarts": dict(c.restarts), "gave_up": dict(c.gave_up),
+                "done": strategy.closures_done_per_worker(),
+                "scheduled": epochs * steps_per_epoch, "spe": spe,
+                "test_accuracy": float(acc), "stats": _stats(strategy)}
+
+
+@scenario
+def checkpoint_crash(backup_dir, crash_at="state"):
+    """A process that crashes (os._exit) inside its second epoch-end
+    BackupAndRestore save: after the new checkpoint's data is written but
+    before the ``checkpoint`` state file names it (``crash_at="state"``), or
+    before the shards are merged into it (``"merge"``). Returns (if it does
+    not crash) nothing useful; the first checkpoint's weights are saved to
+    ``backup_dir/../epoch1_weights.npz`` for the test to compare."""
+    from tensorflow.python.checkpoint import checkpoint_management, functional_saver
+    x, y = _small_problem()
+    model = _mlp()
+    model.compile(tf_keras.optimizers.SGD(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = lambda: tf_keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(x, y, epochs=1, batch_size=32, verbose=0, callbacks=[backup()])
+    np.savez(os.path.join(os.path.dirname(backup_dir), "epoch1_weights.npz"),
+             *model.get_weights())
+
+    def crash(*args, **kwargs):
+        sys.stdout.flush()
+        os._exit(17)
+
+    if crash_at == "state":
+        checkpoint_management.update_checkpoint_state_internal = crash
+    else:
+        functional_saver.gen_io_ops.merge_v2_checkpoints = crash
+    model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[backup()])
+    return {"crashed": False}
+
+
+@scenario
 def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=None,
                         num_workers=2, epochs=2, steps_per_epoch=40, batch=16, lr=0.1,
                         initial_scale=None, locking=False):

@@ -172,18 +172,43 @@ def test_local_cluster_stops_every_child_even_when_the_body_raises(tmp_path):
     assert (tmp_path / "worker-1.log").exists()
 
 
-def test_local_cluster_kill_and_restart_one_task(tmp_path):
+def _poll(cond, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)  # polling interval, not synchronisation
+
+
+def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
     with LocalCluster(num_workers=1, num_ps=1, log_dir=str(tmp_path)) as c:
+        with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
+            c.supervise(max_restarts=-1)
+        with pytest.raises(ValueError, match="poll_s"):
+            c.supervise(poll_s=0)
+        c.supervise(max_restarts=1, poll_s=0.1)
+        with pytest.raises(ValueError, match="already supervised"):
+            c.supervise()
         old = c.pids["worker:0"]
         c.kill("worker:0")
-        assert not pid_alive(old)
-        assert not cluster._reachable(c.config["worker"][0], 1.0)
+        _poll(lambda: c.restarts == {"worker:0": 1} and c.pids["worker:0"] != old
+              and cluster._reachable(c.config["worker"][0], 0.5))
+        state = json.loads((tmp_path / "cluster.json").read_text())
+        assert state["tasks"]["worker:0"]["pid"] == c.pids["worker:0"]
+        assert state["restarts"] == {"worker:0": 1}
+        # A restart by hand while supervised is not doubled by the supervisor.
+        manual = c.pids["worker:0"]
         c.restart("worker:0")
-        assert c.pids["worker:0"] != old and pid_alive(c.pids["worker:0"])
-        assert cluster._reachable(c.config["worker"][0], 1.0)
+        assert not pid_alive(manual) and pid_alive(c.pids["worker:0"])
+        assert cluster._reachable(c.config["worker"][0], 1.0) and c.restarts == {"worker:0": 1}
         with pytest.raises(ValueError, match="no task 'worker:7'"):
             c.kill("worker:7")
-    assert not pid_alive(c.pids["worker:0"]) and not pid_alive(c.pids["ps:0"])
+        second = c.pids["worker:0"]
+        c.kill("worker:0")  # its one supervised restart is used up: it stays down
+        _poll(lambda: "worker:0" in c.gave_up)
+        assert c.gave_up == {"worker:0": -signal.SIGKILL}
+        assert c.pids["worker:0"] == second and not pid_alive(second)
+        assert pid_alive(c.pids["ps:0"]) and c.restarts == {"worker:0": 1}
+    assert not pid_alive(c.pids["ps:0"])
 
 
 def test_children_die_with_a_killed_parent(tmp_path):

@@ -68,6 +68,19 @@ flags.DEFINE_enum("mixed_precision", "none",
                   "mixed_float16 adds loss scaling; auto: mixed_float16 if the workers have "
                   "GPUs, else mixed_bfloat16.")
 
+flags.DEFINE_string("backup_dir", None,
+                    "Checkpoint directory of tf_keras BackupAndRestore: the model and "
+                    "optimizer are saved at every epoch end, and a re-run of the chief "
+                    "resumes from the latest checkpoint (metrics.json: recovery). launch "
+                    "--restart_failed_tasks defaults it to OUTPUT_DIR/backup.")
+flags.DEFINE_boolean("restart_failed_tasks", False,
+                     "launch: supervise the children. A ps or worker that exits is "
+                     "restarted on its port (a worker rejoins by itself); a chief that "
+                     "fails (e.g. its ps died) is re-run and resumes from --backup_dir. "
+                     "At most --max_restarts restarts per task.")
+flags.DEFINE_integer("max_restarts", 3, "launch --restart_failed_tasks: restarts allowed "
+                     "per task (chief re-runs included).", lower_bound=0)
+
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
     "train/server: start even if this task's own address in TF_CONFIG is not an "
@@ -112,7 +125,7 @@ def _job_config():
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
         max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
-        mixed_precision=FLAGS.mixed_precision)
+        mixed_precision=FLAGS.mixed_precision, backup_dir=FLAGS.backup_dir)
     cfg.validate()
     return cfg
 
@@ -207,6 +220,15 @@ def cmd_launch(argv):
     if os.environ.get("TF_CONFIG"):
         logging.warning("launch ignores TF_CONFIG: it makes its own local cluster.")
     log_dir = os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None
+    args = [a for a in sys.argv[1:] if a != "launch"]
+    if FLAGS.restart_failed_tasks and not FLAGS.backup_dir:
+        # A chief re-run must find the checkpoints of the run that failed.
+        if FLAGS.output_dir:
+            backup = os.path.join(FLAGS.output_dir, "backup")
+        else:
+            import tempfile
+            backup = tempfile.mkdtemp(prefix="tf_asyncps_backup_")
+        args.append(f"--backup_dir={backup}")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.perf_counter()
@@ -215,30 +237,51 @@ def cmd_launch(argv):
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
               f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
               f"task logs in {c.log_dir}", flush=True)
+        if FLAGS.restart_failed_tasks:
+            c.supervise(max_restarts=FLAGS.max_restarts)
         env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
         env.update(gpu_plan.task_env("chief"))
-        args = [a for a in sys.argv[1:] if a != "launch"]
-        chief = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "train"] + args,
-                                 env=env, preexec_fn=cluster._set_pdeathsig)
+        deadline = time.monotonic() + FLAGS.timeout_s
+        runs = 0
+        while True:
+            runs += 1
+            rc = _run_chief(c, args, env, deadline)
+            if rc == 0 or not FLAGS.restart_failed_tasks or runs > FLAGS.max_restarts:
+                break
+            print(f"tf-asyncps launch: the chief exited with code {rc}; re-running it "
+                  f"(restart {runs} of {FLAGS.max_restarts}), it resumes from the latest "
+                  "checkpoint.", flush=True)
+        if c.restarts:
+            print(f"tf-asyncps launch: tasks restarted: {dict(sorted(c.restarts.items()))}",
+                  flush=True)
+    if rc != 0:
+        raise SystemExit(f"tf-asyncps launch: the chief exited with code {rc}"
+                         f"{f' after {runs} runs' if runs > 1 else ''}.")
+
+
+def _run_chief(c, args, env, deadline) -> int:
+    """Runs the chief (`train`) until it exits; returns its exit code."""
+    from tf_asyncps import cluster
+    chief = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "train"] + args,
+                             env=env, preexec_fn=cluster._set_pdeathsig)
+    c.write_state({"chief:0": chief.pid})
+    try:
+        return chief.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        chief.kill()
+        chief.wait()
+        raise SystemExit(f"tf-asyncps launch: the job ran past --timeout_s="
+                         f"{FLAGS.timeout_s:.0f} s and was stopped.")
+    except KeyboardInterrupt:
+        chief.terminate()
         try:
-            rc = chief.wait(timeout=FLAGS.timeout_s)
+            chief.wait(timeout=10)
         except subprocess.TimeoutExpired:
             chief.kill()
-            chief.wait()
-            raise SystemExit(f"tf-asyncps launch: the job ran past --timeout_s="
-                             f"{FLAGS.timeout_s:.0f} s and was stopped.")
-        except KeyboardInterrupt:
-            chief.terminate()
-            try:
-                chief.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                chief.kill()
-            raise SystemExit("tf-asyncps launch: interrupted; every process stopped.")
-        finally:
-            if chief.poll() is None:
-                chief.kill()
-    if rc != 0:
-        raise SystemExit(f"tf-asyncps launch: the chief exited with code {rc}.")
+        raise SystemExit("tf-asyncps launch: interrupted; every process stopped.")
+    finally:
+        if chief.poll() is None:
+            chief.kill()
 
 
 def cmd_bench(argv):
@@ -300,6 +343,26 @@ def main(argv):
     except (ValueError, TimeoutError, RuntimeError) as e:
         # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")
+    except Exception as e:  # noqa: BLE001 - only a lost task is rewritten
+        lost = _lost_task_message(e)
+        if lost is None:
+            raise
+        raise SystemExit(f"tf-asyncps {argv[1]}: error: {lost}")
+
+
+def _lost_task_message(e: BaseException):
+    """A one-paragraph message for a task lost mid-training, else None."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(e, (tf.errors.UnavailableError, tf.errors.AbortedError)):
+        return None
+    import re
+    task = re.search(r"/job:(ps|worker)/replica:\d+/task:(\d+)", str(e))
+    who = f"{task.group(1)}:{task.group(2)}" if task else "a ps task"
+    first = next((ln.strip() for ln in str(e).splitlines() if "UNAVAILABLE" in ln
+                  or "Socket closed" in ln or "connect" in ln), type(e).__name__)
+    return (f"lost {who} during training ({first}). A ps task's variables die with it: "
+            "restart it and re-run the chief with the same --backup_dir to resume from "
+            "the latest checkpoint (launch --restart_failed_tasks does both).")
 
 
 def run():

@@ -772,6 +772,13 @@ class LocalCluster:
         }, task_type="chief", task_id=0)
         self.procs: Dict[str, subprocess.Popen] = {}
         self._logs = {}
+        # Supervision (see supervise()): restarts per task and tasks given up on.
+        self.restarts: Dict[str, int] = {}
+        self.gave_up: Dict[str, int] = {}
+        self._proc_lock = threading.RLock()
+        self._supervisor: Optional[threading.Thread] = None
+        self._supervisor_stop = threading.Event()
+        self._extra_pids: Dict[str, int] = {}
 
     # -- addresses and configs ---------------------------------------------
     @property
@@ -834,7 +841,33 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        self.write_state()
         return self
+
+    @property
+    def state_path(self) -> str:
+        """``log_dir/cluster.json``: every task's address and current pid."""
+        return os.path.join(self.log_dir, "cluster.json")
+
+    def write_state(self, extra_pids: Optional[Dict[str, int]] = None) -> None:
+        """Writes :attr:`state_path` atomically: {"tasks": {name: {"address",
+        "pid"}}, "restarts": {name: n}}; ``extra_pids`` adds tasks started
+        elsewhere (launch's chief). Tools and tests find pids to signal here."""
+        from tf_asyncps.recovery import atomic_write_json
+        with self._proc_lock:
+            if extra_pids is not None:
+                self._extra_pids = dict(extra_pids)
+            pids = {n: p.pid for n, p in self.procs.items()}
+            pids.update(self._extra_pids)
+            tasks = {}
+            for n, pid in pids.items():
+                job, i = n.split(":")
+                tasks[n] = {"address": self.config[job][int(i)], "pid": int(pid)}
+            try:
+                atomic_write_json(self.state_path, {"tasks": tasks,
+                                                    "restarts": dict(self.restarts)})
+            except OSError as e:  # informational only
+                logging.warning("LocalCluster: could not write %s: %s", self.state_path, e)
 
     def _wait(self, names):
         sub = ClusterConfig({j: [] for j in ROLES})
@@ -860,10 +893,83 @@ class LocalCluster:
 
     def restart(self, name: str) -> None:
         """Kills task ``name`` if alive and starts it again on the same port."""
-        self.kill(name)
-        self._close_log(name)
-        self._spawn(name)
+        with self._proc_lock:  # the supervisor must not restart it as well
+            self.kill(name)
+            self._close_log(name)
+            self._spawn(name)
         self._wait([name])
+
+    def supervise(self, max_restarts: int = 3, poll_s: float = 0.5) -> "LocalCluster":
+        """Restarts any ps or worker task that exits, on its own port.
+
+        A background thread polls the children every ``poll_s`` seconds; a task
+        that exited (crash, SIGKILL, OOM kill) is started again, at most
+        ``max_restarts`` times per task; after that it is left down and named
+        in ``gave_up`` ({task: exit code}) with an error in the log. A
+        restarted worker rejoins by itself (ClusterCoordinator reconnects and
+        rebuilds its per-worker datasets); a restarted ps holds fresh
+        variables, so the chief must restore them from a checkpoint (``launch
+        --restart_failed_tasks`` re-runs the chief for that).
+
+        Args:
+          max_restarts: restarts allowed per task (int >= 0).
+          poll_s: seconds between checks (float > 0).
+
+        Returns:
+          self. ``restarts`` ({task: count}) says what was restarted.
+
+        Raises:
+          ValueError: bad arguments.
+        """
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) \
+                or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}.")
+        if not (isinstance(poll_s, (int, float)) and poll_s > 0):
+            raise ValueError(f"poll_s must be seconds > 0, got {poll_s!r}.")
+        if self._supervisor is not None:
+            raise ValueError("this LocalCluster is already supervised.")
+        self._supervisor_stop.clear()
+        self._supervisor = threading.Thread(
+            target=self._supervise, args=(max_restarts, poll_s), daemon=True,
+            name="LocalCluster-supervisor")
+        self._supervisor.start()
+        return self
+
+    def _supervise(self, max_restarts: int, poll_s: float) -> None:
+        while not self._supervisor_stop.wait(poll_s):
+            for name in self.task_names:
+                with self._proc_lock:
+                    if self._supervisor_stop.is_set():
+                        return
+                    p = self.procs.get(name)
+                    if p is None or p.poll() is None or name in self.gave_up:
+                        continue
+                    n = self.restarts.get(name, 0)
+                    if n >= max_restarts:
+                        self.gave_up[name] = p.returncode
+                        logging.error("LocalCluster: %s exited with code %s and has used its "
+                                      "%d restart(s); it stays down. Its log: %s", name,
+                                      p.returncode, max_restarts, self.log_path(name))
+                        continue
+                    self.restarts[name] = n + 1
+                    logging.warning("LocalCluster: %s exited with code %s; restarting it "
+                                    "(restart %d of %d).", name, p.returncode, n + 1,
+                                    max_restarts)
+                    self._close_log(name)
+                    self._spawn(name)
+                    self.write_state()
+                try:
+                    self._wait([name])
+                except (TimeoutError, RuntimeError) as e:  # its next exit is seen above
+                    logging.error("LocalCluster: restarted %s did not serve: %s", name, e)
+
+    def _stop_supervisor(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor_stop.set()
+            with self._proc_lock:
+                pass  # a restart in progress has finished spawning
+            self._supervisor.join(timeout=self.start_timeout_s + 5)
+            self._supervisor = None
 
     def _proc(self, name: str) -> subprocess.Popen:
         if name not in self.procs:
@@ -884,6 +990,7 @@ class LocalCluster:
         (PR_SET_PDEATHSIG): TensorFlow's teardown at exit still talks to them,
         and TensorFlow allows one cluster per process anyway.
         """
+        self._stop_supervisor()
         if defer_if_connected and _connected_here() and self._alive_children():
             logging.info("LocalCluster: tasks %s stop when this process exits.",
                          sorted(self.pids))

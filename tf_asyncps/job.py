@@ -7,8 +7,8 @@ by plain TensorFlow in one process) and ``test_predictions.npy``.
 """
 
 import dataclasses
-import json
 import os
+import shutil
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -18,7 +18,7 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import datasets, mixed_precision, models, policies
+from tf_asyncps import datasets, mixed_precision, models, policies, recovery
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
@@ -52,6 +52,7 @@ class JobConfig:
     max_tracked_staleness: int = 32
     locking: bool = False
     mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
+    backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
 
@@ -141,7 +142,15 @@ def export_saved_model(model, path: str, num_features: int) -> None:
     def serve(x):
         return {"probabilities": tf.nn.softmax(model(x, training=False))}
 
-    tf.saved_model.save(model, path, signatures={"serving_default": serve})
+    # Written beside the target and renamed into place: a crash mid-save
+    # leaves the previous SavedModel (or none), never a partial one.
+    tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tf.saved_model.save(model, tmp, signatures={"serving_default": serve})
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
@@ -208,15 +217,34 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     logger = callbacks_lib.StalenessLogger(log_dir=tb_dir, batch_size=cfg.batch_size,
                                            print_fn=say)
     cbs = [callbacks_lib.ProgressLine(total), logger]
+    tracker = None
+    if cfg.backup_dir:
+        # Epoch checkpoints of the model and optimizer; a re-run resumes from
+        # the latest (ps failures are not recoverable in place).
+        tracker = recovery.ResumeTracker(cfg.backup_dir, cfg.steps_per_epoch,
+                                         cfg.steps_per_execution)
+        cbs += [tf_keras.callbacks.BackupAndRestore(cfg.backup_dir), tracker]
     s0 = strategy.staleness_stats()
     t0 = time.perf_counter()
-    model.fit(
-        tf_keras.utils.experimental.DatasetCreator(
-            datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size, cfg.seed)),
-        epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
+    try:
+        model.fit(
+            tf_keras.utils.experimental.DatasetCreator(
+                datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size,
+                                         cfg.seed)),
+            epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
+    except BaseException:
+        if tracker is not None:
+            tracker.record_failure()
+            say(f"training failed after {tracker.steps_done()} of {total} worker steps; "
+                f"a re-run resumes from the latest checkpoint in {cfg.backup_dir}")
+        raise
     train_s = time.perf_counter() - t0
     stats = strategy.staleness_stats()
     worker_steps = stats.worker_steps - s0.worker_steps
+    resumed = tracker.resumed_from_step if tracker else 0
+    if tracker and tracker.chief_runs > 1:
+        say(f"resumed at worker step {resumed} (chief run {tracker.chief_runs}); "
+            f"{tracker.steps_redone} worker steps redone in all")
 
     # Evaluate and export a plain single-process float32 copy of the trained
     # model (mixed-precision variables are float32 already).
@@ -239,6 +267,12 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "steps_per_epoch": cfg.steps_per_epoch,
         "batch_size": cfg.batch_size,
         "worker_steps": int(worker_steps),
+        # Steps fit scheduled in this run; worker_steps may exceed it by the
+        # retried closures' steps (TensorFlow runs closures at least once).
+        "scheduled_steps": int(total - resumed),
+        "retried_closures": int(stats.retried_closures),
+        "worker_failures": int(stats.worker_failures),
+        "recovery": tracker.summary() if tracker else None,
         "steps_per_sec": worker_steps / train_s,
         "examples_per_sec": worker_steps * cfg.batch_size / train_s,
         "train_time_s": train_s,
@@ -266,7 +300,6 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
                            data.num_features)
         np.save(os.path.join(cfg.output_dir, "test_predictions.npy"), probs)
         metrics["wall_time_s"] = time.perf_counter() - t_job
-        with open(os.path.join(cfg.output_dir, "metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
+        recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
         say(f"wrote {cfg.output_dir}/metrics.json, saved_model/, tensorboard/")
     return metrics

@@ -44,6 +44,12 @@ class StalenessStats:
         ``dropped``).
       local_steps: worker steps trained on local copies and pushed to the PS
         (int; ``local_sgd`` only, where ``applied`` counts exchanges).
+      retried_closures: closures the coordinator put back after a worker
+        failure (int, counted on the chief). Each may have run partly before
+        running again in full (TensorFlow's at-least-once rule), so
+        ``worker_steps`` may exceed the scheduled steps by up to this many
+        closures' worth of steps.
+      worker_failures: worker failures the coordinator saw (int).
     """
 
     global_step: int
@@ -55,6 +61,8 @@ class StalenessStats:
     max: int
     nonfinite: int = 0
     local_steps: int = 0
+    retried_closures: int = 0
+    worker_failures: int = 0
 
     @property
     def worker_steps(self) -> int:
@@ -74,6 +82,8 @@ class StalenessStats:
             "max": int(self.max),
             "nonfinite": int(self.nonfinite),
             "local_steps": int(self.local_steps),
+            "retried_closures": int(self.retried_closures),
+            "worker_failures": int(self.worker_failures),
         }
 
 

@@ -15,8 +15,9 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
   one replica per GPU, so the strategy refuses them when it is built.
 """
 
+import dataclasses
 import sys
-from typing import Union
+from typing import List, Union
 
 import tensorflow as tf
 from absl import logging
@@ -24,6 +25,7 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import devices
+from tf_asyncps import faults
 from tf_asyncps import mixed_precision
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
@@ -414,6 +416,15 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
 
     _waiting_callers = 0
 
+    def __init__(self, strategy):
+        # ClusterCoordinator is one per strategy: tf_keras's later
+        # ClusterCoordinator(strategy) returns this object and re-runs __init__.
+        first = not getattr(self, "_has_initialized", False)
+        super().__init__(strategy)
+        if first:
+            self.accounting = faults.attach(
+                self, faults.ClosureAccounting(strategy.extended._num_workers))
+
     def has_queued_closures(self) -> bool:
         """True unless the caller is draining: inside ``join``/``done``/``fetch``
         with no closure left in the queue. Only then may waiting workers be
@@ -558,11 +569,20 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         scheduled steps (no ``coordinator.join``), so it can be polled while
         training runs.
         """
-        return self._tracker.stats()
+        stats = self._tracker.stats()
+        acct = self._cluster_coordinator.accounting
+        return dataclasses.replace(stats, retried_closures=acct.retried_closures,
+                                   worker_failures=sum(acct.worker_failures))
+
+    def closures_done_per_worker(self) -> List[int]:
+        """Closures each worker completed (chief-side count, list of ints by
+        worker index). A worker that failed and rejoined resumes counting."""
+        return self._cluster_coordinator.accounting.closures_done
 
     def reset_staleness_stats(self) -> None:
         """Zeroes the histograms and counters; the global step is kept."""
         self._tracker.reset()
+        self._cluster_coordinator.accounting.reset()
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if _called_from_keras3():

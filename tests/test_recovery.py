@@ -1,0 +1,136 @@
+"""ps and chief failures under `launch --restart_failed_tasks` (#6 item 4).
+
+A ps task that dies takes its variables with it; the chief fails, the
+supervisor restarts the ps, and launch re-runs the chief, which resumes from
+the latest BackupAndRestore checkpoint. A SIGKILLed chief is re-run the same
+way. The result must be as good as an uninterrupted run with the same seed.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, _env, run_command, stop_process
+from tf_asyncps import recovery
+
+FLAGS = ["--num_workers=1", "--num_ps=1", "--epochs=8", "--steps_per_epoch=50",
+         "--steps_per_execution=10", "--hidden=64", "--seed=0", "--timeout_s=200"]
+
+
+def _launch_cmd(out, *extra):
+    return [sys.executable, "-m", "tf_asyncps", "launch", *FLAGS,
+            f"--output_dir={out}", *extra]
+
+
+def _until(cond, proc, timeout_s, what):
+    """Polls ``cond()`` until true; fails if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"launch exited ({proc.returncode}) before {what}")
+        time.sleep(0.05)  # polling interval, not synchronisation
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _latest_checkpoint(out):
+    """The checkpoint the state file names (it is rewritten atomically)."""
+    try:
+        with open(os.path.join(out, "backup", "chief", "checkpoint")) as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+def _kill_task(out, name):
+    state = recovery.read_json(os.path.join(out, "logs", "cluster.json"))
+    pid = state["tasks"][name]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.timeout(300)
+def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
+    base, out = str(tmp_path / "uninterrupted"), str(tmp_path / "interrupted")
+    run_command(_launch_cmd(base), timeout=150)
+    with open(os.path.join(base, "metrics.json")) as f:
+        baseline = json.load(f)
+    assert baseline["recovery"] is None  # no --backup_dir: no checkpoints
+
+    log = open(tmp_path / "launch.log", "w+")
+    proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=2"),
+                            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+    progress = os.path.join(out, "backup", recovery.PROGRESS_FILE)
+    try:
+        # 1. ps:0 dies after the first epoch checkpoint.
+        first = _until(lambda: _latest_checkpoint(out), proc, 120, "the first checkpoint")
+        _kill_task(out, "ps:0")
+        # 2. The re-run chief resumed and wrote a newer checkpoint: kill it.
+        _until(lambda: (recovery.read_json(progress) or {}).get("chief_runs") == 2 and
+               _latest_checkpoint(out) not in (None, first),
+               proc, 120, "the second chief run to checkpoint an epoch")
+        _kill_task(out, "chief:0")
+        rc = proc.wait(timeout=150)
+    finally:
+        stop_process(proc)
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert rc == 0, text[-4000:]
+    with open(os.path.join(out, "metrics.json")) as f:
+        m = json.load(f)
+    rec = m["recovery"]
+    assert rec["chief_runs"] == 3, rec
+    # Resumed from an epoch boundary after the first failure, not from zero.
+    assert rec["resumed_from_step"] >= 100 and rec["resumed_from_step"] % 50 == 0, rec
+    assert rec["steps_redone"] >= 0
+    assert m["scheduled_steps"] == 400 - rec["resumed_from_step"] == m["worker_steps"]
+    assert "tasks restarted: {'ps:0': 1}" in text
+    assert text.count("re-running it") == 2
+    assert "lost ps:0 during training" in text
+    assert not os.path.exists(progress)  # removed once fit completed
+    assert abs(m["test_accuracy"] - baseline["test_accuracy"]) <= 0.02, (
+        m["test_accuracy"], baseline["test_accuracy"])
+
+
+@pytest.mark.parametrize("crash_at", ["merge", "state"])
+def test_crash_inside_a_checkpoint_save_leaves_the_previous_one_latest(tmp_path, crash_at):
+    # The process dies (exit 17) inside its second epoch-end save: before the
+    # shards are merged, or after the data is written but before the state
+    # file names it. The latest checkpoint must still be the complete first.
+    import numpy as np
+    import tensorflow as tf
+    backup = str(tmp_path / "backup")
+    rc, out = run_command([sys.executable, os.path.join(ROOT, "tests", "scenarios.py"),
+                           "checkpoint_crash",
+                           json.dumps({"backup_dir": backup, "crash_at": crash_at})],
+                          timeout=90, check=False)
+    assert rc == 17, out[-3000:]
+    latest = tf.train.latest_checkpoint(os.path.join(backup, "chief"))
+    assert latest is not None and latest.endswith("ckpt-1"), latest
+    reader = tf.train.load_checkpoint(latest)
+    assert reader.get_tensor("ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE") == 0
+    saved = np.load(tmp_path / "epoch1_weights.npz")
+    for i, key in enumerate(["model/layer_with_weights-0/kernel", "model/layer_with_weights-0/bias",
+                             "model/layer_with_weights-1/kernel", "model/layer_with_weights-1/bias"]):
+        np.testing.assert_array_equal(reader.get_tensor(key + "/.ATTRIBUTES/VARIABLE_VALUE"),
+                                      saved[f"arr_{i}"])
+
+
+def test_atomic_write_json_keeps_the_old_file_when_a_write_fails(tmp_path):
+    path = str(tmp_path / "metrics.json")
+    recovery.atomic_write_json(path, {"steps": 1})
+    with pytest.raises(TypeError):  # not serialisable: fails mid-write
+        recovery.atomic_write_json(path, {"steps": 2, "bad": object()})
+    assert recovery.read_json(path) == {"steps": 1}
+    assert os.listdir(tmp_path) == ["metrics.json"]  # no temp file left
+    recovery.atomic_write_json(path, {"steps": 3})
+    assert recovery.read_json(path) == {"steps": 3}
