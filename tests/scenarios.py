@@ -85,7 +85,11 @@ def _optimizer(name, lr):
             "momentum": lambda: tf_keras.optimizers.SGD(lr, momentum=0.9),
             "adam": lambda: tf_keras.optimizers.Adam(lr),
             "adagrad": lambda: tf_keras.optimizers.Adagrad(lr),
-            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr)}[name]()
+            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
+            # A learning-rate schedule reads optimizer.iterations every step.
+            "momentum_schedule": lambda: tf_keras.optimizers.SGD(
+                tf_keras.optimizers.schedules.ExponentialDecay(lr, 5, 0.9), momentum=0.9),
+            }[name]()
 
 
 @scenario
@@ -875,6 +879,107 @@ def checkpoint_crash(backup_dir, crash_at="state"):
         functional_saver.gen_io_ops.merge_v2_checkpoints = crash
     model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[backup()])
     return {"crashed": False}
+
+
+def _fake_multi_replica_workers(replicas):
+    """Makes ParameterServerStrategy see ``replicas`` devices per worker on CPU.
+
+    The strategy counts GPUs to decide its replicas per worker; on a machine
+    without GPUs this test stand-in reports ``replicas`` and names the worker
+    servers' logical CPUs instead (the servers are made with that many CPU
+    devices, see :func:`_in_process_cluster`). The multi-replica code path
+    (one replica thread per device, merge_call, AggregatingVariable) is then
+    the one a K-GPU worker takes.
+    """
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
+    ext = pss_v2.ParameterServerStrategyV2Extended
+
+    def _set_num_gpus(self):
+        self._num_gpus_per_worker = replicas
+
+    ext._set_num_gpus = _set_num_gpus
+    ext.worker_devices = property(
+        lambda self: tuple(f"/device:CPU:{i}" for i in range(replicas)))
+
+
+def _in_process_cluster(num_workers, cpus_per_worker=1):
+    """ps and worker servers in this process (TensorFlow's own PS tests do
+    this); each worker server has ``cpus_per_worker`` CPU devices."""
+    import portpicker
+    from tf_asyncps import cluster as cluster_lib
+    ports = [portpicker.pick_unused_port() for _ in range(num_workers + 2)]
+    spec = tf.train.ClusterSpec({
+        "chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[2:]]})
+    servers = []
+    for job, n in (("ps", 1), ("worker", num_workers)):
+        for i in range(n):
+            cfg = cluster_lib.server_config(num_workers)
+            if job == "worker":
+                cfg.device_count["CPU"] = cpus_per_worker
+            servers.append(tf.distribute.Server(spec, job_name=job, task_index=i, config=cfg,
+                                                protocol="grpc", start=True))
+    return servers, tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+
+
+@scenario
+def replicas_fit(replicas=2, num_workers=1, policy="async", policy_args=None,
+                 optimizer="momentum", lr=0.1, locking=False, epochs=2, steps_per_epoch=10,
+                 batch=8, precision=None, probe_float16=False):
+    """model.fit with ``replicas`` replicas per worker (the K-GPU worker path,
+    on CPU devices). With one worker, compared with one-process training on
+    batches of replicas * batch examples in the same order."""
+    _fake_multi_replica_workers(replicas)
+    servers, resolver = _in_process_cluster(num_workers, cpus_per_worker=replicas)
+    x, y = _small_problem(n=steps_per_epoch * batch * replicas * num_workers)
+    rng = np.random.RandomState(1)
+    w0 = [rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+          for shape in [(8, 16), (16,), (16, 3), (3,)]]
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dataset_fn(ctx):  # each replica takes its own batch, in turn
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(batch).repeat()
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        resolver, update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+    ref = _mlp()
+    ref.set_weights(w0)
+    ref.compile(_optimizer(optimizer, lr), loss)
+    ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * replicas).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    if precision:
+        tf_keras.mixed_precision.set_global_policy(precision)
+    with strategy.scope():
+        model = _mlp()
+        model.set_weights(w0)
+        opt = _optimizer(optimizer, lr)
+        if precision == "mixed_float16":
+            opt = tf_keras.mixed_precision.LossScaleOptimizer(opt)
+        if locking:
+            opt = tf_asyncps.optimizers.LockingOptimizer(opt)
+        model.compile(opt, loss)
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())]
+    moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
+    p = strategy.update_policy
+    float16_error = None
+    if probe_float16:  # loss scaling with K > 1 replicas must be refused clearly
+        tf_keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            with strategy.scope():
+                _mlp()
+        except ValueError as e:
+            float16_error = str(e)
+    return {"replicas": strategy.num_replicas_in_sync, "max_abs_diff": max(diffs),
+            "float16_error": float16_error,
+            "moved": max(moved), "iterations": int(model.optimizer.iterations.numpy()),
+            "finite": all(bool(np.all(np.isfinite(v))) for v in model.get_weights()),
+            "rounds": p.rounds() if hasattr(p, "rounds") else None,
+            "stats": _stats(strategy)}
 
 
 @scenario

@@ -128,7 +128,7 @@ def _env_with_gpus(tmp_path, gpus):
 @pytest.mark.parametrize("gpus,args,words", [
     (0, ["--gpus_per_worker=1"], ["needs 2 GPU(s), but 0 are available", "--gpus_per_worker=0"]),
     (2, ["--gpus_per_worker=1", "--num_workers=3"], ["needs 3 GPU(s), but 2 are available"]),
-    (4, ["--gpus_per_worker=2"], ["one GPU per worker", "--gpus_per_worker=1 and --num_workers=4"]),
+    (3, ["--gpus_per_worker=2"], ["needs 4 GPU(s), but 3 are available"]),
     (2, ["--gpus=0"], ["--gpus is for `train`/`server`", "--gpus_per_worker"]),
 ], ids=["no_gpu", "too_few", "k2", "gpus_flag"])
 def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, words):

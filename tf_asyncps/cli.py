@@ -57,7 +57,8 @@ flags.DEFINE_integer("max_tracked_staleness", 32, "Last bin of the staleness his
 flags.DEFINE_integer("gpus_per_worker", 0,
                      "launch: GPUs each worker process sees (worker i: GPUs i*K..i*K+K-1 via "
                      "CUDA_VISIBLE_DEVICES); ps and chief see none. 0: CPU workers. "
-                     "At most 1 for now (README: GPU workers).", lower_bound=0)
+                     "K > 1: K replicas per worker step, their gradients summed into "
+                     "one update (README: GPU workers).", lower_bound=0)
 flags.DEFINE_string("gpus", None,
                     "train/server: the GPUs this task sees, as CUDA_VISIBLE_DEVICES takes them "
                     "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
@@ -203,10 +204,6 @@ def cmd_launch(argv):
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
                          "each worker its GPUs with --gpus_per_worker=K.")
-    if FLAGS.gpus_per_worker > 1:
-        raise ValueError(f"--gpus_per_worker={FLAGS.gpus_per_worker}: "
-                         f"{devices.ONE_GPU_PER_WORKER} Use --gpus_per_worker=1 and "
-                         f"--num_workers={FLAGS.num_workers * FLAGS.gpus_per_worker}.")
     gpu_plan = devices.plan_gpus(
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),

@@ -37,12 +37,6 @@ _DEFAULT_LOGICAL_MB = 2048
 _GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
 
 #: Why a worker gets at most one GPU (see README "GPU workers").
-ONE_GPU_PER_WORKER = (
-    "tf_asyncps supports one GPU per worker task: with K > 1 GPUs a worker "
-    "runs K replicas that ParameterServerStrategy joins with merge_call, and "
-    "the update policy (one tf.cond per worker step) cannot run inside it. "
-    "Run more worker tasks with one GPU each instead.")
-
 
 def count_gpus(timeout_s: float = 20.0) -> int:
     """GPUs listed by ``nvidia-smi -L``; 0 without nvidia-smi or if it fails.

@@ -44,7 +44,8 @@ def resolve(name: str, worker_gpus: int) -> str:
     Args:
       name: one of :data:`PRECISIONS`.
       worker_gpus: GPUs per worker (0: CPU workers); "auto" picks
-        ``mixed_float16`` on GPUs, else ``mixed_bfloat16``.
+        ``mixed_float16`` with one GPU per worker, else ``mixed_bfloat16``
+        (loss scaling does not support K > 1 replicas per worker yet).
 
     Returns:
       "float32", "mixed_float16" or "mixed_bfloat16".
@@ -58,7 +59,7 @@ def resolve(name: str, worker_gpus: int) -> str:
     if name == "none":
         return "float32"
     if name == "auto":
-        return "mixed_float16" if worker_gpus > 0 else "mixed_bfloat16"
+        return "mixed_float16" if worker_gpus == 1 else "mixed_bfloat16"
     return name
 
 
@@ -112,7 +113,8 @@ def allow_loss_scaling() -> None:
 
     Idempotent. Extends tf_keras's ``strategy_supports_loss_scaling`` with
     AsyncParameterServerStrategy when it has one replica per worker (see the
-    module docstring); other strategies get tf_keras's answer unchanged.
+    module docstring); with K > 1 replicas it raises ValueError naming the
+    alternatives; other strategies get tf_keras's answer unchanged.
     """
     global _allowed
     if _allowed:
@@ -128,8 +130,13 @@ def allow_loss_scaling() -> None:
         from tf_asyncps.strategy import AsyncParameterServerStrategy
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
-            if (isinstance(strategy, AsyncParameterServerStrategy)
-                    and strategy.num_replicas_in_sync == 1):
+            if isinstance(strategy, AsyncParameterServerStrategy):
+                if strategy.num_replicas_in_sync > 1:
+                    raise ValueError(
+                        "mixed_float16 (loss scaling) is not supported with "
+                        f"{strategy.num_replicas_in_sync} replicas (GPUs) per worker yet: "
+                        "use --mixed_precision=mixed_bfloat16, or one GPU per worker "
+                        "task (--gpus_per_worker=1).")
                 return True
         return original()
 

@@ -17,6 +17,7 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
 
 import dataclasses
 import sys
+import threading
 from typing import List, Union
 
 import tensorflow as tf
@@ -24,7 +25,6 @@ from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import devices
 from tf_asyncps import faults
 from tf_asyncps import mixed_precision
 from tf_asyncps import policies as policies_lib
@@ -105,6 +105,20 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             return super()._replica_ctx_all_reduce(reduce_op, value, options)
         return value  # one replica: the sum and the mean are the value itself
 
+    # -- K replicas per worker: the summed gradients are reduced already ------
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if getattr(_single_update, "on", False) and \
+                not isinstance(value, tf.distribute.DistributedValues):
+            return value  # the optimizer's all-reduce of a K-replica sum
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if getattr(_single_update, "on", False) and not any(
+                isinstance(v, tf.distribute.DistributedValues)
+                for v, _ in value_destination_pairs):
+            return [v for v, _ in value_destination_pairs]
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
     # -- per-worker datasets: each worker reads its own shard ---------------------
     def _distribute_datasets_from_function(self, dataset_fn, options):
         num_workers = self._num_workers
@@ -117,6 +131,14 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
     # -- variables: remember the trainable ones (for read snapshots) -----------
     def _create_variable(self, next_creator, **kwargs):
         per_worker = kwargs.get("per_worker_variable", False)
+        none = tf.VariableAggregation.NONE
+        if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \
+                kwargs.get("aggregation", none) in (none, None):
+            # K replicas per worker: a step's update runs once (see
+            # _apply_replicated), so a non-trainable variable assigned in
+            # replica context, such as tf_keras's current learning rate under
+            # a schedule, takes that one update's value instead of raising.
+            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
         var = super()._create_variable(next_creator, **kwargs)
         if per_worker or not isinstance(var, tf.Variable):
             return var
@@ -137,6 +159,9 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         if self.policy.local_copies:
             return super()._call_for_each_replica(self._local_step(fn), args, kwargs)
 
+        if self._num_replicas_in_sync > 1:
+            return self._replicated_step(fn, args, kwargs)
+
         @tf.autograph.experimental.do_not_convert
         def worker_step(*a, **kw):
             w = _worker_index()
@@ -154,6 +179,80 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
             return out
 
         return super()._call_for_each_replica(worker_step, args, kwargs)
+
+    def _replicated_step(self, fn, args, kwargs):
+        """A worker step of K > 1 replicas (one per GPU of the worker).
+
+        The read step, the policy's ``before_read`` and the read snapshot are
+        taken once for the worker, before the K replicas run. Their gradients
+        meet in one ``merge_call`` (see :meth:`_apply_replicated`), where the
+        policy engine runs once on their sum: one worker step is one update
+        (or one drop), counted once.
+        """
+        w = _worker_index()
+        with tf.control_dependencies(self.policy.before_read(w)):
+            r = self.tracker.read_step()
+            snap = self._snapshot(w) if self.policy.needs_read_values else []
+        group = _ReplicaGroup(self._num_replicas_in_sync)
+
+        @tf.autograph.experimental.do_not_convert
+        def replica_step(*a, **kw):
+            step = WorkerStep(self, r, w)
+            step.group = group
+            with tf.control_dependencies([r] + snap), step.active():
+                return fn(*a, **kw)
+
+        out = super()._call_for_each_replica(replica_step, args, kwargs)
+        if not group.applied:  # e.g. an evaluation step
+            with tf.control_dependencies(
+                    [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
+                self.policy.step_without_update(w)
+        return out
+
+    def _apply_replicated(self, step, optimizer, grads_and_vars, apply_fn):
+        """Joins the K replicas' gradients of one worker step and applies them once.
+
+        Called in each replica's context. One ``merge_call`` (outside any
+        ``tf.cond``) receives the K gradient lists; in cross-replica context it
+        sums them (tf_keras scales each replica's loss by 1/K, so the sum is
+        the gradient of the worker's whole batch) and runs the policy engine
+        once. The optimizer's own update runs there under a plain replica
+        context, whose merge calls run at once, so the engine's ``tf.cond``
+        may contain it.
+        """
+        group = step.group
+        ctx = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+        group.apply_fns[int(replica or 0)] = apply_fn
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        variables = [v for _, v in grads_and_vars]
+
+        def merge_fn(strategy, grads):
+            summed = [_sum_replicas(g) for g in grads]
+            full = [(None, v) for v in variables]
+            for i, g in zip(present, summed):
+                full[i] = (g, variables[i])
+            apply0 = group.apply_fns[0]
+
+            def apply_once(gv):
+                # The optimizer sees one replica holding the summed gradients:
+                # a plain ReplicaContext, whose merge calls run at once (so the
+                # variable updates run in cross-replica mode, as
+                # AggregatingVariables require), and its gradient all-reduce
+                # passes the sum through (_batch_reduce_to).
+                _single_update.on = True
+                try:
+                    with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+                        return apply0(gv)
+                finally:
+                    _single_update.on = False
+
+            group.applied = True
+            first = WorkerStep(self, step.read_step, step.worker_index)
+            out = self.apply_step(first, optimizer, full, apply_once)
+            return out
+
+        return ctx.merge_call(merge_fn, args=([grads_and_vars[i][0] for i in present],))
 
     def _local_step(self, fn):
         """A worker step on the worker's local copies (``local_sgd``): no PS
@@ -247,6 +346,9 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
           int64 scalar tensor: the global step after this step.
         """
         make_counter_exact(optimizer)
+        if getattr(step, "group", None) is not None and \
+                not tf.distribute.in_cross_replica_context():
+            return self._apply_replicated(step, optimizer, grads_and_vars, apply_fn)
         if getattr(step, "local_state", None) is not None:
             if is_locking(optimizer) and not getattr(self, "_warned_local_lock", False):
                 self._warned_local_lock = True
@@ -358,6 +460,29 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         return g_after
 
 
+_single_update = threading.local()
+
+
+class _ReplicaGroup:
+    """Trace-time state shared by the K replicas of one worker step."""
+
+    def __init__(self, num_replicas):
+        self.applied = False
+        self.apply_fns = [None] * num_replicas
+
+
+def _sum_replicas(grad):
+    """The sum over replicas of a PerReplica gradient (tensor or IndexedSlices)."""
+    parts = list(grad.values) if isinstance(grad, tf.distribute.DistributedValues) else [grad]
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tf.IndexedSlices):  # stays sparse: rows concatenated
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0),
+                                parts[0].dense_shape)
+    return tf.add_n(parts)
+
+
 def _device_of(var):
     """The device of a tf.Variable or of a Keras 3 Variable's backing variable."""
     return getattr(getattr(var, "value", None), "device", None) or var.device
@@ -379,24 +504,6 @@ def _copy_to(value, device):
             return tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices),
                                     value.dense_shape)
         return tf.identity(value)
-
-
-def _check_one_replica_per_worker(num_replicas: int) -> None:
-    """Raises ValueError if workers would run several replicas per step.
-
-    ParameterServerStrategy makes one replica per GPU of a worker and joins
-    them with ``merge_call``; the policy engine's ``tf.cond`` around the
-    update cannot contain a ``merge_call`` (TensorFlow raises "merge_call
-    called while defining a new graph"), and per-replica bookkeeping would
-    count one worker step K times. See README "GPU workers".
-    """
-    if num_replicas > 1:
-        raise ValueError(
-            f"every worker has {num_replicas} GPUs, so each worker step would run "
-            f"{num_replicas} replicas. {devices.ONE_GPU_PER_WORKER} Give each worker task one "
-            "GPU: tf-asyncps launch --gpus_per_worker=1, or CUDA_VISIBLE_DEVICES=<one index> "
-            f"(tf-asyncps train --gpus=<one index>) per worker task, and unset "
-            f"{devices.LOGICAL_GPUS}.")
 
 
 def _worker_index():
@@ -535,7 +642,12 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._extended._retrace_functions_for_each_device = (
             old._retrace_functions_for_each_device)
         self._extended.skip_nonfinite = bool(skip_nonfinite)
-        _check_one_replica_per_worker(self._extended._num_replicas_in_sync)
+        if policy.local_copies and self._extended._num_replicas_in_sync > 1:
+            raise ValueError(
+                f"update_policy {policy.name!r} trains per-worker copies and supports one "
+                f"replica per worker; every worker here has "
+                f"{self._extended._num_replicas_in_sync} GPUs. Give each worker task one GPU "
+                "(launch --gpus_per_worker=1) or use another policy.")
         policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
         mixed_precision.allow_loss_scaling()
@@ -555,7 +667,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     @property
     def gpus_per_worker(self) -> int:
-        """GPUs each worker task has (0: CPU workers); at most 1."""
+        """GPUs each worker task has (0: CPU workers); with K > 1 every worker
+        step runs K replicas (``num_replicas_in_sync``) and makes one update."""
         return int(self._extended._num_gpus_per_worker)
 
     @property

@@ -1,0 +1,51 @@
+"""K > 1 replicas per worker (the multi-GPU worker path), run on CPU devices.
+
+A worker with K GPUs runs K replicas per step. The K gradients must meet
+once, in one update through the policy, counted once: so one worker with K
+replicas equals one-process training on batches K times as large, and the
+counters count worker steps, not replicas. On CPU the test stand-in in
+scenarios._fake_multi_replica_workers gives each worker K CPU devices.
+"""
+
+import pytest
+
+from conftest import run_scenario
+
+
+@pytest.mark.parametrize("policy,optimizer,locking", [
+    ("async", "momentum_schedule", False),  # lr schedule reads the step counter
+    ("dc_asgd", "adam", True),              # read snapshot + lock; tau = 0 alone
+])
+def test_two_replicas_one_worker_equal_one_process_training(policy, optimizer, locking):
+    r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy=policy,
+                     optimizer=optimizer, locking=locking, epochs=2, steps_per_epoch=10,
+                     batch=8)
+    assert r["replicas"] == 2
+    assert r["moved"] > 0.05  # training did move the weights
+    assert r["max_abs_diff"] < 1e-5, r
+    s = r["stats"]
+    assert r["iterations"] == 20 and s["global_step"] == 20 and s["applied"] == 20
+    assert s["dropped"] == 0 and s["histogram"][0] == 20  # one worker: tau = 0
+
+
+def test_two_replicas_two_workers_sync_replicas_counts_worker_steps():
+    r = run_scenario("replicas_fit", replicas=2, num_workers=2, policy="sync_replicas",
+                     policy_args={"replicas_to_aggregate": 2, "timeout_s": 60},
+                     optimizer="sgd", epochs=2, steps_per_epoch=10, batch=8)
+    s = r["stats"]
+    assert r["replicas"] == 2 and r["finite"]
+    # Every worker step (not every replica) reaches the aggregator once.
+    assert s["applied"] + s["dropped"] == 20
+    assert s["applied"] == 2 * s["global_step"] == 2 * r["rounds"]
+    assert r["iterations"] == s["global_step"]
+
+
+def test_two_replicas_mixed_bfloat16_trains_and_mixed_float16_says_why_not():
+    r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy="async",
+                     optimizer="sgd", precision="mixed_bfloat16", epochs=2,
+                     steps_per_epoch=10, batch=8, probe_float16=True)
+    # bfloat16 compute: close to float32 one-process training, not equal.
+    assert r["finite"] and r["max_abs_diff"] < 0.01 < r["moved"]
+    assert r["iterations"] == 20 == r["stats"]["global_step"]
+    assert "mixed_float16 (loss scaling) is not supported with 2 replicas" in r["float16_error"]
+    assert "mixed_bfloat16" in r["float16_error"]
