@@ -46,7 +46,11 @@ def test_main_job_trains_to_090_and_writes_metrics(main_job):
     for word in ("loss=", "accuracy=", "steps/s=", "tau_mean=", "tau_max="):
         assert word in lines[-1]
     assert os.listdir(out / "tensorboard")
-    assert len(os.listdir(out / "logs")) == 3  # ps-0, worker-0, worker-1
+    assert sorted(os.listdir(out / "logs")) == [
+        "cluster.json", "ps-0.log", "worker-0.log", "worker-1.log"]
+    state = json.loads((out / "logs" / "cluster.json").read_text())
+    assert sorted(state["tasks"]) == ["chief:0", "ps:0", "worker:0", "worker:1"]
+    assert m["recovery"] is None and m["retried_closures"] == 0  # no faults, no backup
 
 
 def test_saved_model_reloads_in_a_fresh_process_with_plain_tensorflow(main_job):

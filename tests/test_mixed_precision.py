@@ -115,7 +115,7 @@ def test_resolve_precision_names():
     assert mixed_precision.resolve("none", 1) == "float32"
     assert mixed_precision.resolve("auto", 1) == "mixed_float16"
     assert mixed_precision.resolve("auto", 0) == "mixed_bfloat16"
-    assert mixed_precision.resolve("auto", 2) == "mixed_bfloat16"  # no loss scaling at K > 1
+    assert mixed_precision.resolve("auto", 2) == "mixed_float16"
     assert mixed_precision.resolve("mixed_bfloat16", 1) == "mixed_bfloat16"
     with pytest.raises(ValueError, match="--mixed_precision='fp8'.*mixed_float16"):
         mixed_precision.resolve("fp8", 0)

@@ -76,8 +76,25 @@ class JobConfig:
         if self.dataset not in datasets.NAMES:
             raise ValueError(
                 f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
+        if self.backup_dir is not None:
+            _check_writable_dir(self.backup_dir, "--backup_dir")
         policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
+
+
+def _check_writable_dir(path, flag: str) -> None:
+    """Raises ValueError unless ``path`` is (or can be made) a writable directory."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{flag} must be a directory path, got {path!r}.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag}={path} is not a writable directory ({e.strerror}); "
+                         "checkpoints go there.") from None
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:

@@ -12,10 +12,11 @@ gradient to its variable's dtype if a caller hands it another one).
   strategy missing from its allowlist (Mirrored, MultiWorkerMirrored,
   OneDevice), because gradients must be unscaled once per variable copy and
   strategies with several compute replicas per variable would unscale them
-  once per replica. With one replica per worker step (the only mode of
-  AsyncParameterServerStrategy, checked when it is built) each step unscales
-  its gradients once and the PS applies them once, so
-  :func:`allow_loss_scaling` adds this strategy to the allowlist.
+  once per replica. Here each replica unscales its own gradients once, and a
+  worker step makes one update on the PS (with K > 1 GPUs per worker, the K
+  replicas' unscaled gradients are summed into that one update, which checks
+  and adjusts the loss scale once), so :func:`allow_loss_scaling` adds this
+  strategy to the allowlist.
 * The optimizer hook (``tf_asyncps/step.py``) acts on the
   ``LossScaleOptimizer``'s ``apply_gradients``: once per step, on unscaled
   float32 gradients. Its call to the inner optimizer passes straight through.
@@ -44,8 +45,7 @@ def resolve(name: str, worker_gpus: int) -> str:
     Args:
       name: one of :data:`PRECISIONS`.
       worker_gpus: GPUs per worker (0: CPU workers); "auto" picks
-        ``mixed_float16`` with one GPU per worker, else ``mixed_bfloat16``
-        (loss scaling does not support K > 1 replicas per worker yet).
+        ``mixed_float16`` on GPUs, else ``mixed_bfloat16``.
 
     Returns:
       "float32", "mixed_float16" or "mixed_bfloat16".
@@ -59,7 +59,7 @@ def resolve(name: str, worker_gpus: int) -> str:
     if name == "none":
         return "float32"
     if name == "auto":
-        return "mixed_float16" if worker_gpus == 1 else "mixed_bfloat16"
+        return "mixed_float16" if worker_gpus > 0 else "mixed_bfloat16"
     return name
 
 
@@ -112,9 +112,8 @@ def allow_loss_scaling() -> None:
     """Lets tf_keras loss scaling and ``mixed_float16`` run under this strategy.
 
     Idempotent. Extends tf_keras's ``strategy_supports_loss_scaling`` with
-    AsyncParameterServerStrategy when it has one replica per worker (see the
-    module docstring); with K > 1 replicas it raises ValueError naming the
-    alternatives; other strategies get tf_keras's answer unchanged.
+    AsyncParameterServerStrategy (see the module docstring); other strategies
+    get tf_keras's answer unchanged.
     """
     global _allowed
     if _allowed:
@@ -131,12 +130,9 @@ def allow_loss_scaling() -> None:
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
             if isinstance(strategy, AsyncParameterServerStrategy):
-                if strategy.num_replicas_in_sync > 1:
-                    raise ValueError(
-                        "mixed_float16 (loss scaling) is not supported with "
-                        f"{strategy.num_replicas_in_sync} replicas (GPUs) per worker yet: "
-                        "use --mixed_precision=mixed_bfloat16, or one GPU per worker "
-                        "task (--gpus_per_worker=1).")
+                # Gradients are unscaled per replica and a worker step's K
+                # replicas make one update (strategy._apply_replicated): the
+                # loss scale is checked and adjusted once per worker step.
                 return True
         return original()
 

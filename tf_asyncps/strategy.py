@@ -11,8 +11,14 @@ differs lives in its ``extended`` object, which overrides the narrowest hooks:
 * ``_use_merge_call``/``_replica_ctx_update``/``_replica_ctx_all_reduce``:
   with one replica per worker there is nothing to merge, so updates run
   directly in the replica context (this is what lets a policy put an
-  optimizer update under ``tf.cond``). Workers with several GPUs would run
-  one replica per GPU, so the strategy refuses them when it is built.
+  optimizer update under ``tf.cond``).
+* Workers with K > 1 GPUs run K replicas per step: ``_replicated_step`` reads
+  ``r`` once for them, and ``_apply_replicated`` joins their gradients in one
+  ``merge_call`` and runs ``apply_step`` once on the sum
+  (``_reduce_to``/``_batch_reduce_to`` let the optimizer's all-reduce pass
+  that sum through).
+* ``_create_variable``: remembers trainable variables (read snapshots,
+  ``local_sgd`` copies).
 """
 
 import dataclasses
@@ -156,6 +162,14 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         if not tf.executing_eagerly():
             fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx())
 
+        if getattr(_single_update, "on", False):
+            # Inside a K-replica step's single update (LossScaleOptimizer calls
+            # call_for_each_replica there): one replica holds the summed
+            # gradients, so fn runs once.
+            with tf.distribute.ReplicaContext(self._container_strategy(),
+                                              replica_id_in_sync_group=0):
+                return fn(*args, **(kwargs or {}))
+
         if self.policy.local_copies:
             return super()._call_for_each_replica(self._local_step(fn), args, kwargs)
 
@@ -249,8 +263,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
 
             group.applied = True
             first = WorkerStep(self, step.read_step, step.worker_index)
-            out = self.apply_step(first, optimizer, full, apply_once)
-            return out
+            return self.apply_step(first, optimizer, full, apply_once)
 
         return ctx.merge_call(merge_fn, args=([grads_and_vars[i][0] for i in present],))
 
