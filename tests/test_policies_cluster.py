@@ -78,8 +78,9 @@ def test_nonfinite_gradients_are_dropped_and_counted():
     assert np.all(np.isfinite(r["w"]))
 
 
+# async on digits: the main job (test_main_job.py) and test_faults.py.
 @pytest.mark.parametrize("policy,args", [
-    ("async", ""), ("drop_stale", "max_staleness=2"), ("staleness_aware", "mode=inverse"),
+    ("drop_stale", "max_staleness=2"), ("staleness_aware", "mode=inverse"),
     ("ssp", "max_staleness=2"), ("dc_asgd", "lambda_=0.04")])
 def test_digits_with_four_workers(policy, args, tmp_path):
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
