@@ -134,3 +134,45 @@ def test_atomic_write_json_keeps_the_old_file_when_a_write_fails(tmp_path):
     assert os.listdir(tmp_path) == ["metrics.json"]  # no temp file left
     recovery.atomic_write_json(path, {"steps": 3})
     assert recovery.read_json(path) == {"steps": 3}
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
+    # --backup_dir holds a checkpoint of a 16-unit MLP; the job builds 32
+    # units. The chief must say so, and launch must not re-run a chief whose
+    # error would recur.
+    import tensorflow as tf
+    import tf_keras
+    from tf_asyncps import datasets, models
+    backup = str(tmp_path / "backup")
+    data = datasets.load("digits", seed=0)
+    other = models.build_model("mlp", data.num_features, data.num_classes, (16,), 0)
+    other.compile(tf_keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    other.fit(data.x_train[:64], data.y_train[:64], epochs=1, verbose=0,
+              callbacks=[tf_keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    assert tf.train.latest_checkpoint(os.path.join(backup, "chief"))
+    rc, out = run_command(_launch_cmd(str(tmp_path / "out"), "--hidden=32", "--epochs=2",
+                                      "--steps_per_epoch=10", "--restart_failed_tasks",
+                                      f"--backup_dir={backup}"), timeout=150, check=False)
+    assert rc != 0
+    assert "holds a checkpoint this job cannot restore" in out, out[-3000:]
+    assert "Use a new --backup_dir or delete that one" in out
+    assert "error that a re-run would repeat" in out and "re-running it" not in out
+    assert "a re-run resumes" not in out  # no step ran: nothing to resume
+    assert not os.path.exists(os.path.join(backup, recovery.PROGRESS_FILE))
+
+
+def test_lost_task_messages_and_exit_descriptions():
+    import tensorflow as tf
+    from tf_asyncps import cli
+    e = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error "
+                                   "information from remote target /job:ps/replica:0/task:0")
+    with_backup = cli._lost_task_message(e, "/b")
+    assert with_backup.startswith("lost ps:0 during training (Socket closed)")
+    assert "same --backup_dir" in with_backup
+    without = cli._lost_task_message(e, None)
+    assert "without --backup_dir there is no checkpoint" in without
+    assert cli._lost_task_message(ValueError("x"), "/b") is None
+    assert cli._describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert "a task of the cluster was lost" in cli._describe_exit(cli.EXIT_LOST_TASK)
+    assert cli._describe_exit(1) == "exited with code 1"

@@ -11,7 +11,10 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
            single-process training (bench.json, bench.md, PNG plots):
              tf-asyncps bench --output_dir=runs/bench
 
-GPU workers: launch --gpus_per_worker=1 (one GPU per worker process);
+Failures: launch --restart_failed_tasks restarts ps/worker tasks that exit and
+re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints).
+
+GPU workers: launch --gpus_per_worker=K (K GPUs per worker process);
 train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). Mixed precision:
 --mixed_precision=mixed_bfloat16|mixed_float16|auto. See README.md.
 
@@ -210,7 +213,12 @@ def cmd_launch(argv):
         memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
     cfg = _job_config()  # bad flags fail here, before any process starts
     from tf_asyncps import policies
-    policies.get(cfg.policy, **cfg.policy_args).validate_cluster(FLAGS.num_workers)
+    policy = policies.get(cfg.policy, **cfg.policy_args)
+    policy.validate_cluster(FLAGS.num_workers)
+    if policy.local_copies and FLAGS.gpus_per_worker > 1:
+        raise ValueError(f"--policy={cfg.policy} trains per-worker copies and supports one "
+                         f"replica per worker; use --gpus_per_worker=1 (and --num_workers="
+                         f"{FLAGS.num_workers * FLAGS.gpus_per_worker}) or another policy.")
     if cfg.dataset != "digits":  # may need a download: fail before starting anything
         from tf_asyncps import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)
@@ -239,21 +247,31 @@ def cmd_launch(argv):
         env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
         env.update(gpu_plan.task_env("chief"))
         deadline = time.monotonic() + FLAGS.timeout_s
-        runs = 0
+        runs, why = 0, ""
         while True:
             runs += 1
             rc = _run_chief(c, args, env, deadline)
-            if rc == 0 or not FLAGS.restart_failed_tasks or runs > FLAGS.max_restarts:
+            if rc == 0 or not FLAGS.restart_failed_tasks:
                 break
-            print(f"tf-asyncps launch: the chief exited with code {rc}; re-running it "
+            if rc > 0 and rc != EXIT_LOST_TASK:
+                why = (" with an error that a re-run would repeat (see above); "
+                       "it is not re-run")
+                break
+            if runs > FLAGS.max_restarts:
+                why = f"; --max_restarts={FLAGS.max_restarts} re-runs are used up"
+                break
+            print(f"tf-asyncps launch: the chief {_describe_exit(rc)}; re-running it "
                   f"(restart {runs} of {FLAGS.max_restarts}), it resumes from the latest "
                   "checkpoint.", flush=True)
         if c.restarts:
             print(f"tf-asyncps launch: tasks restarted: {dict(sorted(c.restarts.items()))}",
                   flush=True)
+        if c.gave_up:
+            print(f"tf-asyncps launch: tasks left down after --max_restarts="
+                  f"{FLAGS.max_restarts}: {sorted(c.gave_up)}", flush=True)
     if rc != 0:
-        raise SystemExit(f"tf-asyncps launch: the chief exited with code {rc}"
-                         f"{f' after {runs} runs' if runs > 1 else ''}.")
+        raise SystemExit(f"tf-asyncps launch: the chief {_describe_exit(rc)}"
+                         f"{f' after {runs} runs' if runs > 1 else ''}{why}.")
 
 
 def _run_chief(c, args, env, deadline) -> int:
@@ -341,13 +359,19 @@ def main(argv):
         # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")
     except Exception as e:  # noqa: BLE001 - only a lost task is rewritten
-        lost = _lost_task_message(e)
+        lost = _lost_task_message(e, FLAGS.backup_dir)
         if lost is None:
             raise
-        raise SystemExit(f"tf-asyncps {argv[1]}: error: {lost}")
+        print(f"tf-asyncps {argv[1]}: error: {lost}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_LOST_TASK)
 
 
-def _lost_task_message(e: BaseException):
+#: Exit status of a chief that lost a ps (or worker) task: a re-run can resume
+#: (launch --restart_failed_tasks re-runs only this and chiefs killed by a signal).
+EXIT_LOST_TASK = 75  # EX_TEMPFAIL
+
+
+def _lost_task_message(e: BaseException, backup_dir=None):
     """A one-paragraph message for a task lost mid-training, else None."""
     tf = sys.modules.get("tensorflow")
     if tf is None or not isinstance(e, (tf.errors.UnavailableError, tf.errors.AbortedError)):
@@ -357,9 +381,25 @@ def _lost_task_message(e: BaseException):
     who = f"{task.group(1)}:{task.group(2)}" if task else "a ps task"
     first = next((ln.strip() for ln in str(e).splitlines() if "UNAVAILABLE" in ln
                   or "Socket closed" in ln or "connect" in ln), type(e).__name__)
-    return (f"lost {who} during training ({first}). A ps task's variables die with it: "
-            "restart it and re-run the chief with the same --backup_dir to resume from "
-            "the latest checkpoint (launch --restart_failed_tasks does both).")
+    if backup_dir:
+        fix = ("restart it and re-run the chief with the same --backup_dir to resume from "
+               "the latest checkpoint (launch --restart_failed_tasks does both).")
+    else:
+        fix = ("restart it and re-run the chief; without --backup_dir there is no "
+               "checkpoint, so training starts again from scratch. Pass --backup_dir=DIR "
+               "(or use launch --restart_failed_tasks) to resume after such a failure.")
+    return f"lost {who} during training ({first}). A ps task's variables die with it: {fix}"
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    if rc == EXIT_LOST_TASK:
+        return f"exited with code {rc} (a task of the cluster was lost)"
+    return f"exited with code {rc}"
 
 
 def run():

@@ -85,7 +85,9 @@ class JobConfig:
 def _check_writable_dir(path, flag: str) -> None:
     """Raises ValueError unless ``path`` is (or can be made) a writable directory."""
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{flag} must be a directory path, got {path!r}.")
+        raise ValueError(f"{flag} must be a directory path, got {path!r}; leave the flag "
+                         "out for none (launch --restart_failed_tasks then uses "
+                         "OUTPUT_DIR/backup).")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test-{os.getpid()}")
@@ -240,7 +242,9 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         # the latest (ps failures are not recoverable in place).
         tracker = recovery.ResumeTracker(cfg.backup_dir, cfg.steps_per_epoch,
                                          cfg.steps_per_execution)
-        cbs += [tf_keras.callbacks.BackupAndRestore(cfg.backup_dir), tracker]
+        # The tracker records an epoch's steps before the epoch's checkpoint is
+        # written: a crash during that save counts the epoch as redone.
+        cbs += [tracker, tf_keras.callbacks.BackupAndRestore(cfg.backup_dir)]
     s0 = strategy.staleness_stats()
     t0 = time.perf_counter()
     try:
@@ -249,11 +253,20 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
                 datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size,
                                          cfg.seed)),
             epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
-    except BaseException:
-        if tracker is not None:
+    except BaseException as e:
+        if tracker is not None and tracker.started:
             tracker.record_failure()
             say(f"training failed after {tracker.steps_done()} of {total} worker steps; "
                 f"a re-run resumes from the latest checkpoint in {cfg.backup_dir}")
+        elif tracker is not None and isinstance(e, (tf.errors.OpError, ValueError)) and \
+                any(w in str(e).lower() for w in ("restore", "checkpoint")) and \
+                tf.train.latest_checkpoint(os.path.join(cfg.backup_dir, "chief")):
+            # Restoring the backup failed before any step ran.
+            first = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
+            raise ValueError(
+                f"--backup_dir={cfg.backup_dir} holds a checkpoint this job cannot "
+                f"restore ({first[:300]}); it is probably from another model or "
+                "optimizer. Use a new --backup_dir or delete that one.") from None
         raise
     train_s = time.perf_counter() - t0
     stats = strategy.staleness_stats()

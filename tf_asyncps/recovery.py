@@ -65,8 +65,9 @@ def read_json(path: str) -> Optional[Dict[str, Any]]:
 class ResumeTracker(tf_keras.callbacks.Callback):
     """Counts chief runs and redone worker steps across crashes and re-runs.
 
-    Put it after ``tf_keras.callbacks.BackupAndRestore(backup_dir)`` in
-    ``model.fit``'s callbacks. While training it keeps
+    Put it before ``tf_keras.callbacks.BackupAndRestore(backup_dir)`` in
+    ``model.fit``'s callbacks, so an epoch's steps are recorded before that
+    epoch's checkpoint is written. While training it keeps
     ``backup_dir/progress.json`` up to date (every ``period_s`` seconds, at
     every epoch end, and from :meth:`record_failure`) with the worker steps
     completed so far; completed steps are counted on the chief from finished
@@ -109,6 +110,11 @@ class ResumeTracker(tf_keras.callbacks.Callback):
         self._thread = None
         self._lock = threading.Lock()
         os.makedirs(backup_dir, exist_ok=True)
+
+    @property
+    def started(self) -> bool:
+        """Whether fit reached its first epoch (the backup, if any, is restored)."""
+        return self._started
 
     def _closures(self) -> int:
         return sum(self.model.distribute_strategy.closures_done_per_worker())
