@@ -6,7 +6,9 @@ Public API (see README.md):
   with pluggable update policies and staleness tracking.
 * :class:`StalenessStats`: what ``strategy.staleness_stats()`` returns.
 * :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.optimizers` (LockingOptimizer),
-  :mod:`tf_asyncps.cluster`, :mod:`tf_asyncps.callbacks`.
+  :mod:`tf_asyncps.cluster` (LocalCluster, its ``supervise``), :mod:`tf_asyncps.callbacks`.
+* :class:`ResumeTracker`: counts chief runs and redone steps across crashes
+  (with tf_keras ``BackupAndRestore``; :mod:`tf_asyncps.recovery`).
 
 Submodules load on first use, so the command line can reject bad input
 before TensorFlow is imported.
@@ -24,6 +26,8 @@ _LAZY = {
     "cluster": ("tf_asyncps.cluster", None),
     "callbacks": ("tf_asyncps.callbacks", None),
     "optimizers": ("tf_asyncps.optimizers", None),
+    "recovery": ("tf_asyncps.recovery", None),
+    "ResumeTracker": ("tf_asyncps.recovery", "ResumeTracker"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
