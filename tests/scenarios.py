@@ -976,6 +976,46 @@ def replicas_fit(replicas=2, num_workers=1, policy="async", policy_args=None,
 
 
 @scenario
+def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch=10, batch=8):
+    """An Embedding model (sparse IndexedSlices gradients) with ``replicas``
+    replicas on one worker, against one-process training on batches of
+    replicas * batch examples in the same order."""
+    _fake_multi_replica_workers(replicas)
+    servers, resolver = _in_process_cluster(1, cpus_per_worker=replicas)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 50, size=(steps_per_epoch * batch * replicas, 3)).astype("int32")
+    y = (ids[:, 0] % 2).astype("int64")
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def build():
+        return tf_keras.Sequential([tf_keras.layers.Input((3,), dtype="int32"),
+                                    tf_keras.layers.Embedding(50, 4),
+                                    tf_keras.layers.Flatten(), tf_keras.layers.Dense(2)])
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(resolver, update_policy=policy)
+    ref = build()
+    w0 = ref.get_weights()
+    ref.compile(tf_keras.optimizers.SGD(0.1), loss)
+    ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch * replicas).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    with strategy.scope():
+        model = build()
+        model.set_weights(w0)
+        model.compile(tf_keras.optimizers.SGD(0.1), loss)
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((ids, y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch).repeat()
+
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())]
+    moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
+    return {"max_abs_diff": max(diffs), "moved": max(moved),
+            "iterations": int(model.optimizer.iterations.numpy()), "stats": _stats(strategy)}
+
+
+@scenario
 def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=None,
                         num_workers=2, epochs=2, steps_per_epoch=40, batch=16, lr=0.1,
                         initial_scale=None, locking=False):

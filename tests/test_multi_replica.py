@@ -51,3 +51,11 @@ def test_two_replicas_mixed_float16_loss_scaling_once_per_worker_step():
     # One loss-scale update per worker step, not per replica: 20 finite steps
     # at the default growth interval (2000) leave the initial scale.
     assert r["loss_scale"] == 2.0 ** 15
+
+
+def test_two_replicas_sparse_embedding_gradients_stay_exact():
+    # Each replica's IndexedSlices are joined by concatenating rows (no
+    # densifying); drop_stale takes the locked path.
+    r = run_scenario("replicas_embedding_fit", replicas=2, policy="drop_stale")
+    assert r["moved"] > 0.01 and r["max_abs_diff"] < 1e-5, r
+    assert r["iterations"] == 20 == r["stats"]["global_step"] == r["stats"]["applied"]
