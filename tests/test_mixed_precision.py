@@ -203,3 +203,19 @@ def test_mixed_float16_loss_scaling_drops_overflowing_steps_and_lowers_the_scale
     assert s["global_step"] == s["applied"] == r["iterations"]
     assert r["lock_acquisitions"] == r["scheduled"]  # the lock is seen through the wrapper
     assert r["loss"] < 0.6 * r["loss0"], r
+
+
+def test_local_sgd_refuses_dynamic_loss_scaling():
+    local = tf_asyncps.policies.get("local_sgd")
+    dynamic = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1))
+    fixed = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1),
+                                                        dynamic=False, initial_scale=8.0)
+    with pytest.raises(ValueError, match="local_sgd cannot use a dynamic LossScaleOptimizer"):
+        mixed_precision.check_local_copies(local, dynamic)
+    with pytest.raises(ValueError, match="mixed_bfloat16"):
+        mixed_precision.check_local_copies(local, precision="mixed_float16")
+    mixed_precision.check_local_copies(local, fixed)  # a fixed scale is fine
+    mixed_precision.check_local_copies(local, precision="mixed_bfloat16")
+    mixed_precision.check_local_copies(tf_asyncps.policies.get("async"), dynamic)
+    with pytest.raises(ValueError, match="local_sgd cannot use"):
+        job.JobConfig(policy="local_sgd", mixed_precision="mixed_float16").validate()

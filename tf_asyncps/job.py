@@ -80,6 +80,8 @@ class JobConfig:
             _check_writable_dir(self.backup_dir, "--backup_dir")
         policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
+        mixed_precision.check_local_copies(policies.get(self.policy, **self.policy_args),
+                                           precision=self.mixed_precision)
 
 
 def _check_writable_dir(path, flag: str) -> None:
@@ -200,6 +202,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     spec = resolver.cluster_spec()
     num_workers, num_ps = spec.num_tasks("worker"), spec.num_tasks("ps")
     precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
+    mixed_precision.check_local_copies(strategy.update_policy, precision=precision)
     previous_policy = tf_keras.mixed_precision.global_policy()
     # The dtype policy applies to layers built (and metrics created) while it
     # is set: keep it for building and training; the export is float32.

@@ -28,7 +28,7 @@ gradient to its variable's dtype if a caller hands it another one).
 """
 
 import functools
-from typing import List
+from typing import List, Optional
 
 import tensorflow as tf
 
@@ -140,3 +140,29 @@ def allow_loss_scaling() -> None:
     # policy check and LossScaleOptimizer's), so replacing it there suffices.
     lso_lib.strategy_supports_loss_scaling = strategy_supports_loss_scaling
     _allowed = True
+
+
+LOCAL_COPIES_MESSAGE = (
+    "local_sgd cannot use a dynamic LossScaleOptimizer (mixed_float16): each worker "
+    "would train its own copy of the loss scale and the exchanges would add their "
+    "changes up on the PS. Use --mixed_precision=mixed_bfloat16 (no loss scaling), a "
+    "fixed loss scale (LossScaleOptimizer(opt, dynamic=False)), or another policy.")
+
+
+def check_local_copies(policy, optimizer=None, precision: Optional[str] = None) -> None:
+    """Raises ValueError if a policy that trains per-worker copies
+    (``local_sgd``) meets dynamic loss scaling.
+
+    Args:
+      policy: the UpdatePolicy in use.
+      optimizer: the optimizer being applied (checked for a dynamic
+        LossScaleOptimizer), or None.
+      precision: a resolved precision name ("mixed_float16" implies loss
+        scaling in the CLI job), or None.
+    """
+    if not getattr(policy, "local_copies", False):
+        return
+    lso = loss_scale_optimizer(optimizer) if optimizer is not None else None
+    if precision == "mixed_float16" or (lso is not None and lso.dynamic):
+        raise ValueError(LOCAL_COPIES_MESSAGE)
+

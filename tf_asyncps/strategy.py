@@ -363,6 +363,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                 not tf.distribute.in_cross_replica_context():
             return self._apply_replicated(step, optimizer, grads_and_vars, apply_fn)
         if getattr(step, "local_state", None) is not None:
+            mixed_precision.check_local_copies(self.policy, optimizer)
             if is_locking(optimizer) and not getattr(self, "_warned_local_lock", False):
                 self._warned_local_lock = True
                 logging.warning(
