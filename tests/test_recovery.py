@@ -160,6 +160,16 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
     assert "error that a re-run would repeat" in out and "re-running it" not in out
     assert "a re-run resumes" not in out  # no step ran: nothing to resume
     assert not os.path.exists(os.path.join(backup, recovery.PROGRESS_FILE))
+    # The matching model, but the checkpoint (epoch 1 done) is already at
+    # --epochs=1: nothing to train, said so, and the resume point reported.
+    out_dir = tmp_path / "past"
+    _, out = run_command(_launch_cmd(str(out_dir), "--hidden=16", "--epochs=1",
+                                     "--steps_per_epoch=10", f"--backup_dir={backup}"),
+                         timeout=150)
+    assert "is already at worker step 10 of 10 (--epochs=1): nothing was trained" in out
+    m = json.loads((out_dir / "metrics.json").read_text())
+    assert m["recovery"]["resumed_from_step"] == 10
+    assert m["scheduled_steps"] == 0 == m["worker_steps"]
 
 
 def test_lost_task_messages_and_exit_descriptions():

@@ -80,8 +80,10 @@ flags.DEFINE_string("backup_dir", None,
 flags.DEFINE_boolean("restart_failed_tasks", False,
                      "launch: supervise the children. A ps or worker that exits is "
                      "restarted on its port (a worker rejoins by itself); a chief that "
-                     "fails (e.g. its ps died) is re-run and resumes from --backup_dir. "
-                     "At most --max_restarts restarts per task.")
+                     "lost a task (exit status 75, e.g. its ps died) or was killed by a "
+                     "signal is re-run and resumes from --backup_dir; other chief errors "
+                     "would recur and are not re-run. At most --max_restarts restarts "
+                     "per task.")
 flags.DEFINE_integer("max_restarts", 3, "launch --restart_failed_tasks: restarts allowed "
                      "per task (chief re-runs included).", lower_bound=0)
 
@@ -207,6 +209,10 @@ def cmd_launch(argv):
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
                          "each worker its GPUs with --gpus_per_worker=K.")
+    if FLAGS.gpus_per_worker > 1 and FLAGS.policy == "local_sgd":  # before counting GPUs
+        raise ValueError("--policy=local_sgd trains per-worker copies and supports one "
+                         "replica per worker; use --gpus_per_worker=1 (and --num_workers="
+                         f"{FLAGS.num_workers * FLAGS.gpus_per_worker}) or another policy.")
     gpu_plan = devices.plan_gpus(
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),
@@ -270,8 +276,14 @@ def cmd_launch(argv):
             print(f"tf-asyncps launch: tasks left down after --max_restarts="
                   f"{FLAGS.max_restarts}: {sorted(c.gave_up)}", flush=True)
     if rc != 0:
+        hint = ""
+        if not FLAGS.restart_failed_tasks and (rc < 0 or rc == EXIT_LOST_TASK):
+            hint = (" Running the same command again resumes from the latest checkpoint "
+                    "in --backup_dir." if FLAGS.backup_dir else
+                    " Add --restart_failed_tasks (epoch checkpoints, restarts) to survive "
+                    "such failures.")
         raise SystemExit(f"tf-asyncps launch: the chief {_describe_exit(rc)}"
-                         f"{f' after {runs} runs' if runs > 1 else ''}{why}.")
+                         f"{f' after {runs} runs' if runs > 1 else ''}{why}.{hint}")
 
 
 def _run_chief(c, args, env, deadline) -> int:

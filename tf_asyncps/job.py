@@ -275,6 +275,10 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     stats = strategy.staleness_stats()
     worker_steps = stats.worker_steps - s0.worker_steps
     resumed = tracker.resumed_from_step if tracker else 0
+    if tracker and not tracker.started:
+        say(f"warning: the checkpoint in --backup_dir={cfg.backup_dir} is already at worker "
+            f"step {resumed} of {total} (--epochs={cfg.epochs}): nothing was trained; the "
+            "model is the checkpoint's. Raise --epochs or use a new --backup_dir.")
     if tracker and tracker.chief_runs > 1:
         say(f"resumed at worker step {resumed} (chief run {tracker.chief_runs}); "
             f"{tracker.steps_redone} worker steps redone in all")
@@ -302,7 +306,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "worker_steps": int(worker_steps),
         # Steps fit scheduled in this run; worker_steps may exceed it by the
         # retried closures' steps (TensorFlow runs closures at least once).
-        "scheduled_steps": int(total - resumed),
+        "scheduled_steps": int(max(0, total - resumed)),
         "retried_closures": int(stats.retried_closures),
         "worker_failures": int(stats.worker_failures),
         "recovery": tracker.summary() if tracker else None,

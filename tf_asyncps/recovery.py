@@ -169,6 +169,13 @@ class ResumeTracker(tf_keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._halt()
+        if not self._started:
+            # No epoch ran: the restored checkpoint is already at or past the
+            # last epoch (BackupAndRestore keeps its state on the model).
+            state = getattr(self.model, "_training_state", None)
+            saved = getattr(state, "_ckpt_saved_epoch", None)
+            if saved is not None and int(saved.numpy()) >= 0:
+                self.resumed_from_step = (int(saved.numpy()) + 1) * self.steps_per_epoch
         if os.path.exists(self.path):
             os.remove(self.path)
 
