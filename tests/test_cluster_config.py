@@ -217,11 +217,14 @@ def test_children_die_with_a_killed_parent(tmp_path):
         "import sys, time; from tf_asyncps.cluster import LocalCluster\n"
         f"c = LocalCluster(1, 1, log_dir={str(tmp_path)!r}).start()\n"
         "print(' '.join(str(p) for p in c.pids.values()), flush=True)\n"
+        "print('tensorflow' in sys.modules, flush=True)\n"
         "time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
         assert len(pids) == 2 and all(pid_alive(x) for x in pids)
+        # Starting a LocalCluster (cluster.json included) never loads TensorFlow.
+        assert p.stdout.readline().strip() == "False"
         p.kill()
         p.wait(timeout=10)
         deadline = time.monotonic() + 20

@@ -853,7 +853,7 @@ class LocalCluster:
         """Writes :attr:`state_path` atomically: {"tasks": {name: {"address",
         "pid"}}, "restarts": {name: n}}; ``extra_pids`` adds tasks started
         elsewhere (launch's chief). Tools and tests find pids to signal here."""
-        from tf_asyncps.recovery import atomic_write_json
+        from tf_asyncps.files import atomic_write_json
         with self._proc_lock:
             if extra_pids is not None:
                 self._extra_pids = dict(extra_pids)

@@ -10,56 +10,26 @@ optimizer at every epoch end under ``backup_dir``, and a chief re-run (by
 Checkpoints are never half-written as the latest one: TensorFlow writes the
 data shards under a temporary prefix, merges them, and only then rewrites the
 ``checkpoint`` state file, with an atomic rename. This module writes its own
-files the same way (:func:`atomic_write_json`).
+files the same way (:func:`tf_asyncps.files.atomic_write_json`, re-exported
+here).
 
 :class:`ResumeTracker` records, in ``backup_dir/progress.json``, how many
 worker steps the current run has completed. A re-run compares that with the
 step it resumes from: the difference is the number of steps *redone*.
 """
 
-import json
 import os
-import tempfile
 import threading
-from typing import Any, Dict, Optional
+from typing import Dict
 
 import tf_keras
+
+from tf_asyncps.files import atomic_write_json, read_json
 
 __all__ = ["ResumeTracker", "atomic_write_json", "read_json", "PROGRESS_FILE"]
 
 #: The progress record inside ``backup_dir``.
 PROGRESS_FILE = "progress.json"
-
-
-def atomic_write_json(path: str, obj: Any) -> None:
-    """Writes ``obj`` as JSON to ``path`` so that readers see the old or the
-    new file, never a partial one (write to a temp file, fsync, rename).
-
-    Raises:
-      OSError: the directory is not writable.
-    """
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def read_json(path: str) -> Optional[Dict[str, Any]]:
-    """The JSON object at ``path``, or None if missing or unreadable."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 class ResumeTracker(tf_keras.callbacks.Callback):
