@@ -130,7 +130,9 @@ def _env_with_gpus(tmp_path, gpus):
     (2, ["--gpus_per_worker=1", "--num_workers=3"], ["needs 3 GPU(s), but 2 are available"]),
     (3, ["--gpus_per_worker=2"], ["needs 4 GPU(s), but 3 are available"]),
     (2, ["--gpus=0"], ["--gpus is for `train`/`server`", "--gpus_per_worker"]),
-], ids=["no_gpu", "too_few", "k2", "gpus_flag"])
+    (0, ["--gpus_per_worker=2", "--policy=local_sgd"],
+     ["'local_sgd' trains per-worker copies", "--gpus_per_worker=1 and --num_workers=4"]),
+], ids=["no_gpu", "too_few", "k2", "gpus_flag", "local_sgd_k2"])
 def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, words):
     t0 = time.perf_counter()
     rc, out = _cli("launch", *args, env=_env_with_gpus(tmp_path, gpus))

@@ -210,9 +210,8 @@ def cmd_launch(argv):
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
                          "each worker its GPUs with --gpus_per_worker=K.")
     if FLAGS.gpus_per_worker > 1 and FLAGS.policy == "local_sgd":  # before counting GPUs
-        raise ValueError("--policy=local_sgd trains per-worker copies and supports one "
-                         "replica per worker; use --gpus_per_worker=1 (and --num_workers="
-                         f"{FLAGS.num_workers * FLAGS.gpus_per_worker}) or another policy.")
+        raise ValueError(devices.local_copies_replicas_message(
+            FLAGS.policy, FLAGS.gpus_per_worker, FLAGS.num_workers))
     gpu_plan = devices.plan_gpus(
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),
@@ -221,10 +220,9 @@ def cmd_launch(argv):
     from tf_asyncps import policies
     policy = policies.get(cfg.policy, **cfg.policy_args)
     policy.validate_cluster(FLAGS.num_workers)
-    if policy.local_copies and FLAGS.gpus_per_worker > 1:
-        raise ValueError(f"--policy={cfg.policy} trains per-worker copies and supports one "
-                         f"replica per worker; use --gpus_per_worker=1 (and --num_workers="
-                         f"{FLAGS.num_workers * FLAGS.gpus_per_worker}) or another policy.")
+    if policy.local_copies and FLAGS.gpus_per_worker > 1:  # a registered local-copy policy
+        raise ValueError(devices.local_copies_replicas_message(
+            cfg.policy, FLAGS.gpus_per_worker, FLAGS.num_workers))
     if cfg.dataset != "digits":  # may need a download: fail before starting anything
         from tf_asyncps import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)

@@ -36,7 +36,16 @@ LOGICAL_GPU_MEMORY_MB = "TF_ASYNCPS_LOGICAL_GPU_MEMORY_MB"
 _DEFAULT_LOGICAL_MB = 2048
 _GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
 
-#: Why a worker gets at most one GPU (see README "GPU workers").
+
+def local_copies_replicas_message(policy_name: str, gpus_per_worker: int,
+                                  num_workers: Optional[int] = None) -> str:
+    """Why a policy that trains per-worker copies (``local_sgd``) refuses K > 1
+    GPUs per worker, and the fix (one GPU per worker task)."""
+    layout = ("--gpus_per_worker=1" if num_workers is None else
+              f"--gpus_per_worker=1 and --num_workers={num_workers * gpus_per_worker}")
+    return (f"policy {policy_name!r} trains per-worker copies and supports one replica per "
+            f"worker, but every worker has {gpus_per_worker} GPUs: give each worker task "
+            f"one GPU ({layout}) or use another policy.")
 
 def count_gpus(timeout_s: float = 20.0) -> int:
     """GPUs listed by ``nvidia-smi -L``; 0 without nvidia-smi or if it fails.

@@ -78,10 +78,9 @@ class JobConfig:
                 f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
         if self.backup_dir is not None:
             _check_writable_dir(self.backup_dir, "--backup_dir")
-        policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
+        policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
-        mixed_precision.check_local_copies(policies.get(self.policy, **self.policy_args),
-                                           precision=self.mixed_precision)
+        mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
 
 
 def _check_writable_dir(path, flag: str) -> None:

@@ -31,6 +31,7 @@ from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
+from tf_asyncps import devices
 from tf_asyncps import faults
 from tf_asyncps import mixed_precision
 from tf_asyncps import policies as policies_lib
@@ -179,17 +180,13 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         @tf.autograph.experimental.do_not_convert
         def worker_step(*a, **kw):
             w = _worker_index()
-            with tf.control_dependencies(self.policy.before_read(w)):
-                r = self.tracker.read_step()
-                snap = self._snapshot(w) if self.policy.needs_read_values else []
+            r, snap = self._read_point(w)
             # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
             with tf.control_dependencies([r] + snap), step.active():
                 out = fn(*a, **kw)
-            if not step.applied:  # e.g. an evaluation step
-                with tf.control_dependencies(
-                        [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
-                    self.policy.step_without_update(w)
+            if not step.applied:
+                self._no_update(w, out)
             return out
 
         return super()._call_for_each_replica(worker_step, args, kwargs)
@@ -204,9 +201,7 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
         (or one drop), counted once.
         """
         w = _worker_index()
-        with tf.control_dependencies(self.policy.before_read(w)):
-            r = self.tracker.read_step()
-            snap = self._snapshot(w) if self.policy.needs_read_values else []
+        r, snap = self._read_point(w)
         group = _ReplicaGroup(self._num_replicas_in_sync)
 
         @tf.autograph.experimental.do_not_convert
@@ -217,11 +212,24 @@ class _AsyncExtended(pss_v2.ParameterServerStrategyV2Extended):
                 return fn(*a, **kw)
 
         out = super()._call_for_each_replica(replica_step, args, kwargs)
-        if not group.applied:  # e.g. an evaluation step
-            with tf.control_dependencies(
-                    [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
-                self.policy.step_without_update(w)
+        if not group.applied:
+            self._no_update(w, out)
         return out
+
+    def _read_point(self, w):
+        """The policy's ``before_read``, then the read step r and (if the
+        policy needs them) the read snapshot: once per worker step."""
+        with tf.control_dependencies(self.policy.before_read(w)):
+            r = self.tracker.read_step()
+            snap = self._snapshot(w) if self.policy.needs_read_values else []
+        return r, snap
+
+    def _no_update(self, w, out):
+        """Tells the policy a worker step made no update (e.g. an evaluation
+        step), after the step's outputs exist."""
+        with tf.control_dependencies(
+                [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
+            self.policy.step_without_update(w)
 
     def _apply_replicated(self, step, optimizer, grads_and_vars, apply_fn):
         """Joins the K replicas' gradients of one worker step and applies them once.
@@ -657,11 +665,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             old._retrace_functions_for_each_device)
         self._extended.skip_nonfinite = bool(skip_nonfinite)
         if policy.local_copies and self._extended._num_replicas_in_sync > 1:
-            raise ValueError(
-                f"update_policy {policy.name!r} trains per-worker copies and supports one "
-                f"replica per worker; every worker here has "
-                f"{self._extended._num_replicas_in_sync} GPUs. Give each worker task one GPU "
-                "(launch --gpus_per_worker=1) or use another policy.")
+            raise ValueError(devices.local_copies_replicas_message(
+                policy.name, self._extended._num_replicas_in_sync))
         policy.build(config.num_workers, PS_DEVICE)
         install_optimizer_hooks()
         mixed_precision.allow_loss_scaling()
