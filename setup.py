@@ -25,7 +25,7 @@ setup(
         "examples": ["scikit-learn>=1.0"],  # the bundled handwritten-digits data
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
     },
-    entry_points={"console_scripts": ["tf-asyncps=tf_asyncps.cli:run"]},
+    entry_points={"console_scripts": ["tf-asyncps=tf_asyncps.app.cli:run"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -798,7 +798,8 @@ def worker_faults_digits(policy="async", num_workers=2, epochs=16, steps_per_epo
     the same moment, worker:0 is SIGSTOPped for ``stop_s`` s, then continued."""
     import signal
     import threading
-    from tf_asyncps import datasets, models
+    from tf_asyncps.app import datasets
+    from tf_asyncps.app import models
     data = datasets.load("digits", seed=0)
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         c.supervise(max_restarts=2, poll_s=0.2)
@@ -1090,7 +1091,7 @@ def gpu_placement(gpu_ids, steps=200, dim=1024):
     go, which processes hold GPU memory, and steps/s of a matmul step."""
     import subprocess
     import time
-    from tf_asyncps import devices
+    from tf_asyncps.cluster import devices
     plan = devices.plan_gpus(len(gpu_ids), 1, gpu_ids)
     with _cluster(num_workers=len(gpu_ids), num_ps=1, worker_env=plan.worker_env) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())

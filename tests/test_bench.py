@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import run_command, run_scenario, wait_dead
-from tf_asyncps import bench
+from tf_asyncps.app import bench
 from tf_asyncps.straggler import StopContCycler, slow_dataset_fn
 
 pytestmark = pytest.mark.timeout(300)

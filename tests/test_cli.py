@@ -7,7 +7,8 @@ import time
 import pytest
 
 from conftest import _env, run_command
-from tf_asyncps import datasets, job
+from tf_asyncps.app import datasets
+from tf_asyncps.app import job
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""GPU assignment (tf_asyncps/devices.py), server GPU options and the launch flags.
+"""GPU assignment (tf_asyncps/cluster/devices.py), server GPU options and the launch flags.
 
 No GPU needed: a fake ``nvidia-smi`` on PATH stands in for the GPU count.
 """
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import _env, run_command
-from tf_asyncps import devices
+from tf_asyncps.cluster import devices
 
 pytestmark = pytest.mark.timeout(240)
 

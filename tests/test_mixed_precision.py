@@ -8,8 +8,10 @@ import tf_keras
 
 import tf_asyncps
 from conftest import run_scenario
-from tf_asyncps import job, mixed_precision, models
-from tf_asyncps.step import WorkerStep, install_optimizer_hooks
+from tf_asyncps.app import job
+from tf_asyncps.core import mixed_precision
+from tf_asyncps.app import models
+from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
 from tf_asyncps.strategy import _cast_to
 from tf_asyncps.aggregator import _accumulator_dtype, _cast_values  # after policies load
 

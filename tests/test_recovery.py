@@ -143,7 +143,8 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
     # error would recur.
     import tensorflow as tf
     import tf_keras
-    from tf_asyncps import datasets, models
+    from tf_asyncps.app import datasets
+    from tf_asyncps.app import models
     backup = str(tmp_path / "backup")
     data = datasets.load("digits", seed=0)
     other = models.build_model("mlp", data.num_features, data.num_classes, (16,), 0)
@@ -174,7 +175,7 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
 
 def test_lost_task_messages_and_exit_descriptions():
     import tensorflow as tf
-    from tf_asyncps import cli
+    from tf_asyncps.app import cli
     e = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error "
                                    "information from remote target /job:ps/replica:0/task:0")
     with_backup = cli._lost_task_message(e, "/b")

@@ -71,7 +71,7 @@ def test_cli_fails_on_bad_tf_config_in_under_2_s(command, tf_config, words):
 def test_cli_validates_before_importing_tensorflow():
     code = ("import sys\n"
             "sys.argv = ['tf-asyncps', 'train']\n"
-            "from tf_asyncps import cli\n"
+            "from tf_asyncps.app import cli\n"
             "try:\n    cli.run()\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
             "print('TF_IMPORTED', 'tensorflow' in sys.modules)\n")
     env = _env()

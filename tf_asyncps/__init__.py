@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),
-    "StalenessStats": ("tf_asyncps.staleness", "StalenessStats"),
+    "StalenessStats": ("tf_asyncps.core.staleness", "StalenessStats"),
     "SyncReplicasAggregator": ("tf_asyncps.aggregator", "SyncReplicasAggregator"),
     "policies": ("tf_asyncps.policies", None),
     "cluster": ("tf_asyncps.cluster", None),

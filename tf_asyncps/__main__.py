@@ -1,6 +1,6 @@
 """``python -m tf_asyncps`` == the ``tf-asyncps`` console script."""
 
-from tf_asyncps.cli import run
+from tf_asyncps.app.cli import run
 
 if __name__ == "__main__":
     run()

@@ -46,7 +46,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_asyncps.gate import GatedPolicy, WorkerGate
+from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies.base import UpdatePolicy
 
 __all__ = ["SyncReplicasAggregator"]

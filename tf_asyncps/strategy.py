@@ -31,15 +31,15 @@ from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import devices
-from tf_asyncps import faults
-from tf_asyncps import mixed_precision
+from tf_asyncps.cluster import devices
+from tf_asyncps.core import faults
+from tf_asyncps.core import mixed_precision
 from tf_asyncps import policies as policies_lib
-from tf_asyncps.staleness import PS_DEVICE, StalenessStats, StalenessTracker
-from tf_asyncps.locking import PSLock, run_collecting_ops
+from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
+from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.optimizers import is_locking, lock_timeout, make_counter_exact
 from tf_asyncps.policies._util import all_finite
-from tf_asyncps.step import WorkerStep, install_optimizer_hooks
+from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
 
 __all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import _env, run_command, run_scenario
-from tf_asyncps import devices
+from tf_asyncps.cluster import devices
 
 GPU_IDS = devices.available_gpus()  # nvidia-smi -L; CUDA is not touched here
 

@@ -49,7 +49,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
-from tf_asyncps import step as step_lib
+from tf_asyncps.core import step as step_lib
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy
 

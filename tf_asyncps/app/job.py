@@ -18,7 +18,10 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import datasets, mixed_precision, models, policies, recovery
+from tf_asyncps import policies, recovery
+from tf_asyncps.app import datasets
+from tf_asyncps.core import mixed_precision
+from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 

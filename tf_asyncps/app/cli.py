@@ -94,7 +94,7 @@ flags.DEFINE_boolean(
     "reach this one at an address it does not own.")
 
 
-# bench (see tf_asyncps/bench.py); it also uses --num_workers, --batch_size,
+# bench (see tf_asyncps/app/bench.py); it also uses --num_workers, --batch_size,
 # --learning_rate, --seed and --output_dir.
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
                   "single,vanilla,async,local_sgd.")
@@ -117,7 +117,7 @@ flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run 
 
 
 def _job_config():
-    from tf_asyncps import job
+    from tf_asyncps.app import job
     try:
         hidden = tuple(int(h) for h in FLAGS.hidden)
     except ValueError:
@@ -147,7 +147,7 @@ def _apply_gpus_flag():
     """--gpus -> CUDA_VISIBLE_DEVICES, before TensorFlow loads CUDA."""
     if FLAGS.gpus is None:
         return
-    from tf_asyncps import devices
+    from tf_asyncps.cluster import devices
     value = devices.parse_gpus_flag(FLAGS.gpus)
     if "tensorflow" in sys.modules:  # pragma: no cover - commands import TF later
         logging.warning("--gpus is applied after TensorFlow was imported; it may be ignored.")
@@ -199,12 +199,13 @@ def cmd_train(argv):
         return _serve(config)
     cfg = _job_config()
     _quiet_tensorflow()
-    from tf_asyncps import job
+    from tf_asyncps.app import job
     job.run(cfg, cluster.cluster_resolver(config))
 
 
 def cmd_launch(argv):
-    from tf_asyncps import cluster, devices
+    from tf_asyncps import cluster
+    from tf_asyncps.cluster import devices
     # GPU placement first: it needs neither TensorFlow nor CUDA.
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
@@ -224,7 +225,7 @@ def cmd_launch(argv):
         raise ValueError(devices.local_copies_replicas_message(
             cfg.policy, FLAGS.gpus_per_worker, FLAGS.num_workers))
     if cfg.dataset != "digits":  # may need a download: fail before starting anything
-        from tf_asyncps import datasets
+        from tf_asyncps.app import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)
     if os.environ.get("TF_CONFIG"):
         logging.warning("launch ignores TF_CONFIG: it makes its own local cluster.")
@@ -310,7 +311,7 @@ def _run_chief(c, args, env, deadline) -> int:
 
 
 def cmd_bench(argv):
-    from tf_asyncps import bench
+    from tf_asyncps.app import bench
     runs = bench.default_configs(
         num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
         steps_per_execution=FLAGS.bench_steps_per_execution,

@@ -17,7 +17,7 @@ gradient to its variable's dtype if a caller hands it another one).
   replicas' unscaled gradients are summed into that one update, which checks
   and adjusts the loss scale once), so :func:`allow_loss_scaling` adds this
   strategy to the allowlist.
-* The optimizer hook (``tf_asyncps/step.py``) acts on the
+* The optimizer hook (``tf_asyncps/core/step.py``) acts on the
   ``LossScaleOptimizer``'s ``apply_gradients``: once per step, on unscaled
   float32 gradients. Its call to the inner optimizer passes straight through.
 * A step with NaN/Inf gradients (the loss scale overflowed float16) is dropped

@@ -114,7 +114,9 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     import tensorflow as tf
     import tf_keras
 
-    from tf_asyncps import datasets, models, policies, straggler
+    from tf_asyncps import policies, straggler
+    from tf_asyncps.app import datasets
+    from tf_asyncps.app import models
     from tf_asyncps import cluster as cluster_lib
     from tf_asyncps.optimizers import LockingOptimizer
     from tf_asyncps.strategy import AsyncParameterServerStrategy
@@ -228,7 +230,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
             + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
                if run.get("straggler") else "") + " ...")
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "tf_asyncps.bench", json.dumps(run), json.dumps(settings)]
+        cmd = [sys.executable, "-m", "tf_asyncps.app.bench", json.dumps(run), json.dumps(settings)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:

@@ -495,7 +495,7 @@ def server_config(num_workers: int, task_type: Optional[str] = None, num_gpus: i
     Args:
       num_workers: workers in the cluster (sets the inter-op threads).
       task_type: "ps" or "worker"; with it, GPU memory growth and logical GPUs
-        are set (see :func:`tf_asyncps.devices.configure_server_gpus`).
+        are set (see :func:`tf_asyncps.cluster.devices.configure_server_gpus`).
       num_gpus: physical GPUs this process sees.
       environ: default ``os.environ``.
 
@@ -503,7 +503,7 @@ def server_config(num_workers: int, task_type: Optional[str] = None, num_gpus: i
       ValueError: bad logical-GPU settings in the environment.
     """
     import tensorflow as tf
-    from tf_asyncps import devices
+    from tf_asyncps.cluster import devices
     config = tf.compat.v1.ConfigProto(
         inter_op_parallelism_threads=inter_op_threads(num_workers))
     if task_type is not None:
@@ -677,7 +677,7 @@ def start_server(config: ClusterConfig):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
     warn_evaluators(config)
-    from tf_asyncps import devices
+    from tf_asyncps.cluster import devices
     num_gpus = 0
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.
@@ -736,7 +736,7 @@ class LocalCluster:
       start_timeout_s: seconds to wait for every task to serve.
       env: extra environment variables for the children.
       worker_env: {worker index: {var: value}} for single workers. GPUs:
-        ``worker_env=tf_asyncps.devices.plan_gpus(n, k, available).worker_env``
+        ``worker_env=tf_asyncps.cluster.devices.plan_gpus(n, k, available).worker_env``
         gives each worker its own ``CUDA_VISIBLE_DEVICES``; ps tasks never
         see a GPU.
       host: loopback address to bind.

@@ -158,7 +158,7 @@ def install_optimizer_hooks() -> None:
         targets = []
         try:
             import tf_keras
-            from tf_asyncps import mixed_precision
+            from tf_asyncps.core import mixed_precision
             targets.append((tf_keras.optimizers.Optimizer, "apply_gradients", _gv_args))
             targets.append((tf_keras.optimizers.legacy.Optimizer, "apply_gradients",
                             _gv_args))
