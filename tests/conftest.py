@@ -105,6 +105,9 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cluster: starts TensorFlow servers (in-process or as processes); "
+        "the fast tier is `python -m pytest -q -m \"not cluster\"`")
     # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 20

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from absl import logging
 
+from tf_asyncps.compat import tensorflow as tf_compat
+
 __all__ = [
     "ClusterConfig", "validate_tf_config", "tf_config_from_env",
     "cluster_resolver", "server_config", "configure_local_context",
@@ -695,18 +697,6 @@ def start_server(config: ClusterConfig):
         config=server_config(config.num_workers, config.task_type, num_gpus), start=True)
 
 
-def _connected_here() -> bool:
-    """Whether this process's TensorFlow context is connected to a cluster."""
-    if "tensorflow" not in sys.modules:
-        return False
-    try:
-        from tensorflow.python.eager import context
-        ctx = context.context_safe()
-        return ctx is not None and getattr(ctx, "_server_def", None) is not None
-    except Exception:  # pragma: no cover - private API moved: assume not
-        return False
-
-
 def _set_pdeathsig():  # runs in the child before exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -991,7 +981,7 @@ class LocalCluster:
         and TensorFlow allows one cluster per process anyway.
         """
         self._stop_supervisor()
-        if defer_if_connected and _connected_here() and self._alive_children():
+        if defer_if_connected and tf_compat.context_connected() and self._alive_children():
             logging.info("LocalCluster: tasks %s stop when this process exits.",
                          sorted(self.pids))
             return

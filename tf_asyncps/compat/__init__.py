@@ -1,0 +1,20 @@
+"""The only place that touches private TensorFlow, tf_keras and Keras APIs.
+
+Like Keras 3's ``keras/src/backend/<name>/``: the rest of tf_asyncps calls
+these modules, never ``tensorflow.python.*``, ``tf_keras.src.*``,
+``keras.src.*`` or a private attribute of a TensorFlow/Keras object, so a
+TensorFlow upgrade has one place to look (``tests/test_architecture.py``
+checks it). One module per library, each stating the versions it was tested
+with:
+
+* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.21.0
+  (ParameterServerStrategy internals, ClusterCoordinator internals,
+  per-worker variables, resource-variable ops, autograph, graphs).
+* :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.21.0 (LossScaleOptimizer,
+  the loss-scaling allowlist, BackupAndRestore's training state).
+* :mod:`tf_asyncps.compat.keras`: Keras 3.15.1 (Keras 3 variables and
+  optimizer counters, frames of Keras 3's own code).
+
+Each module is importable without the library it wraps being imported
+first: functions import what they need when called.
+"""
