@@ -582,7 +582,7 @@ def lock_timeout(timeout_s=2.0):
 
         step = _step_fn(strategy, [w], opt, lambda: w * 2.0)
         _run_steps(coord, step, 1)  # traces the step and creates the lock
-        lock = strategy.extended._lock
+        lock = strategy.extended.engine.lock
         lock._queue.dequeue()  # steal the token: nobody can acquire now
         t0 = time.perf_counter()
         coord.schedule(step)
@@ -1071,7 +1071,7 @@ def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=
         model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
                   steps_per_epoch=steps_per_epoch, verbose=0)
         tf_keras.mixed_precision.set_global_policy("float32")
-        lock = strategy.extended._lock
+        lock = strategy.extended.engine.lock
         return {
             "scheduled": epochs * steps_per_epoch,
             "compute_dtypes": sorted({l.compute_dtype for l in model.layers[:2]}),

@@ -12,8 +12,8 @@ from tf_asyncps.app import job
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
 from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
-from tf_asyncps.strategy import _cast_to
-from tf_asyncps.aggregator import _accumulator_dtype, _cast_values  # after policies load
+from tf_asyncps.core.grads import cast
+from tf_asyncps.policies.sync_replicas import _accumulator_dtype
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -127,19 +127,19 @@ def test_resolve_precision_names():
 
 def test_gradients_reach_policies_in_the_variable_dtype_and_sums_are_float32():
     g16 = tf.constant([1.0, 2.0], tf.float16)
-    assert _cast_to(g16, tf.float32).dtype == tf.float32
+    assert cast(g16, tf.float32).dtype == tf.float32
     sparse = tf.IndexedSlices(tf.constant([[0.5]], tf.bfloat16), tf.constant([3]), [5, 1])
-    cast = _cast_to(sparse, tf.float32)
-    assert isinstance(cast, tf.IndexedSlices) and cast.values.dtype == tf.float32
+    sparse32 = cast(sparse, tf.float32)
+    assert isinstance(sparse32, tf.IndexedSlices) and sparse32.values.dtype == tf.float32
     g32 = tf.constant([1.0])
-    assert _cast_to(g32, tf.float32) is g32
+    assert cast(g32, tf.float32) is g32
     assert _accumulator_dtype(tf.float16) == tf.float32
     assert _accumulator_dtype(tf.bfloat16) == tf.float32
     assert _accumulator_dtype(tf.float64) == tf.float64
     # 2048 + 1 is not representable in float16; the float32 buffer keeps it.
     buf = tf.Variable(tf.zeros([1], _accumulator_dtype(tf.float16)))
     for v in (2048.0, 1.0):
-        buf.assign_add(_cast_values(tf.constant([v], tf.float16), buf.dtype))
+        buf.assign_add(cast(tf.constant([v], tf.float16), buf.dtype))
     assert float(buf.numpy()[0]) == 2049.0
 
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tf_asyncps import policies
 from tf_asyncps.policies import StepInfo
-from tf_asyncps.policies._util import all_finite
+from tf_asyncps.core.grads import all_finite
 from tf_asyncps.policies.dc_asgd import delay_compensate
 from tf_asyncps.policies.drop_stale import keep_if_fresh
 from tf_asyncps.policies.staleness_aware import staleness_scale
@@ -121,11 +121,10 @@ def test_chain_composes_in_order_and_ands_keep():
     c = policies.chain(policies.StalenessAwareLR("inverse_plus_one"),
                        policies.DropStale(max_staleness=3))
     assert c.atomic
-    out, keep = c.update([tf.constant([4.0])], c.init([]), _info(3))
+    out, keep, accepted = c.update([tf.constant([4.0])], c.init([]), _info(3))
     np.testing.assert_allclose(out[0].numpy(), [1.0])
-    assert bool(keep) is True
-    _, keep = c.update([tf.constant([4.0])], c.init([]), _info(4))
-    assert bool(keep) is False
+    assert bool(keep) is True and accepted is None
+    assert bool(c.update([tf.constant([4.0])], c.init([]), _info(4)).keep) is False
     with pytest.raises(ValueError, match="at least one policy"):
         policies.chain()
 

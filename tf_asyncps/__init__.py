@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),
     "StalenessStats": ("tf_asyncps.core.staleness", "StalenessStats"),
-    "SyncReplicasAggregator": ("tf_asyncps.aggregator", "SyncReplicasAggregator"),
+    "SyncReplicasAggregator": ("tf_asyncps.policies.sync_replicas", "SyncReplicasAggregator"),
+    "straggler": ("tf_asyncps.straggler", None),
     "policies": ("tf_asyncps.policies", None),
     "cluster": ("tf_asyncps.cluster", None),
     "callbacks": ("tf_asyncps.callbacks", None),

@@ -19,11 +19,12 @@ current parameters). Cost: one lock acquisition per step and updates of
 different steps run one at a time; see README "Locking" for measurements.
 
 Without locking, ``optimizer.iterations`` is still exact: tf_keras increments
-it with one atomic ``assign_add``, and for Keras 3 optimizers the strategy
-replaces the read-then-write increment with an atomic one.
+it with one atomic ``assign_add``, and for Keras 3 optimizers the engine
+replaces the read-then-write increment with an atomic one
+(``tf_asyncps.compat.keras.make_iterations_atomic``).
 """
 
-__all__ = ["LockingOptimizer", "is_locking", "lock_timeout", "make_counter_exact"]
+__all__ = ["LockingOptimizer", "is_locking", "lock_timeout"]
 
 _ATTR = "_asyncps_lock_timeout_s"
 
@@ -87,26 +88,3 @@ def is_locking(optimizer) -> bool:
 def lock_timeout(optimizer, default: float = 60.0) -> float:
     """The lock timeout of :func:`LockingOptimizer` (the outermost mark), else ``default``."""
     return next(_marks(optimizer), None) or default
-
-
-def make_counter_exact(optimizer) -> None:
-    """Makes a Keras 3 optimizer's iteration counter increment atomically.
-
-    Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then a
-    write, which loses increments when workers update at once. This swaps in
-    the backing tf.Variable's atomic ``assign_add`` for this one counter.
-    tf_keras counters are already atomic; other objects are left alone.
-    """
-    counter = getattr(optimizer, "_iterations", None)
-    backing = getattr(counter, "_value", None)
-    if counter is None or backing is None or getattr(counter, "_asyncps_atomic", False):
-        return
-    if not callable(getattr(backing, "assign_add", None)):
-        return
-    import tensorflow as tf
-
-    def assign_add(value):
-        return backing.assign_add(tf.cast(value, backing.dtype))
-
-    counter.assign_add = assign_add
-    counter._asyncps_atomic = True

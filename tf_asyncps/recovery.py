@@ -24,6 +24,7 @@ from typing import Dict
 
 import tf_keras
 
+from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.files import atomic_write_json, read_json
 
 __all__ = ["ResumeTracker", "atomic_write_json", "read_json", "PROGRESS_FILE"]
@@ -142,10 +143,9 @@ class ResumeTracker(tf_keras.callbacks.Callback):
         if not self._started:
             # No epoch ran: the restored checkpoint is already at or past the
             # last epoch (BackupAndRestore keeps its state on the model).
-            state = getattr(self.model, "_training_state", None)
-            saved = getattr(state, "_ckpt_saved_epoch", None)
-            if saved is not None and int(saved.numpy()) >= 0:
-                self.resumed_from_step = (int(saved.numpy()) + 1) * self.steps_per_epoch
+            saved = tf_keras_compat.checkpoint_saved_epoch(self.model)
+            if saved is not None and saved >= 0:
+                self.resumed_from_step = (saved + 1) * self.steps_per_epoch
         if os.path.exists(self.path):
             os.remove(self.path)
 

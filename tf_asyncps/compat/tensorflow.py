@@ -1,13 +1,30 @@
 """Private TensorFlow APIs used by tf_asyncps, in one place.
 
 Tested with TensorFlow 2.21.0 (``setup.py`` pins ``tensorflow>=2.21,<2.22``).
-Every function imports TensorFlow when called, so importing this module is
-free (the CLI validates flags before TensorFlow loads).
+Each function imports TensorFlow when called, so importing this module is
+free (the CLI validates flags before TensorFlow loads). What each group is
+for:
+
+* ParameterServerStrategy: the ``extended`` base class that
+  ``tf_asyncps/strategy.py`` subclasses (its ``_``-named methods are the
+  StrategyExtended hooks it overrides), and autograph conversion as PSS does
+  it in ``_call_for_each_replica``.
+* ClusterCoordinator: its closure queue and worker threads (closure retry
+  accounting, the "anything queued?" probe).
+* Variables: per-worker variables and raw resource-variable ops for the
+  local copies of ``local_sgd`` (``tf_asyncps/core/local_copies.py``).
+* Graphs and eager context; tf.data's test-only sleep (straggler injection).
 """
 
 import sys
 
-__all__ = ["context_connected"]
+__all__ = [
+    "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
+    "inside_function", "outermost_graph", "copy_retrace_setting", "num_workers", "num_gpus_per_worker",
+    "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "unwrap_caching_variable",
+    "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
+    "assign_handle", "assign_add_handle", "dataset_sleep",
+]
 
 TESTED_VERSIONS = ("2.21.0",)
 
@@ -15,9 +32,8 @@ TESTED_VERSIONS = ("2.21.0",)
 def context_connected() -> bool:
     """Whether this process's TensorFlow context is connected to a cluster.
 
-    Reads ``tensorflow.python.eager.context.context_safe()._server_def``
-    (TF 2.21). False when TensorFlow was never imported, or when the private
-    API moved (assume not connected).
+    Reads ``context.context_safe()._server_def``. False when TensorFlow was
+    never imported, or when the private API moved (assume not connected).
     """
     if "tensorflow" not in sys.modules:
         return False
@@ -27,3 +43,191 @@ def context_connected() -> bool:
         return ctx is not None and getattr(ctx, "_server_def", None) is not None
     except Exception:  # pragma: no cover - private API moved: assume not
         return False
+
+
+# -- ParameterServerStrategy ---------------------------------------------------
+def pss_extended_base():
+    """``ParameterServerStrategyV2Extended``: the class the strategy's
+    ``extended`` object subclasses."""
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
+    return pss_v2.ParameterServerStrategyV2Extended
+
+
+def autograph_convert(fn):
+    """``fn`` converted by autograph with the caller's control status, as
+    ``ParameterServerStrategyV2Extended._call_for_each_replica`` does; ``fn``
+    itself when executing eagerly."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        return fn
+    from tensorflow.python.autograph.core import ag_ctx
+    from tensorflow.python.autograph.impl import api as autograph
+    return autograph.tf_convert(fn, ag_ctx.control_status_ctx())
+
+
+def copy_retrace_setting(old_extended, new_extended) -> None:
+    """Carries PSS's per-device retrace setting over to a replaced ``extended``."""
+    new_extended._retrace_functions_for_each_device = (
+        old_extended._retrace_functions_for_each_device)
+
+
+def num_workers(extended) -> int:
+    """Worker tasks of a ParameterServerStrategy's ``extended``."""
+    return int(extended._num_workers)
+
+
+def num_gpus_per_worker(extended) -> int:
+    """GPUs per worker task of a ParameterServerStrategy's ``extended``."""
+    return int(extended._num_gpus_per_worker)
+
+
+# -- graphs --------------------------------------------------------------------
+def inside_function() -> bool:
+    """Whether ops are being traced into a tf.function graph."""
+    from tensorflow.python.framework import ops
+    return ops.inside_function()
+
+
+def outermost_graph():
+    """The outermost FuncGraph of the graph being built (the scheduled
+    function's, when tracing inside a ``tf.while_loop`` or ``tf.cond``)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import func_graph
+    g = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(g, "outer_graph", None), func_graph.FuncGraph):
+        g = g.outer_graph
+    return g
+
+
+# -- ClusterCoordinator ----------------------------------------------------------
+def coordinator_initialized(coordinator) -> bool:
+    """Whether ``ClusterCoordinator.__init__`` already ran on this object
+    (``ClusterCoordinator(strategy)`` returns the strategy's one coordinator
+    and runs ``__init__`` again)."""
+    return bool(getattr(coordinator, "_has_initialized", False))
+
+
+def closure_queue_nonempty(coordinator) -> bool:
+    """Whether ``coordinator``'s closure queue holds a closure not yet taken
+    by a worker. True when the internals moved (never release early)."""
+    try:
+        q = coordinator._cluster.closure_queue
+        return (not q._queue.empty()) or any(not t.empty() for t in q._tagged_queue.values())
+    except AttributeError:  # pragma: no cover - internals moved
+        return True
+
+
+def instrument_closures(coordinator, on_put_back, on_finished, on_process, on_failure) -> bool:
+    """Calls back on each closure event of ``coordinator``.
+
+    Wraps the closure queue's ``put_back`` and ``mark_finished`` and each
+    worker's ``_process_closure`` and ``_on_closure_failure``.
+
+    Args:
+      coordinator: a ``tf.distribute.coordinator.ClusterCoordinator``.
+      on_put_back: ``()``, a closure was put back after a failure.
+      on_finished: ``()``, a closure finished (on the worker's thread).
+      on_process: ``(worker_index)``, the calling thread starts a closure on
+        that worker.
+      on_failure: ``(worker_index)``, a closure failed on that worker.
+
+    Returns:
+      False if the internals were not found (nothing was wrapped).
+    """
+    try:
+        queue = coordinator._cluster.closure_queue
+        workers = coordinator._cluster.workers
+        put_back, mark_finished = queue.put_back, queue.mark_finished
+        for w in workers:
+            w._process_closure, w._on_closure_failure  # noqa: B018 - presence check
+    except AttributeError:  # pragma: no cover - TF internals moved
+        return False
+
+    def counted_put_back(closure):
+        on_put_back()
+        return put_back(closure)
+
+    def counted_mark_finished():
+        on_finished()
+        return mark_finished()
+
+    queue.put_back = counted_put_back
+    queue.mark_finished = counted_mark_finished
+    for w in workers:
+        process, failure = w._process_closure, w._on_closure_failure
+
+        def tagged_process(closure, _process=process, _i=w.worker_index):
+            on_process(_i)
+            return _process(closure)
+
+        def counted_failure(closure, e, _failure=failure, _i=w.worker_index):
+            on_failure(_i)
+            return _failure(closure, e)
+
+        w._process_closure = tagged_process
+        w._on_closure_failure = counted_failure
+    return True
+
+
+# -- variables -------------------------------------------------------------------
+def unwrap_caching_variable(var):
+    """The ResourceVariable under PSS's ``CachingVariable`` wrapper (else ``var``)."""
+    from tensorflow.python.distribute import ps_values
+    return var.get() if isinstance(var, ps_values.CachingVariable) else var
+
+
+def swap_handle(var, handle) -> None:
+    """Points ResourceVariable ``var`` at another resource ``handle`` (while a
+    local step is traced, ``local_sgd``'s per-worker copy)."""
+    var._handle = handle
+
+
+def per_worker_variable(strategy, initial_value, name):
+    """A ``PerWorkerVariable`` made with TensorFlow's default creator (a
+    tf.function's creator, active while a step is traced, cannot build
+    per-worker copies)."""
+    import functools
+    from tensorflow.python.distribute import ps_values
+    from tensorflow.python.ops import resource_variable_ops
+    creator = functools.partial(resource_variable_ops.default_variable_creator_v2, None)
+    return ps_values.PerWorkerVariable(strategy, creator, initial_value=initial_value,
+                                       trainable=False, name=name)
+
+
+def per_worker_values(var):
+    """The worker-side tf.Variables of a PerWorkerVariable, by worker index
+    (None if not built on the workers yet)."""
+    pw = getattr(var, "_per_worker_vars", None)
+    if pw is None:
+        return None
+    out = []
+    for rv in pw._values:
+        rv._wait_and_maybe_error()  # built before the first step: no wait
+        out.append(rv._get_values())  # the worker's tf.Variable, not a copy
+    return out
+
+
+def read_handle(handle, dtype):
+    """Reads a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.read_variable_op(handle, dtype)
+
+
+def assign_handle(handle, value):
+    """Assigns ``value`` to a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.assign_variable_op(handle, value)
+
+
+def assign_add_handle(handle, value):
+    """Atomically adds ``value`` to a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.assign_add_variable_op(handle, value)
+
+
+# -- tf.data ---------------------------------------------------------------------
+def dataset_sleep(delay_us):
+    """tf.data's test transformation that sleeps ``delay_us`` (int64
+    microseconds, may be a tensor) before each element."""
+    from tensorflow.python.data.experimental.ops import testing as data_testing
+    return data_testing.sleep(delay_us)

@@ -25,6 +25,8 @@ from typing import List
 
 from absl import logging
 
+from tf_asyncps.compat import tensorflow as tf_compat
+
 __all__ = ["ClosureAccounting", "attach"]
 
 
@@ -95,38 +97,15 @@ def attach(coordinator, accounting: ClosureAccounting) -> ClosureAccounting:
       ``accounting`` (``accounting.attached`` is False if TensorFlow's
       coordinator internals were not found).
     """
-    try:
-        queue = coordinator._cluster.closure_queue
-        workers = coordinator._cluster.workers
-        put_back, mark_finished = queue.put_back, queue.mark_finished
-        for w in workers:
-            w._process_closure, w._on_closure_failure  # noqa: B018 - presence check
-    except AttributeError as e:  # pragma: no cover - TF internals moved
-        logging.warning("tf_asyncps: closure retry accounting is off (%s).", e)
-        return accounting
 
-    def counted_put_back(closure):
-        accounting._put_back()
-        return put_back(closure)
+    def on_process(index):
+        accounting._local.worker = index  # this thread serves worker ``index``
 
-    def counted_mark_finished():
-        accounting._finished()
-        return mark_finished()
-
-    queue.put_back = counted_put_back
-    queue.mark_finished = counted_mark_finished
-    for w in workers:
-        process, on_failure = w._process_closure, w._on_closure_failure
-
-        def tagged_process(closure, _process=process, _i=w.worker_index):
-            accounting._local.worker = _i  # this thread serves worker _i
-            return _process(closure)
-
-        def counted_failure(closure, e, _on_failure=on_failure, _i=w.worker_index):
-            accounting._failed(_i)
-            return _on_failure(closure, e)
-
-        w._process_closure = tagged_process
-        w._on_closure_failure = counted_failure
-    accounting.attached = True
+    accounting.attached = tf_compat.instrument_closures(
+        coordinator, accounting._put_back, accounting._finished, on_process,
+        accounting._failed)
+    if not accounting.attached:  # pragma: no cover - TF internals moved
+        logging.warning("tf_asyncps: closure retry accounting is off (TensorFlow's "
+                        "ClusterCoordinator internals moved; tested with %s).",
+                        ", ".join(tf_compat.TESTED_VERSIONS))
     return accounting

@@ -15,19 +15,19 @@ from inside their (PS-side) updates. A watchdog thread on the chief:
   ``timeout_error`` as its message.
 """
 
-import threading
 import time
 from typing import Callable, List, Optional
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
+
+from tf_asyncps.core.watchdog import Watchdog
 
 __all__ = ["WorkerGate", "GatedPolicy"]
 
 
-class WorkerGate:
-    """Token queues, one per worker, on ``device``.
+class WorkerGate(Watchdog):
+    """Token queues, one per worker, on ``device``, and their watchdog.
 
     Args:
       num_workers: number of worker tasks (int >= 1).
@@ -43,10 +43,9 @@ class WorkerGate:
     def __init__(self, num_workers: int, device: str, initial_tokens: int,
                  timeout_s: float, name: str, progress: Callable[[], int],
                  describe: Callable[[List[int]], str]):
+        super().__init__(f"{name}-gate")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
-        self.name = name
-        self.timeout_error: Optional[str] = None
         self._progress = progress
         self._describe = describe
         self._pending: Optional[Callable[[], bool]] = None
@@ -60,10 +59,7 @@ class WorkerGate:
             if initial_tokens:
                 for q in self.queues:
                     q.enqueue_many([tf.zeros([initial_tokens], tf.int64)])
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name=f"{name}-gate-watchdog")
-        self._thread.start()
+        self._interval = 0.25
 
     # -- graph side ---------------------------------------------------------------
     def _add(self, index, delta):
@@ -118,38 +114,31 @@ class WorkerGate:
             self._add(n + int(w), 1)
             self.queues[int(w)].enqueue(tf.constant(0, tf.int64))
 
-    def _watch(self):
-        last, since = None, time.monotonic()
-        n = self.num_workers
-        interval = 0.25
-        while not self._stop.wait(interval):
-            try:
-                waiting = self._state.numpy()[:n]
-                progress = self._progress()
-            except Exception:  # the cluster is gone: nothing left to watch
-                return
-            # Two small reads per poll: every 0.25 s when nobody waits, every
-            # 20 ms while someone does (to release the end of a schedule quickly).
-            interval = 0.02 if waiting.any() else 0.25
-            if progress != last or not waiting.any():
-                last, since = progress, time.monotonic()
-                continue
-            if self._pending is not None and not self._pending():
-                try:  # nothing queued for the awaited workers to run
-                    self._release(waiting)
-                except Exception:
-                    return
-                since = time.monotonic()
-                continue
-            if time.monotonic() - since > self.timeout_s:
-                self.timeout_error = self._describe(np.flatnonzero(waiting).tolist())
-                logging.error(self.timeout_error)
-                for q in self.queues:
-                    q.close(cancel_pending_enqueues=True)
-                return
+    def reset(self):
+        self._last, self._since = None, time.monotonic()
 
-    def stop(self):
-        self._stop.set()
+    def interval(self) -> float:
+        # Every 0.25 s when nobody waits, every 20 ms while someone does (to
+        # release the end of a schedule quickly): two small reads per poll.
+        return self._interval
+
+    def poll(self) -> bool:
+        waiting = self._state.numpy()[:self.num_workers]
+        progress = self._progress()
+        self._interval = 0.02 if waiting.any() else 0.25
+        if progress != self._last or not waiting.any():
+            self._last, self._since = progress, time.monotonic()
+            return False
+        if self._pending is not None and not self._pending():
+            self._release(waiting)  # nothing queued for the awaited workers to run
+            self._since = time.monotonic()
+            return False
+        if time.monotonic() - self._since <= self.timeout_s:
+            return False
+        self.fail(self._describe(np.flatnonzero(waiting).tolist()))
+        for q in self.queues:
+            q.close(cancel_pending_enqueues=True)
+        return True
 
 
 def _enqueued(q):
@@ -165,18 +154,17 @@ def _give_if_empty(q):
 
 class GatedPolicy:
     """Mixin for policies that make workers wait on a :class:`WorkerGate`
-    (``self.gate``, created in their ``build``): exposes the gate's timeout
-    message and drain probe to the strategy."""
+    (``self.gate``, created in their ``build``): implements the protocol's
+    ``attach`` (the drain probe) and ``watchdogs`` hooks for it."""
 
     gate: Optional[WorkerGate] = None
 
-    @property
-    def timeout_error(self) -> Optional[str]:
-        return self.gate.timeout_error if self.gate else None
-
-    def set_pending_probe(self, probe: Callable[[], bool]) -> None:
+    def attach(self, runtime) -> None:
         if self.gate:
-            self.gate.set_pending_probe(probe)
+            self.gate.set_pending_probe(runtime.has_queued_closures)
+
+    def watchdogs(self):
+        return (self.gate,) if self.gate else ()
 
     def released_reads(self) -> int:
         """Steps let through by an end-of-schedule release."""

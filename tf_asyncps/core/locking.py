@@ -11,14 +11,14 @@ inputs of the locked region (the gradients, the read step) are computed, and
 the region is placed on the PS, so a worker that dies cannot hold the lock.
 """
 
-import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
-__all__ = ["PSLock"]
+from tf_asyncps.core.watchdog import Watchdog
+
+__all__ = ["PSLock", "run_collecting_ops"]
 
 
 def run_collecting_ops(fn: Callable, *args):
@@ -31,8 +31,8 @@ def run_collecting_ops(fn: Callable, *args):
     return result, graph.get_operations()[before:]
 
 
-class PSLock:
-    """A mutual-exclusion lock living on ``device`` (a PS CPU).
+class PSLock(Watchdog):
+    """A mutual-exclusion lock living on ``device`` (a PS CPU), and its watchdog.
 
     Args:
       device: where the token queue and its counters live.
@@ -47,10 +47,10 @@ class PSLock:
     def __init__(self, device: str, timeout_s: float = 60.0, name: str = "update_lock"):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"{name}: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        super().__init__(f"asyncps-{name}")
         self.device = device
         self.timeout_s = float(timeout_s)
-        self.name = name
-        self.timeout_error: Optional[str] = None
+        self.lock_name = name
         with tf.init_scope(), tf.device(device):
             self._queue = tf.queue.FIFOQueue(1, [tf.int64], shapes=[[]],
                                              name=f"asyncps_{name}")
@@ -58,8 +58,6 @@ class PSLock:
             # [steps waiting to acquire, acquisitions so far]
             self._stats = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
                                       name=f"asyncps_{name}_stats")
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
 
     def acquisitions(self) -> int:
         """How many times the lock was taken (read from the PS)."""
@@ -71,7 +69,6 @@ class PSLock:
         Returns what ``fn`` returns (a tensor or nest of tensors), available
         after the lock is released.
         """
-        self._start_watchdog()
         deps = [t for t in tf.nest.flatten(inputs)
                 if isinstance(t, (tf.Tensor, tf.Operation))]
         with tf.device(self.device):
@@ -93,31 +90,20 @@ class PSLock:
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, result)
 
     # -- watchdog (chief side) ------------------------------------------------
-    def _start_watchdog(self):
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, daemon=True,
-                                            name=f"asyncps-{self.name}-watchdog")
-            self._thread.start()
+    def reset(self):
+        self._last, self._since = None, time.monotonic()
 
-    def _watch(self):
-        last, since = None, time.monotonic()
-        while not self._stop.wait(0.5):
-            try:
-                waiting, taken = (int(v) for v in self._stats.numpy())
-            except Exception:  # cluster gone
-                return
-            if taken != last or waiting <= 0:
-                last, since = taken, time.monotonic()
-                continue
-            if time.monotonic() - since > self.timeout_s:
-                self.timeout_error = (
-                    f"{self.name}: {waiting} step(s) waited more than {self.timeout_s:.0f} s "
-                    "(timeout_s) for the update lock on the parameter server, which no "
-                    "step released. Is the parameter server overloaded or stuck? Raise "
-                    "timeout_s (LockingOptimizer(..., timeout_s=...)) or check the ps log.")
-                logging.error(self.timeout_error)
-                self._queue.close(cancel_pending_enqueues=True)
-                return
-
-    def stop(self):
-        self._stop.set()
+    def poll(self) -> bool:
+        waiting, taken = (int(v) for v in self._stats.numpy())
+        if taken != self._last or waiting <= 0:
+            self._last, self._since = taken, time.monotonic()
+            return False
+        if time.monotonic() - self._since <= self.timeout_s:
+            return False
+        self.fail(
+            f"{self.lock_name}: {waiting} step(s) waited more than {self.timeout_s:.0f} s "
+            "(timeout_s) for the update lock on the parameter server, which no "
+            "step released. Is the parameter server overloaded or stuck? Raise "
+            "timeout_s (LockingOptimizer(..., timeout_s=...)) or check the ps log.")
+        self._queue.close(cancel_pending_enqueues=True)
+        return True

@@ -27,10 +27,11 @@ gradient to its variable's dtype if a caller hands it another one).
   raising the scale. ``optimizer.iterations`` counts applied updates only.
 """
 
-import functools
 from typing import List, Optional
 
 import tensorflow as tf
+
+from tf_asyncps.compat import tf_keras as tf_keras_compat
 
 __all__ = ["PRECISIONS", "resolve", "loss_scale_optimizer", "update_loss_scale",
            "allow_loss_scaling", "base_variable"]
@@ -63,18 +64,9 @@ def resolve(name: str, worker_gpus: int) -> str:
     return name
 
 
-def _lso_classes():
-    try:
-        from tf_keras.src.mixed_precision import loss_scale_optimizer as lso_lib
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
-        return ()
-    return tuple(getattr(lso_lib, n) for n in ("LossScaleOptimizerV3", "LossScaleOptimizer")
-                 if hasattr(lso_lib, n))
-
-
 def loss_scale_optimizer(optimizer):
     """``optimizer`` if it is a tf_keras LossScaleOptimizer (either kind), else None."""
-    classes = _lso_classes()
+    classes = tf_keras_compat.loss_scale_optimizer_classes()
     return optimizer if classes and isinstance(optimizer, classes) else None
 
 
@@ -91,55 +83,38 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
     Returns:
       A list of ops (empty for a fixed loss scale).
     """
-    state = getattr(lso, "_loss_scale", None)
-    if not callable(getattr(state, "update", None)):
-        return []  # a fixed loss scale has nothing to update
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    update_op, _ = state.update(values)
-    return [update_op] if update_op is not None else []
+    return tf_keras_compat.update_loss_scale(lso, values)
 
 
 def base_variable(var):
     """The variable under a tf_keras ``AutoCastVariable`` (else ``var``)."""
-    inner = getattr(var, "_variable", None)
-    return inner if type(var).__name__ == "AutoCastVariable" and inner is not None else var
+    return tf_keras_compat.autocast_inner_variable(var)
 
 
 _allowed = False
 
 
-def allow_loss_scaling() -> None:
-    """Lets tf_keras loss scaling and ``mixed_float16`` run under this strategy.
+def allow_loss_scaling(strategy_class: type) -> None:
+    """Lets tf_keras loss scaling and ``mixed_float16`` run under ``strategy_class``.
 
     Idempotent. Extends tf_keras's ``strategy_supports_loss_scaling`` with
-    AsyncParameterServerStrategy (see the module docstring); other strategies
-    get tf_keras's answer unchanged.
+    AsyncParameterServerStrategy (passed in: this layer does not import the
+    strategy), see the module docstring; other strategies get tf_keras's
+    answer unchanged.
     """
     global _allowed
     if _allowed:
         return
-    try:
-        from tf_keras.src.mixed_precision import loss_scale_optimizer as lso_lib
-    except ImportError:  # pragma: no cover
-        return
-    original = lso_lib.strategy_supports_loss_scaling
 
-    @functools.wraps(original)
-    def strategy_supports_loss_scaling():
-        from tf_asyncps.strategy import AsyncParameterServerStrategy
-        if tf.distribute.has_strategy():
-            strategy = tf.distribute.get_strategy()
-            if isinstance(strategy, AsyncParameterServerStrategy):
-                # Gradients are unscaled per replica and a worker step's K
-                # replicas make one update (strategy._apply_replicated): the
-                # loss scale is checked and adjusted once per worker step.
-                return True
-        return original()
+    def under_this_strategy() -> bool:
+        # Gradients are unscaled per replica and a worker step's K replicas
+        # make one update (core/replicas.py): the loss scale is checked and
+        # adjusted once per worker step.
+        return tf.distribute.has_strategy() and isinstance(
+            tf.distribute.get_strategy(), strategy_class)
 
-    # tf_keras looks the function up on its module at each call (layers'
-    # policy check and LossScaleOptimizer's), so replacing it there suffices.
-    lso_lib.strategy_supports_loss_scaling = strategy_supports_loss_scaling
-    _allowed = True
+    _allowed = tf_keras_compat.extend_loss_scaling_allowlist(under_this_strategy)
 
 
 LOCAL_COPIES_MESSAGE = (
@@ -160,7 +135,7 @@ def check_local_copies(policy, optimizer=None, precision: Optional[str] = None) 
       precision: a resolved precision name ("mixed_float16" implies loss
         scaling in the CLI job), or None.
     """
-    if not getattr(policy, "local_copies", False):
+    if not policy.local_copies:
         return
     lso = loss_scale_optimizer(optimizer) if optimizer is not None else None
     if precision == "mixed_float16" or (lso is not None and lso.dynamic):

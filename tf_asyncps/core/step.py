@@ -3,12 +3,13 @@
 Data flow of one worker step (``model.fit`` or ``coordinator.schedule``)::
 
     strategy.run(step_fn)                       # tf_keras train_function
-      -> _AsyncExtended._call_for_each_replica  # strategy.py
+      -> _AsyncExtended._call_for_each_replica  # tf_asyncps/strategy.py
+      -> PolicyEngine.worker_step               # tf_asyncps/core/engine.py
          r = g.read()            (on the PS, before any variable is read)
          with WorkerStep(r):  step_fn(...)
             forward + backward on the worker
             optimizer.apply_gradients(gv)       # hooked, see install_optimizer_hooks
-              -> WorkerStep.apply(...)
+              -> WorkerStep.apply(...) -> PolicyEngine.apply_step
                  τ = g - r ; grads, keep = policy.update(grads, state, info)
                  keep ? optimizer update + g += 1 + histogram  :  count the drop
 
@@ -21,7 +22,7 @@ called; when that one calls its inner optimizer, the inner call passes
 through (``WorkerStep.apply``). tf_keras's ``LossScaleOptimizer`` overrides
 ``apply_gradients``, so it is hooked itself: the policy sees the unscaled
 gradients it receives, and the step is counted even when its gradients are
-non-finite and the inner optimizer is never called (see mixed_precision.py).
+non-finite and the inner optimizer is never called (see core/mixed_precision.py).
 """
 
 import contextlib
@@ -31,6 +32,8 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tf_keras as tf_keras_compat
 
 __all__ = ["WorkerStep", "current_step", "install_optimizer_hooks"]
 
@@ -58,6 +61,8 @@ class WorkerStep:
         self.read_step = read_step
         self.worker_index = worker_index
         self.applied = False  # whether an update was traced in this step
+        self.group = None  # K > 1 replicas: the ReplicaGroup (core/replicas.py)
+        self.local_state = None  # local_sgd: the TracedStep (core/local_copies.py)
         self._applying = False
 
     @contextlib.contextmanager
@@ -158,22 +163,17 @@ def install_optimizer_hooks() -> None:
         targets = []
         try:
             import tf_keras
-            from tf_asyncps.core import mixed_precision
             targets.append((tf_keras.optimizers.Optimizer, "apply_gradients", _gv_args))
             targets.append((tf_keras.optimizers.legacy.Optimizer, "apply_gradients",
                             _gv_args))
             # LossScaleOptimizers override apply_gradients: hook them too.
             targets.extend((cls, "apply_gradients", _gv_args)
-                           for cls in mixed_precision._lso_classes())
+                           for cls in tf_keras_compat.loss_scale_optimizer_classes())
         except ImportError:  # pragma: no cover - tf_keras is a dependency
             pass
-        try:
-            import keras
-            if keras.__version__.startswith("3"):
-                targets.append((keras.optimizers.Optimizer, "apply",
-                                _keras3_apply_args))
-        except ImportError:  # pragma: no cover
-            pass
+        keras3_optimizer = keras_compat.optimizer_class()
+        if keras3_optimizer is not None:
+            targets.append((keras3_optimizer, "apply", _keras3_apply_args))
         for cls, name, adapt in targets:
             original = getattr(cls, name)
             if not hasattr(original, "_asyncps_original"):

@@ -1,10 +1,14 @@
-"""Asynchronous update policies. Each policy lives in its own module.
+"""Asynchronous update policies: update rules only, each policy whole in its own module.
 
 ``get(name, **kwargs)`` builds one by name, ``register(name)`` adds your own,
-``names()`` lists them and ``chain(*policies)`` composes them.
+``names()`` lists them and ``chain(*policies)`` composes them. The protocol a
+policy implements (:class:`UpdatePolicy`, every hook with a default) is
+defined in ``tf_asyncps/core/protocol.py``; the machinery the rules use (the
+PS lock, worker gates, local copies) lives in ``tf_asyncps/core/``.
 """
 
-from tf_asyncps.policies.base import StepInfo, UpdatePolicy
+from tf_asyncps.core.grads import all_finite, map_values, scale
+from tf_asyncps.policies.base import Decision, PolicyRuntime, StepInfo, UpdatePolicy
 from tf_asyncps.policies.registry import get, names, register
 from tf_asyncps.policies.chain import Chain, chain
 from tf_asyncps.policies.async_ import Async
@@ -12,9 +16,10 @@ from tf_asyncps.policies.drop_stale import DropStale
 from tf_asyncps.policies.staleness_aware import StalenessAwareLR
 from tf_asyncps.policies.ssp import BoundedStaleness
 from tf_asyncps.policies.dc_asgd import DCASGD
-from tf_asyncps.policies.sync_replicas import SyncReplicas
+from tf_asyncps.policies.sync_replicas import SyncReplicas, SyncReplicasAggregator
 from tf_asyncps.policies.local_sgd import LocalSteps
 
-__all__ = ["UpdatePolicy", "StepInfo", "get", "names", "register", "chain",
-           "Chain", "Async", "DropStale", "StalenessAwareLR", "BoundedStaleness",
-           "DCASGD", "SyncReplicas", "LocalSteps"]
+__all__ = ["UpdatePolicy", "StepInfo", "Decision", "PolicyRuntime", "get", "names",
+           "register", "chain", "Chain", "Async", "DropStale", "StalenessAwareLR",
+           "BoundedStaleness", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
+           "LocalSteps", "scale", "map_values", "all_finite"]

@@ -1,8 +1,23 @@
-"""``chain(*policies)``: apply policies one after another (optax-style)."""
+"""``chain(*policies)``: apply policies one after another (optax-style).
+
+A chain is itself an :class:`UpdatePolicy` and forwards every hook of the
+protocol (tf_asyncps/core/protocol.py) to its members, so what a member does
+outside ``update`` (an ``ssp`` wait before the read, its clock tick after the
+step, its watchdog) happens inside a chain exactly as alone. Two kinds of
+policy change what a step *is*, and a chain refuses to mix them with others:
+
+* aggregators (``sync_replicas``): their update is the mean of several
+  workers' gradients, which no per-step rule after them could see;
+* local-copy policies (``local_sgd``): their steps never reach a per-step
+  rule at all (workers train their own copies).
+
+Such a policy may stand alone in a chain (``chain("local_sgd")`` behaves as
+``local_sgd``).
+"""
 
 import tensorflow as tf
 
-from tf_asyncps.policies.base import UpdatePolicy
+from tf_asyncps.policies.base import Decision, UpdatePolicy, as_decision
 
 __all__ = ["chain", "Chain"]
 
@@ -10,24 +25,49 @@ __all__ = ["chain", "Chain"]
 class Chain(UpdatePolicy):
     """Runs ``policies`` in order; a step is kept only if every policy keeps it.
 
-    ``atomic`` is True if any member is atomic.
+    Args:
+      *policies: registered names or UpdatePolicy objects (at least one).
+
+    Attributes:
+      policies: the member policy objects, in order.
+
+    Raises:
+      ValueError: no policy, or an aggregator or a local-copy policy chained
+        with others.
     """
 
     name = "chain"
 
-    def __init__(self, *policies: UpdatePolicy):
+    def __init__(self, *policies):
         from tf_asyncps.policies.registry import get
         if not policies:
             raise ValueError("chain() needs at least one policy.")
         self.policies = [get(p) for p in policies]
+        if len(self.policies) > 1:
+            for p in self.policies:
+                if p.aggregates:
+                    raise ValueError(
+                        f"chain(): {p!r} aggregates gradients across workers and cannot be "
+                        "chained with other policies; use it as the strategy's "
+                        "update_policy on its own.")
+                if p.local_copies:
+                    raise ValueError(
+                        f"chain(): {p!r} trains per-worker copies, so its steps never reach "
+                        "a per-step rule; it cannot be chained with other policies. Use it "
+                        "on its own.")
         self.atomic = any(p.atomic for p in self.policies)
         self.needs_read_values = any(p.needs_read_values for p in self.policies)
         self.uses_tau = any(p.uses_tau for p in self.policies)
-        for p in self.policies:
-            if getattr(p, "aggregates", False):
-                raise ValueError(
-                    f"chain(): {p!r} aggregates gradients across workers and cannot be "
-                    "chained; use it as the strategy's update_policy on its own.")
+        self.aggregates = any(p.aggregates for p in self.policies)
+        self.local_copies = any(p.local_copies for p in self.policies)
+
+    def __getattr__(self, name):
+        # A chain of one is that policy: its own host-side methods
+        # (ssp's clock_values, sync_replicas' rounds) stay reachable.
+        members = self.__dict__.get("policies")
+        if members and len(members) == 1 and not name.startswith("__"):
+            return getattr(members[0], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def validate_cluster(self, num_workers):
         for p in self.policies:
@@ -37,30 +77,50 @@ class Chain(UpdatePolicy):
         for p in self.policies:
             p.build(num_workers, device)
 
-    def before_read(self, worker_index):
-        return [op for p in self.policies for op in p.before_read(worker_index)]
-
-    def step_without_update(self, worker_index):
-        return [op for p in self.policies for op in p.step_without_update(worker_index)]
-
-    def after_step(self, worker_index):
-        return [op for p in self.policies for op in p.after_step(worker_index)]
+    def attach(self, runtime):
+        for p in self.policies:
+            p.attach(runtime)
 
     def init(self, variables):
         return [p.init(variables) for p in self.policies]
 
+    def before_read(self, worker_index):
+        return [op for p in self.policies for op in p.before_read(worker_index)]
+
     def update(self, grads, state, info):
-        keep = True
+        keep, accepted = True, None
         for p, s in zip(self.policies, state):
-            grads, k = p.update(grads, s, info)
-            if k is not True:
-                keep = k if keep is True else tf.logical_and(keep, k)
-        return grads, keep
+            d = as_decision(p.update(grads, s, info))
+            grads, accepted = d.grads, d.accepted
+            if d.keep is not True:
+                keep = d.keep if keep is True else tf.logical_and(keep, d.keep)
+        return Decision(grads, keep, accepted)
+
+    def after_step(self, worker_index):
+        return [op for p in self.policies for op in p.after_step(worker_index)]
+
+    def step_without_update(self, worker_index):
+        return [op for p in self.policies for op in p.step_without_update(worker_index)]
+
+    def exchange_due(self, local_steps):
+        (local,) = [p for p in self.policies if p.local_copies]
+        return local.exchange_due(local_steps)
+
+    def watchdogs(self):
+        return [w for p in self.policies for w in p.watchdogs()]
+
+    def get_config(self):
+        return {"policies": [repr(p) for p in self.policies]}
 
     def __repr__(self):
         return "chain(" + ", ".join(repr(p) for p in self.policies) + ")"
 
 
 def chain(*policies) -> Chain:
-    """Composes policies (names or objects) into one; see :class:`Chain`."""
+    """Composes policies (names or objects) into one; see :class:`Chain`.
+
+    Example::
+
+        tf_asyncps.policies.chain("ssp", "staleness_aware")
+    """
     return Chain(*policies)

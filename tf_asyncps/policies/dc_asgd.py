@@ -18,7 +18,7 @@ per worker step and num_workers copies of the model in PS memory.
 import tensorflow as tf
 
 from tf_asyncps.policies import registry
-from tf_asyncps.policies._util import map_values
+from tf_asyncps.core.grads import map_values
 from tf_asyncps.policies.base import UpdatePolicy
 
 __all__ = ["DCASGD", "delay_compensate"]

@@ -14,7 +14,7 @@ gradient; with Adam-like optimizers the effect is partly normalised away).
 import tensorflow as tf
 
 from tf_asyncps.policies import registry
-from tf_asyncps.policies._util import scale
+from tf_asyncps.core.grads import scale
 from tf_asyncps.policies.base import UpdatePolicy
 
 __all__ = ["StalenessAwareLR", "staleness_scale", "MODES"]

@@ -1,0 +1,302 @@
+"""The policy engine: τ, the policy's decision, apply or drop, the counters.
+
+One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
+(tf_asyncps/strategy.py) hands it each worker step; the optimizer hook
+(core/step.py) hands it each step's gradients. For one worker step::
+
+    worker_step:  before_read(w); r = g.read(); [read snapshot]    (on the PS)
+                  forward, backward on the worker
+    apply_step:   gradients copied to the PS (variable's device)
+                  [PS lock]  g_now = g.read();  τ = g_now − r
+                  Decision(grads, keep, accepted) = policy.update(grads, state, info)
+                  keep:      optimizer update; g += 1; histogram[τ] += 1
+                  accepted:  counted applied, g unchanged (aggregator's round)
+                  else:      dropped_histogram[τ] += 1 (loss scale adjusted)
+                  [release]  after_step(w)
+
+Everything after the copy runs on the PS in the step's PS partition: no extra
+worker<->PS round trip. ``local_copies`` policies take another path
+(core/local_copies.py) and K-replica workers join their replicas first
+(core/replicas.py). The engine calls the policy's hooks
+(core/protocol.py) and nothing else of it.
+"""
+
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import mixed_precision, replicas
+from tf_asyncps.core.local_copies import LocalCopies
+from tf_asyncps.core.locking import PSLock, run_collecting_ops
+from tf_asyncps.core.protocol import PolicyRuntime, StepInfo, as_decision
+from tf_asyncps.core.step import WorkerStep
+
+__all__ = ["PolicyEngine", "worker_index"]
+
+
+def worker_index() -> tf.Tensor:
+    """The current worker's index (int64 scalar) inside a scheduled closure, else 0."""
+    if tf_compat.inside_function():
+        try:
+            return tf.cast(
+                tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+        except RuntimeError:
+            pass
+    return tf.constant(0, tf.int64)
+
+
+class PolicyEngine:
+    """Runs one policy over every worker step of a strategy.
+
+    Args:
+      policy: the UpdatePolicy.
+      tracker: the StalenessTracker (global step, τ counters on the PS).
+      num_workers: worker tasks.
+      skip_nonfinite: drop steps whose gradients hold NaN/Inf.
+      is_locking: ``optimizer -> bool``, whether an optimizer asks for the lock;
+        ``lock_timeout``: ``optimizer -> seconds``.
+    """
+
+    def __init__(self, policy, tracker, num_workers: int, skip_nonfinite: bool,
+                 is_locking, lock_timeout):
+        self.policy = policy
+        self.tracker = tracker
+        self.num_workers = num_workers
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._is_locking, self._lock_timeout = is_locking, lock_timeout
+        self.local = LocalCopies(policy, skip_nonfinite) if policy.local_copies else None
+        self.lock: Optional[PSLock] = None
+        self.strategy = None
+        self._policy_state = {}
+        self._trainable = []  # trainable variables created under the scope
+        self._backups = {}  # id(var) -> [num_workers, *shape] read snapshots
+
+    worker_index = staticmethod(worker_index)
+
+    def attach(self, strategy, has_queued_closures) -> None:
+        """Called once the strategy's coordinator exists."""
+        self.strategy = strategy
+        if self.local is not None:
+            self.local.attach(strategy, self.tracker)
+        self.policy.attach(PolicyRuntime(strategy, self.tracker, has_queued_closures,
+                                         self.num_workers))
+
+    # -- variables ------------------------------------------------------------
+    def track_variable(self, var, trainable: bool) -> None:
+        """Remembers a variable created in the strategy's scope."""
+        if trainable:
+            self._trainable.append(var)
+        if self.local is not None:
+            self.local.add_variable(var)
+
+    # -- the worker step ------------------------------------------------------
+    def worker_step(self, fn):
+        """``fn`` (one replica's step) wrapped as a worker step."""
+        if self.local is not None:
+            return self.local.worker_step(self, fn, worker_index)
+
+        @tf.autograph.experimental.do_not_convert
+        def step_fn(*a, **kw):
+            w = worker_index()
+            r, snap = self.read_point(w)
+            # Every op of the step, variable reads included, runs after r is read.
+            step = WorkerStep(self, r, w)
+            with tf.control_dependencies([r] + snap), step.active():
+                out = fn(*a, **kw)
+            if not step.applied:
+                self.no_update(w, out)
+            return out
+
+        return step_fn
+
+    def read_point(self, w):
+        """The policy's ``before_read``, then the read step r and (if the
+        policy needs them) the read snapshot: once per worker step."""
+        with tf.control_dependencies(self.policy.before_read(w)):
+            r = self.tracker.read_step()
+            snap = self._snapshot(w) if self.policy.needs_read_values else []
+        return r, snap
+
+    def no_update(self, w, out) -> None:
+        """Tells the policy a worker step made no update (e.g. an evaluation
+        step), after the step's outputs exist."""
+        with tf.control_dependencies(
+                [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
+            self.policy.step_without_update(w)
+
+    def _snapshot(self, w) -> List:
+        """PS-side copy of every trainable variable into worker w's backup."""
+        ops = []
+        for var in self._trainable:
+            backup = self._backup_for(var)
+            with tf.device(var.device):
+                ops.append(backup.scatter_update(tf.IndexedSlices(
+                    var.read_value()[None], tf.reshape(tf.cast(w, tf.int64), [1]))))
+        return ops
+
+    def _backup_for(self, var):
+        key = id(var)
+        if key not in self._backups:
+            with tf.init_scope(), tf.device(var.device):
+                self._backups[key] = tf.Variable(
+                    tf.zeros([self.num_workers] + var.shape.as_list(), var.dtype),
+                    trainable=False, name="asyncps_read_backup")
+        return self._backups[key]
+
+    def _state_for(self, variables):
+        key = tuple(id(v) for v in variables)
+        if key not in self._policy_state:
+            with tf.init_scope():
+                if tf.distribute.has_strategy():  # fit() called inside scope()
+                    self._policy_state[key] = self.policy.init(list(variables))
+                else:
+                    with self.strategy.scope():
+                        self._policy_state[key] = self.policy.init(list(variables))
+        return self._policy_state[key]
+
+    # -- watchdogs and errors ---------------------------------------------------
+    def watchdogs(self) -> list:
+        """Every chief-side watchdog: the update lock's and the policy's."""
+        return ([self.lock] if self.lock is not None else []) + list(self.policy.watchdogs())
+
+    def start_watchdogs(self) -> None:
+        for w in self.watchdogs():
+            w.start()
+
+    def stop_watchdogs(self) -> None:
+        for w in self.watchdogs():
+            w.stop()
+
+    def timeout_error(self) -> Optional[str]:
+        """The message of a lock or policy wait that timed out, else None."""
+        return next((w.timeout_error for w in self.watchdogs() if w.timeout_error), None)
+
+    def drained(self) -> int:
+        """The coordinator drained: push local copies (``local_sgd``), stop
+        the watchdogs. Returns the local steps pushed."""
+        pushed = self.local.flush() if self.local is not None else 0
+        self.stop_watchdogs()
+        return pushed
+
+    # -- the update -------------------------------------------------------------
+    def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):
+        """Applies one worker step's gradients under the update policy.
+
+        Args:
+          step: the WorkerStep (holds the read step r and the worker index).
+          optimizer: the optimizer being called; a LockingOptimizer makes the
+            whole step one locked unit.
+          grads_and_vars: list of (gradient or None, variable).
+          apply_fn: runs the optimizer's own update on a grads_and_vars list.
+
+        Returns:
+          int64 scalar tensor: the global step after this step (local copies:
+          the worker's local steps since its last exchange).
+        """
+        keras_compat.make_iterations_atomic(optimizer)
+        if step.group is not None and not tf.distribute.in_cross_replica_context():
+            return replicas.apply_replicated(self, step, optimizer, grads_and_vars, apply_fn)
+        locking = self.policy.atomic or self._is_locking(optimizer)
+        if step.local_state is not None:
+            mixed_precision.check_local_copies(self.policy, optimizer)
+            return self.local.apply(step, grads_and_vars, apply_fn,
+                                    self._is_locking(optimizer))
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            return apply_fn(grads_and_vars)
+        step.applied = True
+        # Policies and aggregators work in the variables' dtype (float32 under
+        # mixed precision, where tf_keras keeps float32 variables).
+        grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
+        variables = [v for _, v in pairs]
+        # A LossScaleOptimizer skips non-finite steps itself: always check, so
+        # such a step is counted as dropped and lowers the loss scale.
+        lso = mixed_precision.loss_scale_optimizer(optimizer)
+        finite = grads_lib.all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
+        # Bring every worker-side input onto the PS first: the locked region
+        # then never waits for a worker that may die, and the decision's
+        # tf.cond runs entirely on the PS (measured faster).
+        device = self.tracker.device
+        grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device)
+                 for g, v in zip(grads, variables)]
+        w = grads_lib.copy_to(step.worker_index, device)
+        finite = None if finite is None else grads_lib.copy_to(finite, device)
+        inputs = grads_lib.flat_tensors(grads) + [w] + ([finite] if finite is not None else [])
+        read_values = self._read_values(variables, w) if self.policy.needs_read_values else None
+        state = self._state_for(variables)
+
+        def decide_and_apply():
+            with tf.device(device):
+                return self._decide_and_apply(step, grads, variables, state, w, finite,
+                                              read_values, lso, apply_fn, inputs, locking)
+
+        if locking:
+            # Placed on the PS: a worker that dies cannot hold the lock.
+            if self.lock is None:
+                self.lock = PSLock(device, self._lock_timeout(optimizer), name="update_lock")
+            g_after = self.lock.execute(decide_and_apply, inputs=inputs + [step.read_step])
+        else:
+            # On the PS: a rule that needs τ (read on the PS) and transforms the
+            # gradients would otherwise cost an extra worker<->PS round trip.
+            g_after = decide_and_apply()
+        after = self.policy.after_step(step.worker_index)
+        if after:
+            with tf.control_dependencies(after):
+                g_after = tf.identity(g_after)
+        return g_after
+
+    def _read_values(self, variables, w):
+        known = {id(v) for v in self._trainable}
+        bases = [mixed_precision.base_variable(v) for v in variables]
+        return [tf.gather(self._backup_for(b), w) if id(b) in known else None
+                for b in bases]
+
+    def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
+                          lso, apply_fn, inputs, locking):
+        tracker, policy = self.tracker, self.policy
+        # g is read once the gradients exist: τ covers the whole step.
+        with tf.control_dependencies(inputs):
+            g_now = tracker.read_step()
+        tau = g_now - step.read_step
+        info = StepInfo(tau=tau, read_step=step.read_step, global_step=g_now,
+                        variables=variables, worker_index=w, read_values=read_values,
+                        finite=finite)
+        decision = as_decision(policy.update(list(grads), state, info))
+        keep = decision.keep
+        if finite is not None:
+            keep = finite if keep is True else tf.logical_and(keep, finite)
+        # Without the lock and with a rule that ignores τ, τ comes from the
+        # atomic increment itself: every update gets its own g.
+        tau_from_increment = not locking and not policy.uses_tau
+
+        def applied():
+            # The counters move only after every op of the optimizer's update:
+            # optimizers leave their variable updates unordered with respect
+            # to each other and to their return value.
+            _, update_ops = run_collecting_ops(apply_fn, list(zip(decision.grads, variables)))
+            with tf.control_dependencies(update_ops):
+                if tau_from_increment:
+                    return tracker.record_increment(step.read_step)
+                return tracker.record(tau, applied=True)
+
+        def dropped():
+            # The LossScaleOptimizer is not called: adjust its scale here, from
+            # the step's own gradients (lowered if they are not finite).
+            scale_ops = [] if lso is None else mixed_precision.update_loss_scale(lso, grads)
+            with tf.control_dependencies(scale_ops):
+                return tracker.record(
+                    tau, applied=False,
+                    nonfinite=None if finite is None else tf.logical_not(finite))
+
+        if keep is True:
+            return applied()
+        otherwise = dropped
+        if decision.accepted is not None:  # an aggregator: accepted, update pending
+            def otherwise():
+                return tf.cond(decision.accepted,
+                               lambda: tracker.record(tau, applied=True, increment=0),
+                               dropped)
+        return tf.cond(keep, applied, otherwise)

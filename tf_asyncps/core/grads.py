@@ -1,0 +1,73 @@
+"""Gradient helpers: dense tensors and ``tf.IndexedSlices`` alike.
+
+Every helper keeps a sparse gradient sparse (indices and dense_shape kept),
+so embedding gradients never densify on their way to the PS. Policies use
+:func:`map_values`, :func:`scale` and :func:`all_finite`; the engine uses
+:func:`cast`, :func:`copy_to` and :func:`sum_parts`.
+"""
+
+import tensorflow as tf
+
+__all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
+           "flat_tensors"]
+
+
+def map_values(fn, grad):
+    """Applies ``fn`` to a dense gradient or to the values of IndexedSlices
+    (indices and dense_shape kept: sparse stays sparse)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def scale(grad, factor):
+    """``grad * factor`` with ``factor`` cast to the gradient's dtype."""
+    return map_values(lambda v: v * tf.cast(factor, v.dtype), grad)
+
+
+def cast(grad, dtype):
+    """``grad`` (tensor or IndexedSlices) cast to ``dtype``; unchanged when it
+    already has that dtype or ``dtype`` is not floating (int counters)."""
+    dtype = tf.as_dtype(dtype).base_dtype
+    if grad.dtype.base_dtype == dtype or not dtype.is_floating:
+        return grad
+    return map_values(lambda v: tf.cast(v, dtype), grad)
+
+
+def all_finite(grads) -> tf.Tensor:
+    """Scalar tf.bool: every element of every gradient is finite."""
+    checks = []
+    for g in grads:
+        v = g.values if isinstance(g, tf.IndexedSlices) else g
+        if v.dtype.is_floating or v.dtype.is_complex:
+            checks.append(tf.reduce_all(tf.math.is_finite(v)))
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def copy_to(value, device):
+    """``tf.identity`` of a tensor or IndexedSlices, placed on ``device``."""
+    with tf.device(device):
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices),
+                                    value.dense_shape)
+        return tf.identity(value)
+
+
+def sum_parts(parts):
+    """The sum of a list of gradients of one variable (tensors or
+    IndexedSlices); IndexedSlices stay sparse: their rows are concatenated."""
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0),
+                                parts[0].dense_shape)
+    return tf.add_n(parts)
+
+
+def flat_tensors(grads):
+    """The tensors of ``grads``: a dense gradient itself, an IndexedSlices'
+    values and indices (for control dependencies)."""
+    return [t for g in grads for t in (
+        (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]

@@ -1,0 +1,356 @@
+"""Local copies: workers train per-worker copies and exchange deltas with the PS.
+
+The machinery behind ``local_sgd`` (the rule, when to exchange, is the
+policy's ``exchange_due``; see tf_asyncps/policies/local_sgd.py). Each worker
+keeps its own copy x_w of the model (and of the optimizer's and metrics'
+variables) on its own device and trains it with no parameter-server traffic
+per step. When the policy says an exchange is due, the worker exchanges:
+
+    Δ_w = x_w − a_w          (a_w: the copy it last received from the PS)
+    x_ps ← x_ps + Δ_w        (one assign_add per variable, on the PS)
+    x_w, a_w ← x_ps          (read back the merged model)
+
+Staleness is counted in exchanges: the global step g advances once per
+exchange, τ = g just before the exchange − g at the worker's previous
+exchange. ``StalenessStats.applied`` counts exchanges and
+``StalenessStats.local_steps`` the worker steps trained on local copies.
+
+Data flow. For every numeric variable created in the strategy's scope the
+engine makes two TF per-worker variables (``per_worker_variable``: each
+worker holds its own): the local copy and the anchor a_w. While it traces a
+worker step it points the variable at the local copy, so the step reads and
+updates only worker memory. The exchange check runs at the start of each
+scheduled closure (once, outside fit's ``steps_per_execution`` loop: a PS op
+inside the loop would cost a PS round trip per iteration). Outside worker
+steps (the chief: ``get_weights``, ``model.save``, checkpoints) the variable
+is the PS copy, made current when the coordinator drains (``join``, e.g. at
+the end of every ``fit`` epoch): :meth:`LocalCopies.flush` pushes what each
+worker trained since its last exchange, and every worker pulls the PS copy at
+its next closure, so chief-side changes (``set_weights``, metric resets)
+reach them.
+
+Sharded variables are not supported. Metrics that ``fit``/``evaluate`` print
+come from one worker's copy (partial between drains); the PS values are exact
+after each drain.
+"""
+
+import threading
+import weakref
+from typing import List
+
+import tensorflow as tf
+from absl import logging
+
+from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core.locking import run_collecting_ops
+from tf_asyncps.core.step import WorkerStep, current_step
+
+__all__ = ["LocalCopies"]
+
+
+class _Copies:
+    """The per-worker local copy and anchor of one PS variable."""
+
+    def __init__(self, master, strategy):
+        self.master = master
+        # ParameterServerStrategy wraps its variables (CachingVariable); the
+        # handle to swap is the wrapped ResourceVariable's.
+        self.inner = tf_compat.unwrap_caching_variable(master)
+        self.handle = self.inner.handle  # the PS handle, kept while swapped
+        self.dtype = master.dtype
+        # A restarted worker re-creates its copies from this value and then
+        # pulls the PS copy (its ``fresh`` flag is re-created False).
+        try:
+            init = tf.identity(master.read_value())
+        except (tf.errors.OpError, ValueError):  # lifted initializer not run yet
+            init = tf.zeros(master.shape, master.dtype)
+        self.local = tf_compat.per_worker_variable(strategy, init, "asyncps_local")
+        self.anchor = tf_compat.per_worker_variable(strategy, init, "asyncps_anchor")
+
+
+_HANDLES = weakref.WeakKeyDictionary()  # function graph -> {id(variable): handle}
+_CLOSURE_STARTED = weakref.WeakSet()  # function graphs holding an exchange check
+
+
+class TracedStep:
+    """Trace-time state of one local worker step: which model variables are
+    pointed at their local copies, and the per-worker handles.
+
+    Per-worker handles are call-time captures that only the step function's
+    outermost graph is fed, so they are taken there; nested graphs (fit's
+    ``steps_per_execution`` loop) capture them from it like any tensor.
+    """
+
+    def __init__(self, copies: "LocalCopies"):
+        self.top = tf_compat.outermost_graph()
+        self.since = self._handle(copies._since)
+        self.last_g = self._handle(copies._last_g)
+        self.fresh = self._handle(copies._fresh)
+        self.copies, self.local, self.anchor = [], [], []
+
+    def _handle(self, per_worker_var):
+        """One placeholder per variable and function: the step may be traced
+        more than once into the same function (autograph traces a loop body
+        to infer its outputs), and auto control dependencies order the
+        exchange before the steps only if they use the same handle tensor."""
+        cache = _HANDLES.setdefault(self.top, {})
+        key = id(per_worker_var)
+        if key not in cache:
+            with self.top.as_default():
+                cache[key] = per_worker_var.handle
+        return cache[key]
+
+    def add(self, copies: List[_Copies]) -> None:
+        """Points the copies' model variables at the local copies."""
+        handles = [(self._handle(c.local), self._handle(c.anchor)) for c in copies]
+        for c, (lh, ah) in zip(copies, handles):
+            tf_compat.swap_handle(c.inner, lh)
+            self.copies.append(c)
+            self.local.append(lh)
+            self.anchor.append(ah)
+
+    def undo(self) -> None:
+        for c in self.copies:
+            tf_compat.swap_handle(c.inner, c.handle)
+
+
+class LocalCopies:
+    """Per-worker copies of every numeric variable of the strategy's scope.
+
+    The model's weights and, so that a step needs no PS round trip at all,
+    the optimizer's slots and step counter and the metrics' accumulators.
+    Deltas of all of them are pushed (sums and counters stay exact: the PS
+    counter ends at the total number of steps).
+
+    Args:
+      policy: the UpdatePolicy (``local_copies`` True); its ``exchange_due``
+        decides when a worker exchanges.
+      skip_nonfinite: skip (never push) a local step with NaN/Inf gradients.
+    """
+
+    def __init__(self, policy, skip_nonfinite: bool = True):
+        self.policy = policy
+        self.skip_nonfinite = skip_nonfinite
+        self._copies = {}  # id(variable) -> _Copies, in creation order
+        self._flush_lock = threading.Lock()
+        self._flush_key = None
+        self._flush_fn = None
+        self.strategy = None
+        self.tracker = None
+        self._warned_lock = False
+
+    def attach(self, strategy, tracker) -> None:
+        """Creates the per-worker counters; once, after the coordinator exists."""
+        self.strategy = strategy
+        self.tracker = tracker
+        with tf.init_scope(), strategy.scope():
+            self._since = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                      per_worker_variable=True, name="asyncps_since")
+            self._last_g = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                       per_worker_variable=True, name="asyncps_last_g")
+            # False until the worker pulls the PS copy: at its first step,
+            # after a restart (variables re-created) and after each drain.
+            self._fresh = tf.Variable(False, trainable=False,
+                                      per_worker_variable=True, name="asyncps_fresh")
+
+    def add_variable(self, var) -> None:
+        """Creates the local copy and anchor of a PS variable.
+
+        Called for every variable created in the strategy's scope (eagerly:
+        Keras lifts the optimizer's and metrics' lazy variables out of the
+        traced step). A variable created while a step is traced is used
+        locally from that step on.
+
+        Raises:
+          ValueError: a partitioned variable.
+        """
+        if not (var.dtype.is_floating or var.dtype.is_integer):
+            return  # e.g. bool flags: stay shared on the PS
+        if not isinstance(var, tf.Variable) or "Sharded" in type(var).__name__:
+            raise ValueError(
+                f"{self.policy.name}: variable {getattr(var, 'name', var)!r} of type "
+                f"{type(var).__name__} cannot have a local copy; {self.policy.name} needs "
+                "unpartitioned variables (variable_partitioner=None).")
+        with tf.init_scope():
+            copies = _Copies(var, self.strategy)
+        self._copies[id(var)] = copies
+        step = current_step()
+        if step is not None and step.local_state is not None:
+            step.local_state.add([copies])
+
+    # -- graph side --------------------------------------------------------------
+    def worker_step(self, engine, fn, worker_index):
+        """``fn`` as a worker step on the worker's local copies: no PS traffic
+        except the exchange at the start of the closure."""
+
+        @tf.autograph.experimental.do_not_convert
+        def step_fn(*a, **kw):
+            step = WorkerStep(engine, tf.constant(0, tf.int64), worker_index())
+            traced = step.local_state = TracedStep(self)
+            traced.add(list(self._copies.values()))
+            try:
+                self._start_closure(traced)
+                with step.active():
+                    return fn(*a, **kw)
+            finally:
+                traced.undo()
+
+        return step_fn
+
+    def _start_closure(self, traced: TracedStep) -> None:
+        """Adds the exchange to the start of the closure being traced.
+
+        The ops go into the outermost graph of the scheduled function, once
+        per trace, so they run once per closure before its first step (auto
+        control dependencies order them before the steps that use the local
+        copies). Inside fit's ``steps_per_execution`` loop a PS op would cost
+        a PS round trip on every iteration, even in an untaken branch.
+
+        Rule, per worker: a worker that has not pulled since it started or
+        since the last drain pulls the PS copy; otherwise, once the policy's
+        ``exchange_due`` says so, it pushes its delta and pulls the merged copy.
+        """
+        top = traced.top
+        if top in _CLOSURE_STARTED:
+            return
+        _CLOSURE_STARTED.add(top)
+        copies, tracker = list(traced.copies), self.tracker
+        local, anchor = list(traced.local), list(traced.anchor)
+
+        def pull(g_now):
+            ops = []
+            for c, lh, ah in zip(copies, local, anchor):
+                with tf.device(c.handle.device):
+                    new = tf_compat.read_handle(c.handle, c.dtype)
+                ops += [tf_compat.assign_handle(lh, new), tf_compat.assign_handle(ah, new)]
+            ops += [tf_compat.assign_handle(traced.last_g, g_now),
+                    tf_compat.assign_handle(traced.since, tf.constant(0, tf.int64)),
+                    tf_compat.assign_handle(traced.fresh, tf.constant(True))]
+            with tf.control_dependencies(ops):
+                return tf.constant(0, tf.int64)
+
+        def exchange():
+            pushes = []
+            for c, lh, ah in zip(copies, local, anchor):
+                delta = tf_compat.read_handle(lh, c.dtype) - tf_compat.read_handle(ah, c.dtype)
+                with tf.device(c.handle.device):
+                    pushes.append(tf_compat.assign_add_handle(c.handle, delta))
+            with tf.control_dependencies(pushes):
+                g_after = tracker.record_increment(tf_compat.read_handle(traced.last_g, tf.int64))
+                counted = tracker.add_local_steps(tf_compat.read_handle(traced.since, tf.int64))
+            with tf.control_dependencies([counted]):
+                return pull(g_after)
+
+        def maybe_exchange():
+            due = self.policy.exchange_due(tf_compat.read_handle(traced.since, tf.int64))
+            return tf.cond(due, exchange, lambda: tf.constant(0, tf.int64))
+
+        with top.as_default():
+            tf.cond(tf_compat.read_handle(traced.fresh, tf.bool), maybe_exchange,
+                    lambda: pull(tracker.read_step()))
+
+    def apply(self, step, grads_and_vars, apply_fn, locking: bool) -> tf.Tensor:
+        """Applies a step's gradients to the local copies and counts one
+        local step (a worker-local op).
+
+        Returns:
+          int64 scalar: local steps since the last exchange.
+        """
+        if locking and not self._warned_lock:
+            self._warned_lock = True
+            logging.warning(
+                "LockingOptimizer has no effect under %s: each worker updates its own "
+                "copy, and exchanges with the PS are per-variable atomic adds.",
+                self.policy.name)
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        step.applied = True
+
+        def applied():
+            _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
+            with tf.control_dependencies(update_ops):
+                return tf.constant(True)
+
+        if self.skip_nonfinite:
+            # A non-finite local step is skipped (and never pushed).
+            ok = tf.cond(grads_lib.all_finite(grads), applied, lambda: tf.constant(False))
+        else:
+            ok = applied()
+        traced = step.local_state
+        with tf.control_dependencies([ok]):
+            add = tf_compat.assign_add_handle(traced.since, tf.constant(1, tf.int64))
+        with tf.control_dependencies([add]):
+            return tf_compat.read_handle(traced.since, tf.int64)
+
+    # -- host side ---------------------------------------------------------------
+    def flush(self) -> int:
+        """Pushes every worker's steps since its last exchange (on the chief).
+
+        Called when the coordinator drains (``join``), so the PS copy holds
+        every trained step; each worker then pulls the PS copy at its next
+        closure. One compiled function for all workers (eager remote ops
+        would cost one round trip each).
+
+        Returns:
+          The number of local steps pushed (int).
+        """
+        if self.strategy is None or not self._copies:
+            return 0
+        with self._flush_lock:
+            since_all = tf_compat.per_worker_values(self._since)
+            if since_all is None:  # no worker step has run yet
+                return 0
+            copies = [c for c in self._copies.values()
+                      if tf_compat.per_worker_values(c.local) is not None]
+            locals_ = [tf_compat.per_worker_values(c.local) for c in copies]
+            anchors = [tf_compat.per_worker_values(c.anchor) for c in copies]
+            per_worker = [(since, last, fresh,
+                           [(lv[w], av[w]) for lv, av in zip(locals_, anchors)])
+                          for w, (since, last, fresh) in enumerate(zip(
+                              since_all, tf_compat.per_worker_values(self._last_g),
+                              tf_compat.per_worker_values(self._fresh)))]
+            # Rebuilt when workers re-created their variables or copies were added.
+            key = tuple(id(v) for _, _, _, pairs in per_worker for pair in pairs for v in pair)
+            key += tuple(id(s) for s, _, _, _ in per_worker)
+            if self._flush_key != key:
+                self._flush_key = key
+                self._flush_fn = self._make_flush(copies, per_worker)
+            return int(self._flush_fn().numpy())
+
+    def _make_flush(self, copies, per_worker):
+        tracker = self.tracker
+
+        @tf.function(autograph=False)
+        def flush_all():
+            total = tf.constant(0, tf.int64)
+            for since_v, last_v, fresh_v, pairs in per_worker:
+                with tf.device(since_v.device):
+                    n = since_v.read_value()
+                pushes = []
+                # Every copy, also after evaluation-only closures (metrics).
+                for c, (local, anchor) in zip(copies, pairs):
+                    with tf.device(local.device):
+                        value = local.read_value()
+                        delta = value - anchor.read_value()
+                    with tf.device(c.handle.device):
+                        pushes.append(tf_compat.assign_add_handle(c.handle, delta))
+                    with tf.device(local.device), tf.control_dependencies(pushes[-1:]):
+                        pushes.append(anchor.assign(value, read_value=False))
+
+                def record(n=n, last_v=last_v):
+                    g_after = tracker.record_increment(last_v.read_value())
+                    counted = tracker.add_local_steps(n)
+                    with tf.control_dependencies([counted]):
+                        return last_v.assign(g_after, read_value=True)
+
+                with tf.control_dependencies(pushes):
+                    done = tf.cond(n > 0, record, last_v.read_value)
+                with tf.control_dependencies([done]):
+                    # The worker pulls the merged model at its next closure.
+                    reset = [since_v.assign(tf.constant(0, tf.int64), read_value=False),
+                             fresh_v.assign(False, read_value=False)]
+                with tf.control_dependencies(reset):
+                    total = total + n
+            return total
+
+        return flush_all

@@ -1,0 +1,239 @@
+"""The update-policy protocol: every hook the engine may call, each with a default.
+
+A policy sees the gradients of one worker step together with their staleness
+τ and returns what to apply, or a decision to drop the step. In the style of
+optax (``optax/_src/base.py``), its rule is two functions with explicit state:
+
+* ``init(variables) -> state``: creates the policy's state (tf.Variables are
+  placed on the PS next to the model) once, before the first update;
+* ``update(grads, state, info) -> Decision``: a function of the step's
+  gradients, its :class:`StepInfo` and the state. A plain ``(grads, keep)``
+  tuple is accepted too (see :func:`as_decision`).
+
+Everything else a policy may need is a hook declared on :class:`UpdatePolicy`
+with a default that does nothing, and the engine (``tf_asyncps/core/engine.py``)
+calls these hooks and nothing else: it never probes a policy with
+``hasattr``. So :func:`tf_asyncps.policies.chain` can forward every hook, or
+refuse a policy it cannot compose. When each hook runs:
+
+==========================  ===============================================
+hook                        called
+==========================  ===============================================
+``validate_cluster(n)``     before any process starts (CLI) and at build
+``build(n, device)``        once, eagerly, when the strategy is created
+``attach(runtime)``         once, after the strategy's coordinator exists
+``init(variables)``         once per variable list, before its first update
+``before_read(w)``          tracing a worker step, before it reads the model
+``update(grads, s, info)``  tracing the step's update (inside the PS lock if
+                            ``atomic``)
+``after_step(w)``           after the step's update was applied or dropped
+``step_without_update(w)``  after a step that applied no gradient (evaluate)
+``exchange_due(n)``         ``local_copies`` policies: at each closure start
+``watchdogs()``             the strategy starts them while closures run and
+                            stops them when the coordinator drains
+==========================  ===============================================
+"""
+
+import dataclasses
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
+
+import tensorflow as tf
+
+__all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision"]
+
+#: ``True`` (always apply) or a scalar tf.bool tensor.
+Keep = Union[bool, tf.Tensor]
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a policy knows about the worker step being applied.
+
+    Attributes:
+      tau: int64 scalar tensor, the step's staleness τ in global steps.
+      read_step: int64 scalar tensor, ``r``, the global step observed before
+        the worker read the variables.
+      global_step: int64 scalar tensor, ``g`` just before the update.
+      variables: the variables being updated, aligned with the gradients.
+      worker_index: int64 scalar tensor (or 0 outside a coordinator closure).
+      read_values: for policies with ``needs_read_values``: per variable, the
+        value the worker step read (a PS-side copy taken when the step
+        started), or None for a variable created after training began.
+      finite: scalar tf.bool, all gradients finite (None when the strategy's
+        non-finite guard is off). The engine already drops non-finite steps;
+        policies that keep state across steps must not let them in.
+    """
+
+    tau: tf.Tensor
+    read_step: tf.Tensor
+    global_step: tf.Tensor
+    variables: Sequence[tf.Variable]
+    worker_index: Any = 0
+    read_values: Optional[List[Optional[tf.Tensor]]] = None
+    finite: Optional[tf.Tensor] = None
+
+
+class Decision(NamedTuple):
+    """What :meth:`UpdatePolicy.update` decides for one worker step.
+
+    Attributes:
+      grads: the gradients to hand to the optimizer (same structure and types
+        as the ones received: tensors or IndexedSlices).
+      keep: ``True`` or a scalar tf.bool: apply ``grads`` now (False: drop).
+      accepted: for aggregators, a scalar tf.bool: the gradient went into a
+        pending update, so the step counts as applied without advancing the
+        global step. None for every other policy.
+    """
+
+    grads: List[Any]
+    keep: Keep
+    accepted: Optional[tf.Tensor] = None
+
+
+def as_decision(result) -> Decision:
+    """A :class:`Decision` from what ``update`` returned.
+
+    Raises:
+      TypeError: neither a Decision nor a ``(grads, keep)`` pair.
+    """
+    if isinstance(result, Decision):
+        return result
+    if isinstance(result, tuple) and len(result) == 2:
+        return Decision(list(result[0]), result[1])
+    raise TypeError(
+        f"UpdatePolicy.update must return tf_asyncps.policies.Decision(grads, keep) or "
+        f"a (grads, keep) pair, got {type(result).__name__} {result!r:.200}.")
+
+
+@dataclasses.dataclass
+class PolicyRuntime:
+    """What :meth:`UpdatePolicy.attach` receives, once per strategy.
+
+    Attributes:
+      strategy: the AsyncParameterServerStrategy.
+      tracker: its StalenessTracker (the global step and τ counters on the PS).
+      has_queued_closures: ``() -> bool``, False only while the coordinator
+        drains (``join``) with nothing queued: a policy that makes workers
+        wait may then release them.
+      num_workers: worker tasks in the cluster.
+    """
+
+    strategy: Any
+    tracker: Any
+    has_queued_closures: Callable[[], bool]
+    num_workers: int
+
+
+class UpdatePolicy:
+    """Base class of asynchronous update policies: the whole protocol.
+
+    Subclass it, override :meth:`update` (and :meth:`init` if the policy keeps
+    state), and register it with ``@tf_asyncps.policies.register("my_name")``.
+    Every other hook below has a default that does nothing.
+
+    Example::
+
+        @tf_asyncps.policies.register("halve_when_stale")
+        class HalveWhenStale(tf_asyncps.policies.UpdatePolicy):
+            def update(self, grads, state, info):
+                s = tf.where(info.tau > 2, 0.5, 1.0)
+                return tf_asyncps.policies.Decision(
+                    [tf_asyncps.policies.scale(g, s) for g in grads], True)
+
+    Attributes:
+      name: registered name (str).
+      atomic: if True, the decision, the optimizer's update and the counters
+        of one step run as one unit under a lock on the PS, so τ is exact at
+        apply time. Policies whose rule is only correct on exact τ (dropping,
+        aggregation) set it; it costs one lock acquisition per step.
+      needs_read_values: if True, the engine keeps a PS-side copy of the
+        trainable variables per worker, taken when each step starts, and
+        passes it as ``info.read_values`` (one PS-local copy per step).
+      uses_tau: False for rules that ignore τ (``async``): the engine then
+        takes τ from the global step's atomic increment, exact without a lock.
+      aggregates: True for rules that sum several workers' gradients into one
+        update (``sync_replicas``); they cannot be chained.
+      local_copies: True for rules whose workers train per-worker copies of
+        the variables (``local_sgd``, see ``tf_asyncps/core/local_copies.py``);
+        :meth:`update` is then never called, and :meth:`exchange_due` decides
+        when a worker exchanges with the PS.
+    """
+
+    name: str = "base"
+    atomic: bool = False
+    needs_read_values: bool = False
+    uses_tau: bool = True
+    aggregates: bool = False
+    local_copies: bool = False
+
+    # -- set-up (chief, eager) -------------------------------------------------
+    def validate_cluster(self, num_workers: int) -> None:
+        """Raises ValueError if the policy cannot work with ``num_workers``
+        workers (checked before any process starts). Default: any count."""
+
+    def build(self, num_workers: int, device: str) -> None:
+        """Creates per-cluster resources on the PS ``device`` (called once,
+        eagerly, by the strategy). Default: nothing."""
+
+    def attach(self, runtime: PolicyRuntime) -> None:
+        """Called once the strategy and its coordinator exist. Default: nothing."""
+
+    def init(self, variables: Sequence[tf.Variable]) -> Any:
+        """Creates the policy state for ``variables``; default: no state."""
+        del variables
+        return ()
+
+    # -- graph side (traced into each worker step) -----------------------------
+    def before_read(self, worker_index) -> List[Any]:
+        """Ops a worker step runs before reading the model (e.g. a wait).
+        Default: none."""
+        del worker_index
+        return []
+
+    def update(self, grads: List[Any], state: Any, info: StepInfo):
+        """Transforms one step's gradients.
+
+        Args:
+          grads: list of tf.Tensor or tf.IndexedSlices, aligned with
+            ``info.variables``; never None.
+          state: what :meth:`init` returned.
+          info: the step's :class:`StepInfo`.
+
+        Returns:
+          A :class:`Decision` (or a ``(grads, keep)`` pair).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define update().")
+
+    def after_step(self, worker_index) -> List[Any]:
+        """Ops run once a worker step's update is applied or dropped.
+        Default: none."""
+        del worker_index
+        return []
+
+    def step_without_update(self, worker_index) -> List[Any]:
+        """Ops run when a worker step ends without applying gradients (e.g.
+        an evaluation step). Default: :meth:`after_step`."""
+        return self.after_step(worker_index)
+
+    def exchange_due(self, local_steps: tf.Tensor) -> tf.Tensor:
+        """``local_copies`` policies: scalar tf.bool, whether a worker that
+        has trained ``local_steps`` (int64 scalar) steps on its copy since its
+        last exchange exchanges now. Default: every step."""
+        return local_steps >= 1
+
+    # -- chief side --------------------------------------------------------------
+    def watchdogs(self) -> Sequence[Any]:
+        """The :class:`tf_asyncps.core.watchdog.Watchdog` threads this policy
+        needs on the chief while closures run (waits with timeouts). The
+        strategy starts them when closures are scheduled, stops them when
+        the coordinator drains, and raises their ``timeout_error`` from
+        ``join``. Default: none."""
+        return ()
+
+    def get_config(self) -> dict:
+        """The constructor arguments, for logs and metrics.json."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
