@@ -43,7 +43,7 @@ def _cli(*args, tf_config, timeout=60):
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(cluster, "_WARNED", set())
+    monkeypatch.setattr(cluster.config, "_WARNED", set())  # warn-once state
 
 
 # -- a malformed TF_CONFIG fails in under 2 s, before TensorFlow ------------
