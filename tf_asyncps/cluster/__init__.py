@@ -30,7 +30,7 @@ from tf_asyncps.cluster.local import LocalCluster, _set_pdeathsig  # noqa: F401
 from tf_asyncps.cluster.network import (
     check_own_address, exposed_addresses, host_is_local, is_loopback, warn_if_exposed)
 from tf_asyncps.cluster.probe import (
-    PROBE_OK, PROBE_SILENT, PROBE_UNREACHABLE, PROBE_WRONG, _reachable, probe_grpc,
+    PROBE_OK, PROBE_SILENT, PROBE_UNREACHABLE, PROBE_WRONG, probe_grpc, reachable,
     wait_for_tasks)
 from tf_asyncps.cluster.server import (
     configure_local_context, inter_op_threads, server_config, start_server)

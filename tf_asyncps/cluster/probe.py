@@ -7,10 +7,19 @@ from typing import Dict, Optional, Sequence
 
 from tf_asyncps.cluster.config import ClusterConfig
 
-__all__ = ["probe_grpc", "wait_for_tasks", "PROBE_OK",
+__all__ = ["reachable", "probe_grpc", "wait_for_tasks", "PROBE_OK",
            "PROBE_UNREACHABLE", "PROBE_SILENT", "PROBE_WRONG"]
 
-def _reachable(addr: str, timeout: float) -> bool:
+def reachable(addr: str, timeout: float) -> bool:
+    """Whether ``addr`` accepts a TCP connection (any program, not only gRPC).
+
+    Args:
+      addr: "host:port" (IPv6 as "[::1]:port").
+      timeout: seconds for the connect.
+
+    Returns:
+      True if the connect succeeded (the connection is closed at once).
+    """
     host, _, port = addr.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
