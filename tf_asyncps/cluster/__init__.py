@@ -17,6 +17,8 @@ Modules, from the bottom up (each imports only those above it in this list):
 * :mod:`~tf_asyncps.cluster.server`: a task's ``tf.distribute.Server`` and its
   thread settings.
 * :mod:`~tf_asyncps.cluster.devices`: which GPUs each task sees.
+* :mod:`~tf_asyncps.cluster.spawn`: child processes that die with this
+  process (``spawn``, through the standalone ``deathsig_shim.py``).
 * :mod:`~tf_asyncps.cluster.local`: ``LocalCluster``, a real cluster of local
   processes, and its supervisor.
 
@@ -26,7 +28,7 @@ This package only re-exports their public names.
 from tf_asyncps.cluster.config import (
     ROLES, ClusterConfig, cluster_resolver, tf_config_from_env, validate_tf_config,
     warn_evaluators)
-from tf_asyncps.cluster.local import LocalCluster, _set_pdeathsig  # noqa: F401
+from tf_asyncps.cluster.local import LocalCluster
 from tf_asyncps.cluster.network import (
     check_own_address, exposed_addresses, host_is_local, is_loopback, warn_if_exposed)
 from tf_asyncps.cluster.probe import (

@@ -1,7 +1,6 @@
 """LocalCluster: a real ps/worker cluster of local processes, and its supervisor."""
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -14,16 +13,10 @@ from absl import logging
 
 from tf_asyncps.cluster.config import ROLES, ClusterConfig, cluster_resolver
 from tf_asyncps.cluster.probe import wait_for_tasks
+from tf_asyncps.cluster.spawn import spawn
 from tf_asyncps.compat import tensorflow as tf_compat
 
 __all__ = ["LocalCluster"]
-
-def _set_pdeathsig():  # runs in the child before exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
 
 class LocalCluster:
     """A real cluster of local processes: ``num_ps`` ps and ``num_workers`` workers.
@@ -31,7 +24,8 @@ class LocalCluster:
     Each task is ``python -m tf_asyncps server`` with its own TF_CONFIG, on a
     loopback port chosen by portpicker. A chief address is reserved for the
     process that creates the strategy (this one, or a child you start with
-    :meth:`tf_config`). Children die with their parent (PR_SET_PDEATHSIG) and
+    :meth:`tf_config`). Children die with this process, even when a thread
+    that started them (the supervisor) has ended (:func:`spawn`), and
     are stopped by pid on exit, on error and on Ctrl-C; if this process
     connected to the cluster, at this process's exit (see :meth:`stop`).
 
@@ -136,10 +130,8 @@ class LocalCluster:
             env.update(self.worker_env.get(int(i), {}))
         log = open(self.log_path(name), "ab")
         self._logs[name] = log
-        p = subprocess.Popen(
-            [sys.executable, "-m", "tf_asyncps", "server"], env=env,
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_set_pdeathsig)
+        p = spawn([sys.executable, "-m", "tf_asyncps", "server"], env=env,
+                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = p
         return p
 
@@ -298,7 +290,7 @@ class LocalCluster:
         With ``defer_if_connected`` (what leaving the ``with`` block uses) and
         this process connected to the cluster (a strategy was created here),
         the children are left to stop when this process exits
-        (PR_SET_PDEATHSIG): TensorFlow's teardown at exit still talks to them,
+        (their death signal, see :func:`spawn`): TensorFlow's teardown at exit still talks to them,
         and TensorFlow allows one cluster per process anyway.
         """
         self._stop_supervisor()
