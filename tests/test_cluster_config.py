@@ -160,6 +160,7 @@ def test_wait_for_tasks_names_the_unreachable_task():
     assert time.perf_counter() - t0 < 5
 
 
+@pytest.mark.cluster
 def test_local_cluster_stops_every_child_even_when_the_body_raises(tmp_path):
     pids = {}
     with pytest.raises(RuntimeError, match="boom"):
@@ -179,6 +180,7 @@ def _poll(cond, timeout_s=60.0):
         time.sleep(0.05)  # polling interval, not synchronisation
 
 
+@pytest.mark.cluster
 def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
     with LocalCluster(num_workers=1, num_ps=1, log_dir=str(tmp_path)) as c:
         with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
@@ -191,7 +193,7 @@ def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
         old = c.pids["worker:0"]
         c.kill("worker:0")
         _poll(lambda: c.restarts == {"worker:0": 1} and c.pids["worker:0"] != old
-              and cluster._reachable(c.config["worker"][0], 0.5))
+              and cluster.reachable(c.config["worker"][0], 0.5))
         state = json.loads((tmp_path / "cluster.json").read_text())
         assert state["tasks"]["worker:0"]["pid"] == c.pids["worker:0"]
         assert state["restarts"] == {"worker:0": 1}
@@ -199,7 +201,7 @@ def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
         manual = c.pids["worker:0"]
         c.restart("worker:0")
         assert not pid_alive(manual) and pid_alive(c.pids["worker:0"])
-        assert cluster._reachable(c.config["worker"][0], 1.0) and c.restarts == {"worker:0": 1}
+        assert cluster.reachable(c.config["worker"][0], 1.0) and c.restarts == {"worker:0": 1}
         with pytest.raises(ValueError, match="no task 'worker:7'"):
             c.kill("worker:7")
         second = c.pids["worker:0"]
@@ -211,6 +213,7 @@ def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
     assert not pid_alive(c.pids["ps:0"])
 
 
+@pytest.mark.cluster
 def test_children_die_with_a_killed_parent(tmp_path):
     """A parent killed with SIGKILL (no cleanup runs) still takes its children."""
     code = (

@@ -155,6 +155,7 @@ def test_server_rejects_a_bad_gpus_flag_before_tensorflow_loads():
     assert time.perf_counter() - t0 < 30
 
 
+@pytest.mark.cluster
 def test_launch_gives_each_worker_its_gpu_and_trains_mixed_bfloat16(tmp_path):
     """Two (fake) GPUs, one per worker: each task's CUDA_VISIBLE_DEVICES is in
     its log; on this CPU machine TensorFlow finds no GPU and trains on CPU."""

@@ -43,7 +43,7 @@ def _cli(*args, tf_config, timeout=60):
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(cluster, "_WARNED", set())
+    monkeypatch.setattr(cluster.config, "_WARNED", set())  # warn-once state
 
 
 # -- a malformed TF_CONFIG fails in under 2 s, before TensorFlow ------------
@@ -83,6 +83,7 @@ def test_cli_validates_before_importing_tensorflow():
 
 # -- the gRPC handshake probe -----------------------------------------------
 
+@pytest.mark.cluster
 def test_probe_passes_for_a_real_tensorflow_server_and_evaluator_is_left_out(tmp_path):
     """A real `tf-asyncps server` (tf.distribute.Server) in a subprocess. Its
     TF_CONFIG names an evaluator at a silent port: the server must ignore it."""

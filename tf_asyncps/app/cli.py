@@ -287,9 +287,8 @@ def cmd_launch(argv):
 
 def _run_chief(c, args, env, deadline) -> int:
     """Runs the chief (`train`) until it exits; returns its exit code."""
-    from tf_asyncps import cluster
-    chief = subprocess.Popen([sys.executable, "-m", "tf_asyncps", "train"] + args,
-                             env=env, preexec_fn=cluster._set_pdeathsig)
+    from tf_asyncps.cluster.spawn import spawn
+    chief = spawn([sys.executable, "-m", "tf_asyncps", "train"] + args, env=env)
     c.write_state({"chief:0": chief.pid})
     try:
         return chief.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -1,0 +1,155 @@
+"""Children die with their launcher, not with the thread that started them.
+
+Linux sends the parent-death signal when the forking *thread* exits; these
+tests end that thread (a helper thread, the LocalCluster supervisor) while
+the launcher lives, then SIGKILL the launcher.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, _env, pid_alive, wait_dead
+from tf_asyncps.cluster import PROBE_OK, probe_grpc
+from tf_asyncps.cluster import spawn as spawn_lib
+
+pytestmark = pytest.mark.timeout(120)
+
+# Waits until the thread's OS thread is gone: Thread.join returns a little
+# before, and the death signal is sent at the OS thread's exit.
+_GONE = ("def gone(t, timeout_s=10):\n"
+         "    deadline = time.monotonic() + timeout_s\n"
+         "    while os.path.exists(f'/proc/self/task/{t.native_id}'):\n"
+         "        assert time.monotonic() < deadline, 'thread still there'\n"
+         "        time.sleep(0.01)\n")
+
+
+def _launcher(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+
+
+def _line(p: subprocess.Popen) -> dict:
+    line = p.stdout.readline()
+    assert line, f"the launcher exited with code {p.wait(timeout=10)} before answering"
+    return json.loads(line)
+
+
+def _stays_up(check, seconds: float = 3.0) -> None:
+    """Asserts ``check()`` for ``seconds``: a death signal, if sent, has landed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert check()
+        time.sleep(0.1)  # polling interval
+
+
+def _cleanup(launcher: subprocess.Popen, pids) -> None:
+    """Kills the launcher and every pid left, by pid (runs even on failure)."""
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.wait(timeout=10)
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_child_spawned_by_an_ended_thread_lives_until_the_launcher_dies():
+    code = ("import json, os, subprocess, sys, threading, time\n"
+            "from tf_asyncps.cluster.spawn import spawn\n" + _GONE +
+            "box = {}\n"
+            "t = threading.Thread(target=lambda: box.update(p=spawn(\n"
+            "    [sys.executable, '-c', 'import time; time.sleep(600)  # spawned'],\n"
+            "    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)))\n"
+            "t.start(); t.join(); gone(t)\n"
+            "print(json.dumps({'pid': box['p'].pid}), flush=True)\n"
+            "sys.stdin.read()\n")
+    launcher = _launcher(code)
+    pids = []
+    try:
+        pid = _line(launcher)["pid"]
+        pids.append(pid)
+        deadline = time.monotonic() + 20
+        while "# spawned" not in _cmdline(pid):  # the shim has exec'd the command
+            assert pid_alive(pid) and time.monotonic() < deadline, _cmdline(pid)
+            time.sleep(0.02)
+        _stays_up(lambda: pid_alive(pid), seconds=1.0)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        wait_dead([pid])
+    finally:
+        _cleanup(launcher, pids)
+
+
+def test_spawn_passes_popen_arguments_and_refuses_preexec_fn():
+    env = dict(os.environ, TF_ASYNCPS_SPAWN_TEST="yes")
+    p = spawn_lib.spawn([sys.executable, "-c", "import os, sys; print(os.environ["
+                         "'TF_ASYNCPS_SPAWN_TEST'], sys.stdin.read())"],
+                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.communicate("in", timeout=30) == ("yes in\n", None) and p.returncode == 0
+    missing = spawn_lib.spawn(["/nonexistent/tf-asyncps-cmd"], stderr=subprocess.PIPE)
+    assert missing.wait(timeout=30) == 127
+    assert b"cannot run" in missing.stderr.read()
+    missing.stderr.close()
+    with pytest.raises(ValueError, match="preexec_fn"):
+        spawn_lib.spawn([sys.executable, "-c", ""], preexec_fn=lambda: None)
+    with pytest.raises(ValueError, match="empty"):
+        spawn_lib.spawn([])
+
+
+def test_shim_does_not_run_the_command_when_its_parent_is_not_the_expected_one():
+    out = subprocess.run([sys.executable, spawn_lib.SHIM, "1", "--", sys.executable, "-c",
+                          "print('ran')"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "ran" not in out.stdout
+
+
+@pytest.mark.cluster
+def test_supervisor_restarted_task_outlives_supervision_and_dies_with_launcher(tmp_path):
+    code = ("import json, os, sys, time\n"
+            "from tf_asyncps.cluster import LocalCluster, reachable\n" + _GONE +
+            f"c = LocalCluster(1, 1, log_dir={str(tmp_path)!r}).start()\n"
+            "print(json.dumps(c.pids), flush=True)\n"
+            "c.supervise(max_restarts=1, poll_s=0.1)\n"
+            "c.kill('worker:0')\n"
+            "deadline = time.monotonic() + 60\n"
+            "while not (c.restarts == {'worker:0': 1}\n"
+            "           and reachable(c.config['worker'][0], 0.5)):\n"
+            "    assert time.monotonic() < deadline, 'worker:0 was not restarted'\n"
+            "    time.sleep(0.05)\n"
+            "supervisor = c._supervisor\n"
+            "c._stop_supervisor(); gone(supervisor)\n"
+            "print(json.dumps({'pids': c.pids, 'worker': c.config['worker'][0]}),"
+            " flush=True)\n"
+            "sys.stdin.read()\n")
+    launcher = _launcher(code)
+    pids = []
+    try:
+        first = _line(launcher)
+        pids += first.values()
+        now = _line(launcher)
+        restarted, ps, addr = now["pids"]["worker:0"], now["pids"]["ps:0"], now["worker"]
+        pids += [restarted]
+        assert restarted != first["worker:0"] and ps == first["ps:0"]
+        # (a) Supervision has ended, the launcher lives: the restarted worker serves.
+        _stays_up(lambda: pid_alive(restarted) and probe_grpc(addr)[0] == PROBE_OK)
+        # (b) The launcher dies without any cleanup: its tasks die with it.
+        launcher.kill()
+        launcher.wait(timeout=10)
+        wait_dead([restarted, ps])
+    finally:
+        state = tmp_path / "cluster.json"  # the pids of tasks restarted meanwhile
+        if state.exists():
+            pids += [t["pid"] for t in json.loads(state.read_text())["tasks"].values()]
+        _cleanup(launcher, pids)
