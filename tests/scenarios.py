@@ -175,13 +175,14 @@ def custom_loop_linear(num_workers=3, steps=60, lr=0.5, dim=4):
 
 
 @scenario
-def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4):
+def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4, chained=False):
     """local_sgd with loss = sum(w) (gradient 1): every local step moves a
-    worker's copy by -lr, so after the drain w == w0 - lr * steps exactly."""
+    worker's copy by -lr, so after the drain w == w0 - lr * steps exactly.
+    ``chained``: the policy inside ``chain(...)``."""
+    policy = tf_asyncps.policies.get("local_sgd", sync_every=sync_every)
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), update_policy=tf_asyncps.policies.get(
-                "local_sgd", sync_every=sync_every))
+            c.resolver(), update_policy=tf_asyncps.policies.chain(policy) if chained else policy)
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             w = tf.Variable(tf.fill([dim], 2.0), name="w")
@@ -421,16 +422,17 @@ def _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps, l
 
 
 @scenario
-def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, steps=45):
-    """ssp with one worker slowed by a tf.data sleep: the clock spread stays <= s."""
+def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, steps=45,
+                  chained=False):
+    """ssp with one worker slowed by a tf.data sleep: the clock spread stays <= s.
+    ``chained``: ssp inside ``chain(ssp, "async")``."""
     x, y = _least_squares()
+    p = tf_asyncps.policies.get("ssp", max_staleness=max_staleness, timeout_s=60)
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), update_policy=tf_asyncps.policies.get(
-                "ssp", max_staleness=max_staleness, timeout_s=60))
+            c.resolver(), update_policy=tf_asyncps.policies.chain(p, "async") if chained else p)
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps)
-        p = strategy.update_policy
         return {"clocks": p.clock_values().tolist(), "max_spread": p.max_clock_spread(),
                 "released_reads": p.released_reads(),
                 "stats": _stats(strategy)}
@@ -1134,6 +1136,37 @@ def gpu_placement(gpu_ids, steps=200, dim=1024):
                 "worker_pids": [c.pids[f"worker:{i}"] for i in range(len(gpu_ids))],
                 "ps_pid": c.pids["ps:0"], "chief_pid": os.getpid(),
                 "stats": _stats(strategy), "steps": steps + 10}
+
+
+@scenario
+def watchdogs_lifecycle(num_workers=2, steps=20):
+    """ssp + LockingOptimizer: the gate's and the lock's watchdogs run while
+    closures run and are stopped (threads ended) once the coordinator drains."""
+    import threading
+
+    def watchdog_threads():
+        return sorted(t.name for t in threading.enumerate() if t.name.endswith("-watchdog"))
+
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get("ssp", max_staleness=1))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([3]), name="w")
+            opt = tf_asyncps.optimizers.LockingOptimizer(tf_keras.optimizers.SGD(0.5))
+        step = _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w))
+        engine = strategy.extended.engine
+        rounds = []
+        for _ in range(2):
+            for _ in range(steps):
+                coord.schedule(step)
+            during = {"running": [d.running for d in engine.watchdogs()],
+                      "threads": watchdog_threads()}
+            coord.join()
+            rounds.append({"during": during,
+                           "after": {"running": [d.running for d in engine.watchdogs()],
+                                     "threads": watchdog_threads()}})
+        return {"rounds": rounds, "w": w.numpy().tolist(), "stats": _stats(strategy)}
 
 
 def main():

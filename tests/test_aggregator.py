@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("n,m", [(2, 2), (2, 3)], ids=["2of2", "2of3"])
+@pytest.mark.cluster
 def test_full_batch_aggregation_equals_sequential_gradient_descent(n, m):
     r = run_scenario("full_batch_policy", policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": n, "total_num_replicas": m},
@@ -27,6 +28,7 @@ def test_full_batch_aggregation_equals_sequential_gradient_descent(n, m):
     np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
 
 
+@pytest.mark.cluster
 def test_indexed_slices_aggregate_like_the_dense_reference():
     r = run_scenario("full_batch_policy", policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "total_num_replicas": 3},
@@ -37,6 +39,7 @@ def test_indexed_slices_aggregate_like_the_dense_reference():
     assert np.abs(r["ref"][-10:]).max() > 1e-3  # the sparse part really trained
 
 
+@pytest.mark.cluster
 def test_backup_worker_keeps_updates_ahead_of_the_straggler():
     r = run_scenario("sync_straggler", replicas_to_aggregate=2, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
@@ -49,6 +52,7 @@ def test_backup_worker_keeps_updates_ahead_of_the_straggler():
     assert r["rounds"] >= 2 * slow
 
 
+@pytest.mark.cluster
 def test_without_backup_every_update_waits_for_the_straggler():
     r = run_scenario("sync_straggler", replicas_to_aggregate=3, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
@@ -60,6 +64,7 @@ def test_without_backup_every_update_waits_for_the_straggler():
     assert r["rounds"] <= r["sent"][0] + r["released_reads"]
 
 
+@pytest.mark.cluster
 def test_dead_worker_with_spare_capacity_does_not_stop_training():
     r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=3, steps=120,
                      kill_after=10)
@@ -69,6 +74,7 @@ def test_dead_worker_with_spare_capacity_does_not_stop_training():
     assert 120 <= s["applied"] + s["dropped"] <= 121  # at-least-once retry of 1 closure
 
 
+@pytest.mark.cluster
 def test_dead_worker_below_replicas_to_aggregate_fails_after_the_timeout():
     r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=2, steps=120,
                      kill_after=10, timeout_s=5.0)
@@ -102,6 +108,7 @@ def test_unreachable_n_and_wrong_m_are_rejected_at_build():
                                                           replicas_to_aggregate=1))
 
 
+@pytest.mark.cluster
 def test_digits_with_sync_replicas(tmp_path):
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
                  "--flagfile=configs/digits_async.flags", "--num_workers=3",
@@ -115,6 +122,7 @@ def test_digits_with_sync_replicas(tmp_path):
     assert s["global_step"] == s["applied"] // 2
 
 
+@pytest.mark.cluster
 def test_evaluate_between_fits_does_not_stall_the_rounds():
     """Evaluation steps take a token but give no gradient: the token comes back."""
     r = run_scenario("fit_evaluate_fit", policy="sync_replicas", num_workers=2, steps=20)

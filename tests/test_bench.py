@@ -72,6 +72,7 @@ def test_summary_ratios_and_target_checks(tmp_path):
     assert json.load(open(paths[0]))["results"][2]["x_vanilla"] == pytest.approx(0.95)
 
 
+@pytest.mark.cluster
 def test_tiny_bench_run_writes_a_well_formed_bench_json(tmp_path):
     out = tmp_path / "bench"
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench",
@@ -101,6 +102,7 @@ def test_slow_dataset_fn_rejects_bad_arguments():
         slow_dataset_fn(lambda ctx: None, 0, -5)
 
 
+@pytest.mark.cluster
 def test_straggler_injection_slows_the_chosen_worker():
     r = run_scenario("straggler_counts", num_workers=2, slow_worker=0, delay_ms=30, steps=40)
     slow, fast = r["counts"]

@@ -38,6 +38,7 @@ def test_bad_flags_fail_before_any_process_starts(args, words):
     assert time.perf_counter() - t0 < 60
 
 
+@pytest.mark.cluster
 def test_train_with_bad_tf_config_fails_with_the_cluster_it_read():
     env = _env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"ps": ["127.0.0.1:2001"],

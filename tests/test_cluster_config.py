@@ -242,6 +242,7 @@ def test_children_die_with_a_killed_parent(tmp_path):
                 os.kill(x, signal.SIGKILL)
 
 
+@pytest.mark.cluster
 def test_local_cluster_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
         LocalCluster(num_workers=0)

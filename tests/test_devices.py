@@ -133,6 +133,7 @@ def _env_with_gpus(tmp_path, gpus):
     (0, ["--gpus_per_worker=2", "--policy=local_sgd"],
      ["'local_sgd' trains per-worker copies", "--gpus_per_worker=1 and --num_workers=4"]),
 ], ids=["no_gpu", "too_few", "k2", "gpus_flag", "local_sgd_k2"])
+@pytest.mark.cluster
 def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, words):
     t0 = time.perf_counter()
     rc, out = _cli("launch", *args, env=_env_with_gpus(tmp_path, gpus))
@@ -143,6 +144,7 @@ def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, 
     assert time.perf_counter() - t0 < 10  # checked before TensorFlow is imported
 
 
+@pytest.mark.cluster
 def test_server_rejects_a_bad_gpus_flag_before_tensorflow_loads():
     env = _env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"chief": ["127.0.0.1:2000"],

@@ -12,6 +12,7 @@ from conftest import run_scenario
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.cluster
 def test_worker_sigkill_rejoin_and_sigstop_on_digits():
     # worker:1 SIGKILLed (restarted by the supervisor) while worker:0 is
     # SIGSTOPped for 5 s. No progress is required during the stop: fit joins

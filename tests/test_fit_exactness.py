@@ -8,6 +8,7 @@ from conftest import run_scenario
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.cluster
 def test_one_worker_async_equals_single_process_training():
     r = run_scenario("single_worker_fit", epochs=2, steps_per_epoch=20)
     assert r["moved"] > 1e-2  # training really changed the weights
@@ -19,6 +20,7 @@ def test_one_worker_async_equals_single_process_training():
     assert r["iterations"] == 40
 
 
+@pytest.mark.cluster
 def test_accounting_identity_with_three_workers():
     r = run_scenario("accounting_fit", num_workers=3, epochs=3, steps_per_epoch=40)
     s = r["stats"]
@@ -30,6 +32,7 @@ def test_accounting_identity_with_three_workers():
     assert 0 <= s["mean"] <= s["max"] <= 120
 
 
+@pytest.mark.cluster
 def test_custom_loop_constant_gradient_is_exact():
     r = run_scenario("custom_loop_linear", num_workers=3, steps=60, lr=0.5)
     s = r["stats"]
@@ -38,6 +41,7 @@ def test_custom_loop_constant_gradient_is_exact():
     np.testing.assert_array_equal(r["w"], [2.0 - 0.5 * 60] * 4)
 
 
+@pytest.mark.cluster
 def test_each_worker_reads_its_own_shard():
     """Case 003: dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)."""
     r = run_scenario("shard_per_worker", num_workers=2, n=1000, batch=10, steps=100)
@@ -51,6 +55,7 @@ def test_each_worker_reads_its_own_shard():
     assert by0.any() and by1.any()
 
 
+@pytest.mark.cluster
 def test_keras3_fit_fails_at_once_with_the_reason():
     r = run_scenario("keras3_fit_fails")
     assert r["error"] == "NotImplementedError"
@@ -60,6 +65,7 @@ def test_keras3_fit_fails_at_once_with_the_reason():
 
 
 @pytest.mark.parametrize("policy", ["async", "staleness_aware"])
+@pytest.mark.cluster
 def test_tau_counts_updates_that_land_during_a_slow_step(policy):
     """Regression: tau was read at step start on both ends and always came out 0."""
     r = run_scenario("tau_visible", policy=policy, num_workers=2, steps=30)

@@ -20,6 +20,7 @@ def test_registered_with_its_default():
     assert p.get_config() == {"sync_every": 16}
 
 
+@pytest.mark.cluster
 def test_one_worker_equals_plain_sgd():
     """sync_every=3 with 20 steps per epoch: windows end mid-epoch and the
     drain at each epoch end pushes the rest; the result is plain SGD."""
@@ -36,6 +37,7 @@ def test_one_worker_equals_plain_sgd():
     assert r["iterations"] == 40  # the optimizer's counter is pushed exactly
 
 
+@pytest.mark.cluster
 def test_one_worker_with_steps_per_execution_equals_plain_sgd():
     """Regression (fresh-user check): with steps_per_execution > 1 the
     exchange raced with the closure's steps and lost about one step each."""
@@ -50,8 +52,13 @@ def test_one_worker_with_steps_per_execution_equals_plain_sgd():
     assert s["applied"] == s["global_step"] == 10
 
 
-def test_several_workers_sum_exactly_and_pull_chief_changes():
-    r = run_scenario("local_sgd_linear", num_workers=3, steps=60, lr=0.5, sync_every=4)
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "in_chain"])
+@pytest.mark.cluster
+def test_several_workers_sum_exactly_and_pull_chief_changes(chained):
+    # chain("local_sgd") must train local copies exactly as local_sgd alone
+    # (a chain that dropped its hooks trained as plain async: local_steps 0).
+    r = run_scenario("local_sgd_linear", num_workers=3, steps=60, lr=0.5, sync_every=4,
+                     chained=chained)
     first, s = r["first"], r["stats"]
     # Gradient 1 everywhere: each local step moves w by -0.5, whoever runs it.
     assert first["w"] == [2.0 - 0.5 * 60] * 4

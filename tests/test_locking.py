@@ -10,6 +10,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
 @pytest.mark.parametrize("locking", [False, True], ids=["unlocked", "locked"])
+@pytest.mark.cluster
 def test_case_002_sgd_counter_and_weights_are_exact(keras_name, locking):
     r = run_scenario("case002", keras_name=keras_name, optimizer="sgd", locking=locking)
     assert r["iterations"] == 200 == r["stats"]["applied"] == r["stats"]["global_step"]
@@ -17,6 +18,7 @@ def test_case_002_sgd_counter_and_weights_are_exact(keras_name, locking):
 
 
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+@pytest.mark.cluster
 def test_case_002_adam_with_locking_equals_sequential_adam(keras_name):
     r = run_scenario("case002", keras_name=keras_name, optimizer="adam", locking=True)
     assert r["iterations"] == 200 == r["stats"]["applied"]
@@ -25,17 +27,20 @@ def test_case_002_adam_with_locking_equals_sequential_adam(keras_name):
 
 
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+@pytest.mark.cluster
 def test_case_002_adam_unlocked_counter_is_exact(keras_name):
     r = run_scenario("case002", keras_name=keras_name, optimizer="adam", locking=False)
     assert r["iterations"] == 200 == r["stats"]["applied"] == r["stats"]["global_step"]
 
 
+@pytest.mark.cluster
 def test_legacy_tf_keras_optimizer_with_locking():
     r = run_scenario("case002", keras_name="tf_keras", optimizer="legacy_adam",
                      locking=True)
     assert r["iterations"] == 200 and r["max_abs_diff"] < 1e-5
 
 
+@pytest.mark.cluster
 def test_read_modify_write_with_locking_is_the_sequential_recurrence():
     r = run_scenario("read_modify_write", locking=True, num_workers=4, steps=20)
     # w_n = 0.5 w_{n-1} + 1, w_0 = 0  ->  w_20 = 2 (1 - 2^-20), exact in float32
@@ -43,6 +48,7 @@ def test_read_modify_write_with_locking_is_the_sequential_recurrence():
     assert r["iterations"] == 20 == r["stats"]["applied"]
 
 
+@pytest.mark.cluster
 def test_read_modify_write_without_locking_keeps_only_the_guarantees():
     """Unlocked read-modify-write updates may be lost (w = 2(1 - 2^-k), k <= 20);
     what is guaranteed: the counters are exact and w never passes the locked value."""
@@ -51,6 +57,7 @@ def test_read_modify_write_without_locking_keeps_only_the_guarantees():
     assert 1.0 <= r["w"] <= 2 * (1 - 0.5 ** 20)
 
 
+@pytest.mark.cluster
 def test_a_killed_worker_does_not_block_the_lock():
     r = run_scenario("locking_worker_killed", num_workers=3, epochs=4, steps_per_epoch=50,
                      kill_after=60)
@@ -62,6 +69,7 @@ def test_a_killed_worker_does_not_block_the_lock():
     assert r["weights_finite"]
 
 
+@pytest.mark.cluster
 def test_lock_wait_times_out_with_a_clear_error():
     r = run_scenario("lock_timeout", timeout_s=2.0)
     assert r["error"] == "TimeoutError"

@@ -29,6 +29,7 @@ def main_job(tmp_path_factory):
     return out, log
 
 
+@pytest.mark.cluster
 def test_main_job_trains_to_090_and_writes_metrics(main_job):
     out, log = main_job
     m = json.loads((out / "metrics.json").read_text())
@@ -53,6 +54,7 @@ def test_main_job_trains_to_090_and_writes_metrics(main_job):
     assert m["recovery"] is None and m["retried_closures"] == 0  # no faults, no backup
 
 
+@pytest.mark.cluster
 def test_saved_model_reloads_in_a_fresh_process_with_plain_tensorflow(main_job):
     out, _ = main_job
     code = (
@@ -73,6 +75,7 @@ def test_saved_model_reloads_in_a_fresh_process_with_plain_tensorflow(main_job):
     np.testing.assert_allclose(reloaded, chief, atol=1e-6)
 
 
+@pytest.mark.cluster
 def test_job_by_hand_four_train_processes(tmp_path):
     """ps, 2 workers and chief started as separate `tf-asyncps train` processes."""
     ports = [portpicker.pick_unused_port() for _ in range(4)]
@@ -105,6 +108,7 @@ def test_job_by_hand_four_train_processes(tmp_path):
     assert m["test_accuracy"] >= 0.85
 
 
+@pytest.mark.cluster
 def test_example_keras_fit_runs():
     _, log = run_command([sys.executable, "examples/keras_fit.py"], timeout=240)
     line = [l for l in log.splitlines() if l.startswith("test accuracy")][-1]

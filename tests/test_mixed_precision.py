@@ -181,6 +181,7 @@ def _accounting(r):
     return s
 
 
+@pytest.mark.cluster
 def test_sync_replicas_under_mixed_bfloat16_trains_in_float32_sums():
     r = run_scenario("mixed_precision_fit", precision="mixed_bfloat16",
                      policy="sync_replicas",
@@ -192,6 +193,7 @@ def test_sync_replicas_under_mixed_bfloat16_trains_in_float32_sums():
     assert r["loss"] < 0.6 * r["loss0"], r
 
 
+@pytest.mark.cluster
 def test_mixed_float16_loss_scaling_drops_overflowing_steps_and_lowers_the_scale():
     """LossScaleOptimizer around a LockingOptimizer, loss scale starting at 2**20:
     the first steps overflow float16, are dropped as non-finite and halve it."""

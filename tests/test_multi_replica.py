@@ -16,6 +16,7 @@ from conftest import run_scenario
     ("async", "momentum_schedule", False),  # lr schedule reads the step counter
     ("dc_asgd", "adam", True),              # read snapshot + lock; tau = 0 alone
 ])
+@pytest.mark.cluster
 def test_two_replicas_one_worker_equal_one_process_training(policy, optimizer, locking):
     r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy=policy,
                      optimizer=optimizer, locking=locking, epochs=2, steps_per_epoch=10,
@@ -28,6 +29,7 @@ def test_two_replicas_one_worker_equal_one_process_training(policy, optimizer, l
     assert s["dropped"] == 0 and s["histogram"][0] == 20  # one worker: tau = 0
 
 
+@pytest.mark.cluster
 def test_two_replicas_two_workers_sync_replicas_counts_worker_steps():
     r = run_scenario("replicas_fit", replicas=2, num_workers=2, policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "timeout_s": 60},
@@ -40,6 +42,7 @@ def test_two_replicas_two_workers_sync_replicas_counts_worker_steps():
     assert r["iterations"] == s["global_step"]
 
 
+@pytest.mark.cluster
 def test_two_replicas_mixed_float16_loss_scaling_once_per_worker_step():
     r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy="async",
                      optimizer="sgd", precision="mixed_float16", epochs=2,
@@ -53,6 +56,7 @@ def test_two_replicas_mixed_float16_loss_scaling_once_per_worker_step():
     assert r["loss_scale"] == 2.0 ** 15
 
 
+@pytest.mark.cluster
 def test_two_replicas_sparse_embedding_gradients_stay_exact():
     # Each replica's IndexedSlices are joined by concatenating rows (no
     # densifying); drop_stale takes the locked path.

@@ -22,6 +22,7 @@ POLICIES = [
 
 
 @pytest.mark.parametrize("policy,args", POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.cluster
 def test_one_worker_policy_equals_plain_sgd(policy, args):
     r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
                      epochs=1, steps_per_epoch=30)
@@ -32,6 +33,7 @@ def test_one_worker_policy_equals_plain_sgd(policy, args):
     assert s["histogram"][0] == 30  # one worker: tau is always 0
 
 
+@pytest.mark.cluster
 def test_drop_stale_zero_is_sequential_gradient_descent():
     r = run_scenario("full_batch_policy", policy="drop_stale",
                      policy_args={"max_staleness": 0}, num_workers=4, steps=60)
@@ -43,6 +45,7 @@ def test_drop_stale_zero_is_sequential_gradient_descent():
     np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
 
 
+@pytest.mark.cluster
 def test_async_full_batch_is_really_stale():
     """The contrast to the test above: async with 4 workers applies stale gradients."""
     r = run_scenario("full_batch_policy", policy="async", num_workers=4, steps=60)
@@ -51,9 +54,13 @@ def test_async_full_batch_is_really_stale():
     assert sum(s["histogram"]) == 60
 
 
-def test_ssp_bounds_the_clock_spread_with_a_straggler():
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "in_chain"])
+@pytest.mark.cluster
+def test_ssp_bounds_the_clock_spread_with_a_straggler(chained):
+    # Inside chain(ssp, "async") the wait, the clock tick and the
+    # end-of-schedule release (attach) must all still happen.
     r = run_scenario("ssp_straggler", max_staleness=1, num_workers=3, slow_worker=0,
-                     delay_ms=40, steps=45)
+                     delay_ms=40, steps=45, chained=chained)
     assert r["max_spread"] <= 1
     assert sum(r["clocks"]) == 45 == r["stats"]["applied"]
     # The straggler ran fewer steps than the fast workers, yet kept up within the bound.
@@ -62,6 +69,7 @@ def test_ssp_bounds_the_clock_spread_with_a_straggler():
 
 @pytest.mark.parametrize("policy,args", [("async", {}), ("staleness_aware", {}),
                                          ("dc_asgd", {"lambda_": 0.5})])
+@pytest.mark.cluster
 def test_indexed_slices_match_the_dense_reference(policy, args):
     r = run_scenario("embedding_single_worker", policy=policy, policy_args=args)
     assert "IndexedSlices" in r["grad_types"]  # the embedding gradient stayed sparse
@@ -69,6 +77,7 @@ def test_indexed_slices_match_the_dense_reference(policy, args):
     assert r["max_abs_diff"] < 1e-5
 
 
+@pytest.mark.cluster
 def test_nonfinite_gradients_are_dropped_and_counted():
     r = run_scenario("nonfinite_worker", num_workers=2, steps=40, bad_worker=1)
     s = r["stats"]
@@ -82,6 +91,7 @@ def test_nonfinite_gradients_are_dropped_and_counted():
 @pytest.mark.parametrize("policy,args", [
     ("drop_stale", "max_staleness=2"), ("staleness_aware", "mode=inverse"),
     ("ssp", "max_staleness=2"), ("dc_asgd", "lambda_=0.04")])
+@pytest.mark.cluster
 def test_digits_with_four_workers(policy, args, tmp_path):
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
                  "--flagfile=configs/digits_async.flags", "--num_workers=4", "--epochs=6",
@@ -98,6 +108,7 @@ def test_digits_with_four_workers(policy, args, tmp_path):
 @pytest.mark.parametrize("optimizer", ["momentum", "adam", "adagrad"])
 @pytest.mark.parametrize("policy,args", [("drop_stale", {"max_staleness": 0}),
                                          ("dc_asgd", {"lambda_": 0.5})])
+@pytest.mark.cluster
 def test_one_worker_policy_with_other_optimizers(policy, args, optimizer):
     lr = 0.1 if optimizer != "adam" else 0.01
     r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
@@ -105,3 +116,15 @@ def test_one_worker_policy_with_other_optimizers(policy, args, optimizer):
     assert r["moved"] > 1e-3
     assert r["max_abs_diff"] < 1e-5
     assert r["iterations"] == 20 == r["stats"]["applied"]
+
+
+@pytest.mark.cluster
+def test_watchdogs_run_while_closures_run_and_stop_when_the_coordinator_drains():
+    r = run_scenario("watchdogs_lifecycle", num_workers=2, steps=20)
+    for rnd in r["rounds"]:
+        # Two watchdogs: the update lock's (LockingOptimizer) and ssp's gate.
+        assert rnd["during"]["running"] == [True, True]
+        assert rnd["during"]["threads"] == ["asyncps-update_lock-watchdog", "ssp-gate-watchdog"]
+        assert rnd["after"]["running"] == [False, False]
+        assert rnd["after"]["threads"] == []
+    assert r["stats"]["applied"] == 40 and r["w"] == [-20.0] * 3

@@ -158,3 +158,60 @@ def test_readme_custom_policy_registers_in_under_30_lines():
     np.testing.assert_allclose(out[0].numpy(), [2.0])
     with pytest.raises(ValueError, match="already registered"):
         policies.register("async")(HalveWhenStale)
+
+
+def test_chain_forwards_every_hook_of_the_protocol():
+    """Every method UpdatePolicy declares is overridden by Chain, so a hook
+    added to the protocol without a forward in chain() fails here."""
+    hooks = {n for n, v in vars(policies.UpdatePolicy).items()
+             if callable(v) and not n.startswith("_")}
+    assert {"before_read", "after_step", "step_without_update", "attach", "watchdogs",
+            "exchange_due", "build", "init", "update", "validate_cluster"} <= hooks
+    missing = sorted(h for h in hooks if vars(policies.Chain).get(h) is None)
+    assert missing == []
+
+
+def test_chain_forwards_to_each_member_and_a_chain_of_one_is_that_policy():
+    calls = []
+
+    class Probe(policies.UpdatePolicy):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def before_read(self, w):
+            calls.append(("before_read", self.tag))
+            return [self.tag]
+
+        def attach(self, runtime):
+            calls.append(("attach", self.tag, runtime))
+
+        def watchdogs(self):
+            return [f"dog-{self.tag}"]
+
+        def update(self, grads, state, info):
+            return grads, True
+
+    c = policies.chain(Probe("a"), Probe("b"))
+    assert c.before_read(0) == ["a", "b"]
+    c.attach("rt")
+    assert calls[-2:] == [("attach", "a", "rt"), ("attach", "b", "rt")]
+    assert list(c.watchdogs()) == ["dog-a", "dog-b"]
+    ssp = policies.chain("ssp")
+    assert isinstance(ssp, policies.Chain) and ssp.clock_values == ssp.policies[0].clock_values
+    local = policies.chain("local_sgd")
+    assert local.local_copies and not local.atomic
+    assert bool(local.exchange_due(tf.constant(16, tf.int64)))
+    assert not bool(local.exchange_due(tf.constant(15, tf.int64)))
+
+
+@pytest.mark.parametrize("member", ["local_sgd", "sync_replicas"])
+def test_chain_refuses_a_policy_it_cannot_compose(member):
+    with pytest.raises(ValueError, match=r"chain\(\).*cannot be chained"):
+        policies.chain(member, "drop_stale")
+
+
+def test_update_results_become_decisions_or_fail_clearly():
+    d = policies.base.as_decision(([1], True))
+    assert d == policies.Decision([1], True, None)
+    with pytest.raises(TypeError, match=r"must return tf_asyncps.policies.Decision"):
+        policies.base.as_decision([1, 2, 3])

@@ -57,6 +57,7 @@ def _kill_task(out, name):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.cluster
 def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
     base, out = str(tmp_path / "uninterrupted"), str(tmp_path / "interrupted")
     run_command(_launch_cmd(base), timeout=150)
@@ -137,6 +138,7 @@ def test_atomic_write_json_keeps_the_old_file_when_a_write_fails(tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.cluster
 def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
     # --backup_dir holds a checkpoint of a 16-unit MLP; the job builds 32
     # units. The chief must say so, and launch must not re-run a chief whose

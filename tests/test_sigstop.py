@@ -16,6 +16,7 @@ POLICIES = [
 
 
 @pytest.mark.parametrize("policy,args", POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.cluster
 def test_sigstop_worker_for_5_s_then_continue(policy, args):
     r = run_scenario("sigstop_worker", timeout=170, policy=policy, policy_args=args,
                      num_workers=2, steps=STEPS, stop_after=10, stop_s=5.0)

@@ -267,6 +267,7 @@ def test_unresolvable_own_address_fails_with_the_name():
     assert "--allow_foreign_address" in msg
 
 
+@pytest.mark.cluster
 def test_cli_server_refuses_a_foreign_own_address_fast():
     rc, out, seconds = _cli("server", tf_config=_config(worker=f"{FOREIGN}:2222"))
     assert rc == 1 and f'cluster["worker"][0] = "{FOREIGN}:2222"' in out, out
@@ -274,6 +275,7 @@ def test_cli_server_refuses_a_foreign_own_address_fast():
     assert "Traceback" not in out and seconds < 2.0
 
 
+@pytest.mark.cluster
 def test_cli_allow_foreign_address_passes_the_check_and_warns_once():
     # The chief's own address is foreign; with the flag it passes the check
     # and stops at the next bad input (--hidden), before training starts.

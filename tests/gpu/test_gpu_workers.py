@@ -62,6 +62,7 @@ def _launch_env(**extra):
     return env
 
 
+@pytest.mark.cluster
 def test_worker_ops_on_gpu_variables_on_ps():
     ids = list(GPU_IDS[:2])
     r = run_scenario("gpu_placement", timeout=280, gpu_ids=ids)
@@ -84,6 +85,7 @@ def test_worker_ops_on_gpu_variables_on_ps():
 
 
 @pytest.mark.parametrize("precision", ["none", "auto"])
+@pytest.mark.cluster
 def test_digits_launch_one_gpu_per_worker(tmp_path, precision):
     n = min(2, len(GPU_IDS))
     out = tmp_path / "run"
@@ -114,6 +116,7 @@ def test_digits_launch_one_gpu_per_worker(tmp_path, precision):
     assert m["test_accuracy"] >= 0.85
 
 
+@pytest.mark.cluster
 def test_two_logical_gpus_per_worker_train_as_one_update_per_step(tmp_path):
     """One physical GPU split into 2 logical GPUs in the worker's server
     (TF_ASYNCPS_LOGICAL_GPUS): 2 replicas per worker step, whose gradients

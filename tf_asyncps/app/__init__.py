@@ -1,0 +1,11 @@
+"""The tools: the ``tf-asyncps`` command line, launch, the training job, bench,
+and the bundled datasets and models.
+
+* ``cli.py``: ``app.run(main)`` and the commands (launch, train, server, bench);
+* ``job.py``: the training job the chief runs (``model.fit``, metrics, export);
+* ``bench.py``: the benchmark suite;
+* ``datasets.py``, ``models.py``: the bundled data (scikit-learn digits, MNIST)
+  and tf_keras models.
+
+Nothing in ``core/``, ``policies/`` or ``cluster/`` imports this layer.
+"""

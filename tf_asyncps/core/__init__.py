@@ -1,0 +1,23 @@
+"""The runtime on the worker-step path.
+
+Everything a worker step runs through between ``strategy.run`` and the PS,
+one concept per module:
+
+* ``engine.py``: the policy engine: τ, the policy's decision, apply or drop,
+  the counters (start here);
+* ``protocol.py``: the update-policy protocol the engine calls (``UpdatePolicy``,
+  ``StepInfo``, ``Decision``);
+* ``step.py``: the worker step's trace-time context and the optimizer hooks;
+* ``staleness.py``: the global step and the τ histograms on the PS;
+* ``locking.py``: the update lock on the PS (bounded wait);
+* ``gate.py``: per-worker token gates on the PS (``ssp``, ``sync_replicas``);
+* ``watchdog.py``: the chief-side threads that bound every wait;
+* ``replicas.py``: K GPUs per worker: K replicas, one update;
+* ``local_copies.py``: per-worker copies and delta exchange (``local_sgd``);
+* ``grads.py``: dense/IndexedSlices gradient helpers;
+* ``mixed_precision.py``: loss scaling under this strategy;
+* ``faults.py``: closure retry and worker-failure accounting on the chief.
+
+This layer uses TensorFlow's public API and ``tf_asyncps.compat``; it never
+imports the policies, the strategy or the app.
+"""
