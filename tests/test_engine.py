@@ -1,0 +1,114 @@
+"""The policy engine in one process, no TensorFlow servers (fast tier).
+
+The engine (tf_asyncps/core/engine.py) needs no cluster: given a tracker on
+the local CPU and worker steps with chosen read steps r, its counters,
+decisions, non-finite drops and loss-scale updates have closed forms. The
+cluster tests keep what needs real concurrency (races, waits, faults).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps import policies
+from tf_asyncps.core.engine import PolicyEngine
+from tf_asyncps.core.staleness import StalenessTracker
+from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
+from tf_asyncps.optimizers import LockingOptimizer, is_locking, lock_timeout
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def _engine(policy, num_workers=1, **kwargs):
+    install_optimizer_hooks()
+    tracker = StalenessTracker(max_tracked=4, device=CPU)
+    policy = policies.get(policy, **kwargs)
+    policy.build(num_workers, CPU)
+    engine = PolicyEngine(policy, tracker, num_workers=num_workers, skip_nonfinite=True,
+                          is_locking=is_locking, lock_timeout=lock_timeout)
+    engine.strategy = tf.distribute.get_strategy()  # the default strategy
+    return engine
+
+
+def _stepper(engine, opt, w, grad_fn):
+    """A traced worker step whose read step r is an argument."""
+
+    @tf.function
+    def step(r, x, worker=tf.constant(0, tf.int64)):
+        ws = WorkerStep(engine, r, worker)
+        with ws.active():
+            opt.apply_gradients([(grad_fn(x), w)])
+        return ws.applied
+
+    return step
+
+
+def test_drop_stale_counts_and_applies_exactly_by_tau():
+    engine = _engine("drop_stale", max_staleness=1)
+    w = tf.Variable([10.0, 10.0])
+    opt = tf_keras.optimizers.SGD(0.5)
+    step = _stepper(engine, opt, w, lambda x: x)
+    g = tf.constant([1.0, 2.0])
+    # (r, g before the step): τ = g - r.  0-0=0 apply; 1-0=1 apply; 2-0=2 drop; 2-2=0 apply.
+    for r in (0, 0, 0, 2):
+        step(tf.constant(r, tf.int64), g)
+    s = engine.tracker.stats()
+    assert (s.global_step, s.applied, s.dropped) == (3, 3, 1)
+    assert s.histogram.tolist() == [2, 1, 0, 0, 0]
+    assert s.dropped_histogram.tolist() == [0, 0, 1, 0, 0]
+    assert w.numpy().tolist() == [10.0 - 0.5 * 3 * 1.0, 10.0 - 0.5 * 3 * 2.0]
+    assert int(opt.iterations.numpy()) == 3
+
+
+@pytest.mark.parametrize("locking", [False, True], ids=["unlocked", "locked"])
+def test_nonfinite_steps_are_dropped_counted_and_never_applied(locking):
+    engine = _engine("async")
+    w = tf.Variable([1.0])
+    opt = tf_keras.optimizers.SGD(0.25)
+    if locking:
+        opt = LockingOptimizer(opt)
+    step = _stepper(engine, opt, w, lambda x: x)
+    for v in (1.0, np.nan, 1.0, np.inf, 1.0):
+        step(tf.constant(0, tf.int64), tf.constant([v], tf.float32))
+    s = engine.tracker.stats()
+    assert (s.applied, s.dropped, s.nonfinite, s.global_step) == (3, 2, 2, 3)
+    assert w.numpy().tolist() == [1.0 - 0.25 * 3]
+    assert int(opt.iterations.numpy()) == 3
+    assert (engine.lock is not None) == locking
+    if locking:
+        assert engine.lock.acquisitions() == 5
+
+
+def test_a_dropped_nonfinite_step_halves_the_loss_scale():
+    engine = _engine("async")
+    w = tf.Variable([1.0])
+    opt = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.5),
+                                                      initial_scale=1024.0)
+    step = _stepper(engine, opt, w, lambda x: x)
+    step(tf.constant(0, tf.int64), tf.constant([np.nan]))
+    step(tf.constant(0, tf.int64), tf.constant([1.0]))
+    s = engine.tracker.stats()
+    assert (s.applied, s.nonfinite) == (1, 1)
+    assert float(opt.loss_scale.numpy()) == 512.0
+    assert w.numpy().tolist() == [0.5]
+
+
+def test_sync_replicas_means_exactly_n_gradients_per_update():
+    engine = _engine("sync_replicas", num_workers=2, replicas_to_aggregate=2, timeout_s=30)
+    w = tf.Variable([0.0])
+    opt = tf_keras.optimizers.SGD(1.0)
+    step = _stepper(engine, opt, w, lambda x: x)
+    # Four fresh gradients (r == g each time a round starts): two updates of their mean.
+    for i, (r, v) in enumerate(((0, 1.0), (0, 3.0), (1, 5.0), (1, 7.0))):
+        step(tf.constant(r, tf.int64), tf.constant([v]), tf.constant(i % 2, tf.int64))
+    s = engine.tracker.stats()
+    assert (s.global_step, s.applied, s.dropped) == (2, 4, 0)
+    assert w.numpy().tolist() == [-(1.0 + 3.0) / 2 - (5.0 + 7.0) / 2]
+    assert engine.policy.rounds() == 2
+    assert engine.policy.gradients_sent().tolist() == [2, 2]
+    # A late gradient (τ = 1 > max_staleness 0) is dropped and counted.
+    step(tf.constant(1, tf.int64), tf.constant([100.0]))
+    s = engine.tracker.stats()
+    assert (s.applied, s.dropped, s.dropped_histogram[1]) == (4, 1, 1)
+    engine.stop_watchdogs()
