@@ -77,14 +77,7 @@ def test_indexed_slices_match_the_dense_reference(policy, args):
     assert r["max_abs_diff"] < 1e-5
 
 
-@pytest.mark.cluster
-def test_nonfinite_gradients_are_dropped_and_counted():
-    r = run_scenario("nonfinite_worker", num_workers=2, steps=40, bad_worker=1)
-    s = r["stats"]
-    assert s["applied"] + s["dropped"] == 40
-    assert s["dropped"] == s["nonfinite"] > 0
-    assert s["global_step"] == s["applied"] == r["iterations"]
-    assert np.all(np.isfinite(r["w"]))
+# Non-finite drops and their counters: tests/test_engine.py (one process).
 
 
 # async on digits: the main job (test_main_job.py) and test_faults.py.
