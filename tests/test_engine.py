@@ -112,3 +112,53 @@ def test_sync_replicas_means_exactly_n_gradients_per_update():
     s = engine.tracker.stats()
     assert (s.applied, s.dropped, s.dropped_histogram[1]) == (4, 1, 1)
     engine.stop_watchdogs()
+
+
+def _optimizer(name, lr):
+    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
+            "momentum": lambda: tf_keras.optimizers.SGD(lr, momentum=0.9),
+            "adam": lambda: tf_keras.optimizers.Adam(lr),
+            "adagrad": lambda: tf_keras.optimizers.Adagrad(lr)}[name]()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adagrad"])
+@pytest.mark.parametrize("policy,args", [
+    ("async", {}), ("drop_stale", {"max_staleness": 0}), ("staleness_aware", {}),
+    ("ssp", {"max_staleness": 0, "timeout_s": 30}), ("dc_asgd", {"lambda_": 0.5})])
+def test_one_worker_under_every_policy_equals_the_plain_optimizer(policy, args, optimizer):
+    """Whole worker steps (before_read, read step, snapshot, decision, update,
+    after_step) with one worker: τ = 0 always, so every policy's update is the
+    plain optimizer's (dc_asgd's correction is 0 when w_now == w_read)."""
+    engine = _engine(policy, **args)
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(32, 4).astype(np.float32))
+    y = tf.constant(rng.randn(32, 1).astype(np.float32))
+    w0 = rng.randn(4, 1).astype(np.float32)
+    w, w_ref = tf.Variable(w0), tf.Variable(w0)
+    engine.track_variable(w, trainable=True)
+    opt, opt_ref = _optimizer(optimizer, 0.05), _optimizer(optimizer, 0.05)
+
+    def grads_of(var):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, var) - y))
+        return tape.gradient(loss, [var])
+
+    @tf.function
+    def step():
+        def fn():
+            opt.apply_gradients(zip(grads_of(w), [w]))
+        engine.worker_step(fn, index=lambda: tf.constant(0, tf.int64))()
+
+    @tf.function
+    def ref_step():
+        opt_ref.apply_gradients(zip(grads_of(w_ref), [w_ref]))
+
+    for _ in range(15):
+        step()
+        ref_step()
+    np.testing.assert_allclose(w.numpy(), w_ref.numpy(), atol=1e-6)
+    assert float(np.max(np.abs(w.numpy() - w0))) > 1e-2  # it trained
+    s = engine.tracker.stats()
+    assert (s.applied, s.dropped, s.global_step, s.max) == (15, 0, 15, 0)
+    assert int(opt.iterations.numpy()) == 15
+    engine.stop_watchdogs()

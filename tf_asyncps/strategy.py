@@ -198,11 +198,14 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
 
     def join(self):
         try:
-            return self._translate(super().join)
-        finally:
-            # local_sgd: push what workers trained since their last exchange;
-            # every policy: no watchdog polls the PS once the schedule drained.
-            self.engine.drained()
+            out = self._translate(super().join)
+        except BaseException:
+            self.engine.stop_watchdogs()  # keep the join's error, not a flush's
+            raise
+        # local_sgd: push what workers trained since their last exchange;
+        # every policy: no watchdog polls the PS once the schedule drained.
+        self.engine.drained()
+        return out
 
     def done(self):
         finished = self._translate(super().done)

@@ -93,14 +93,18 @@ class PolicyEngine:
             self.local.add_variable(var)
 
     # -- the worker step ------------------------------------------------------
-    def worker_step(self, fn):
-        """``fn`` (one replica's step) wrapped as a worker step."""
+    def worker_step(self, fn, index=worker_index):
+        """``fn`` (one replica's step) wrapped as a worker step.
+
+        ``index()`` gives the worker's index (int64 scalar tensor); inside a
+        scheduled closure the default reads it from the coordinator.
+        """
         if self.local is not None:
-            return self.local.worker_step(self, fn, worker_index)
+            return self.local.worker_step(self, fn, index)
 
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
-            w = worker_index()
+            w = index()
             r, snap = self.read_point(w)
             # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
