@@ -291,64 +291,6 @@ def keras3_fit_fails():
         return {"error": None}
 
 
-class _GradTypes(tf_asyncps.policies.UpdatePolicy):
-    """Records (at trace time) which gradient types reach the policy."""
-
-    name = "grad_types"
-    seen = []
-
-    def update(self, grads, state, info):
-        _GradTypes.seen.extend(type(g).__name__ for g in grads)
-        return grads, True
-
-
-@scenario
-def embedding_single_worker(policy="async", policy_args=None, steps=30, batch=8):
-    """IndexedSlices gradients (Embedding) vs a dense one-hot reference, 1 worker."""
-    rng = np.random.RandomState(0)
-    vocab, dim = 20, 4
-    ids = rng.randint(0, vocab, size=(steps * batch, 2)).astype(np.int64)
-    y = (ids.sum(axis=1) % 3).astype(np.int64)
-    e0 = rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32)
-    k0 = rng.uniform(-0.5, 0.5, (2 * dim, 3)).astype(np.float32)
-    b0 = np.zeros(3, np.float32)
-    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def sparse_model():
-        return tf_keras.Sequential([
-            tf_keras.Input(shape=(2,), dtype="int64"),
-            tf_keras.layers.Embedding(vocab, dim),
-            tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
-
-    def dataset_fn(ctx):
-        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch).repeat()
-
-    with _cluster(num_workers=1, num_ps=1) as c:
-        pol = tf_asyncps.policies.chain(
-            tf_asyncps.policies.get(policy, **(policy_args or {})), _GradTypes())
-        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=pol)
-        # Dense reference: one_hot(ids) @ E has a dense gradient for E.
-        ref = tf_keras.Sequential([
-            tf_keras.Input(shape=(2,), dtype="int64"),
-            tf_keras.layers.Lambda(lambda t: tf.one_hot(t, vocab)),
-            tf_keras.layers.Dense(dim, use_bias=False),
-            tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
-        ref.set_weights([e0, k0, b0])
-        ref.compile(tf_keras.optimizers.SGD(0.5), loss)
-        ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch), epochs=1,
-                steps_per_epoch=steps, verbose=0)
-        with strategy.scope():
-            model = sparse_model()
-            model.set_weights([e0, k0, b0])
-            model.compile(tf_keras.optimizers.SGD(0.5), loss)
-        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-                  steps_per_epoch=steps, verbose=0)
-        got, want = model.get_weights(), ref.get_weights()
-        return {"max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)),
-                "moved": float(np.max(np.abs(want[0] - e0))),
-                "grad_types": sorted(set(_GradTypes.seen)), "stats": _stats(strategy)}
-
-
 def _least_squares(n=64, features=5, seed=0):
     rng = np.random.RandomState(seed)
     x = rng.randn(n, features).astype(np.float32)
@@ -436,38 +378,6 @@ def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, st
         return {"clocks": p.clock_values().tolist(), "max_spread": p.max_clock_spread(),
                 "released_reads": p.released_reads(),
                 "stats": _stats(strategy)}
-
-
-@scenario
-def nonfinite_worker(num_workers=2, steps=40, bad_worker=1):
-    """One worker's data holds NaN: its gradients are dropped and counted."""
-    x, y = _least_squares()
-    with _cluster(num_workers=num_workers, num_ps=1) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
-        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        with strategy.scope():
-            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
-            opt = tf_keras.optimizers.SGD(0.01)
-
-        def loss_fn():
-            me = tf.distribute.coordinator.experimental_get_current_worker_index()
-            poison = tf.where(tf.equal(me, bad_worker), np.nan, 0.0)
-            return tf.reduce_mean(tf.square(tf.matmul(x + poison, w) - y))
-
-        _run_steps(coord, _step_fn(strategy, [w], opt, loss_fn), steps)
-        return {"w": w.numpy().ravel().tolist(), "iterations": int(opt.iterations.numpy()),
-                "stats": _stats(strategy)}
-
-
-def _make_opt(keras_name, name, lr):
-    if keras_name == "keras3":
-        import keras
-        return {"sgd": lambda: keras.optimizers.SGD(lr),
-                "adam": lambda: keras.optimizers.Adam(lr)}[name]()
-    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
-            "adam": lambda: tf_keras.optimizers.Adam(lr),
-            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
-            "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(lr)}[name]()
 
 
 @scenario

@@ -162,3 +162,63 @@ def test_one_worker_under_every_policy_equals_the_plain_optimizer(policy, args, 
     assert (s.applied, s.dropped, s.global_step, s.max) == (15, 0, 15, 0)
     assert int(opt.iterations.numpy()) == 15
     engine.stop_watchdogs()
+
+
+class _Types(policies.UpdatePolicy):
+    """Records the gradient types a policy chain hands on."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def update(self, grads, state, info):
+        self.seen.update(type(g).__name__ for g in grads)
+        return grads, True
+
+
+@pytest.mark.parametrize("policy,args,workers", [
+    ("async", {}, 1), ("staleness_aware", {}, 1), ("dc_asgd", {"lambda_": 0.5}, 1),
+    ("sync_replicas", {"replicas_to_aggregate": 2}, 2)])
+def test_sparse_gradients_stay_sparse_and_equal_the_dense_reference(policy, args, workers):
+    """Embedding rows (tf.gather: IndexedSlices gradients, duplicate ids
+    included) through the engine equal the dense one-hot reference."""
+    rng = np.random.RandomState(0)
+    vocab, dim = 12, 3
+    ids = tf.constant(rng.randint(0, vocab, size=(8, 2)))  # duplicates within a batch
+    target = tf.constant(rng.randn(8, 2, dim).astype(np.float32))
+    e0 = rng.randn(vocab, dim).astype(np.float32)
+    e, e_ref = tf.Variable(e0), tf.Variable(e0)
+    types = _Types()
+    engine = _engine("async", num_workers=workers)
+    engine.policy = policies.chain(policies.get(policy, **args), types) if policy != \
+        "sync_replicas" else policies.get(policy, **args)
+    engine.policy.build(workers, CPU)
+    engine.track_variable(e, trainable=True)
+    opt, opt_ref = tf_keras.optimizers.SGD(0.5), tf_keras.optimizers.SGD(0.5)
+
+    @tf.function
+    def step(w):
+        def fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.gather(e, ids) - target))
+            g = tape.gradient(loss, [e])
+            assert isinstance(g[0], tf.IndexedSlices)
+            opt.apply_gradients(zip(g, [e]))
+        engine.worker_step(fn, index=lambda: w)()
+
+    @tf.function
+    def ref_step():
+        with tf.GradientTape() as tape:
+            rows = tf.einsum("bkv,vd->bkd", tf.one_hot(ids, vocab), e_ref)
+            loss = tf.reduce_sum(tf.square(rows - target))
+        opt_ref.apply_gradients(zip(tape.gradient(loss, [e_ref]), [e_ref]))
+
+    for i in range(6):
+        step(tf.constant(i % workers, tf.int64))
+        if (i + 1) % workers == 0:  # sync_replicas: one update per N equal gradients
+            ref_step()
+    np.testing.assert_allclose(e.numpy(), e_ref.numpy(), atol=1e-5)
+    assert float(np.max(np.abs(e.numpy() - e0))) > 1e-2
+    if policy != "sync_replicas":
+        assert types.seen == {"IndexedSlices"}
+    s = engine.tracker.stats()
+    assert s.applied == 6 and s.global_step == 6 // workers

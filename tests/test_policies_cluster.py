@@ -13,10 +13,10 @@ from conftest import run_command, run_scenario
 pytestmark = pytest.mark.timeout(300)
 
 # async: tests/test_fit_exactness.py (the same scenario, two epochs).
+# Every policy x optimizer with one worker, in one process: tests/test_engine.py.
+# On the cluster: the locked path and the read-snapshot path.
 POLICIES = [
     ("drop_stale", {"max_staleness": 0}),
-    ("staleness_aware", {"mode": "inverse"}),
-    ("ssp", {"max_staleness": 0}),
     ("dc_asgd", {"lambda_": 0.5}),
 ]
 
@@ -54,36 +54,28 @@ def test_async_full_batch_is_really_stale():
     assert sum(s["histogram"]) == 60
 
 
-@pytest.mark.parametrize("chained", [False, True], ids=["alone", "in_chain"])
 @pytest.mark.cluster
-def test_ssp_bounds_the_clock_spread_with_a_straggler(chained):
-    # Inside chain(ssp, "async") the wait, the clock tick and the
-    # end-of-schedule release (attach) must all still happen.
+def test_ssp_bounds_the_clock_spread_with_a_straggler_also_inside_a_chain():
+    # Run inside chain(ssp, "async"): the wait, the clock tick and the
+    # end-of-schedule release (attach) must all still happen, so this is
+    # ssp's own test and the chain's (ssp alone: test_sigstop.py, digits).
     r = run_scenario("ssp_straggler", max_staleness=1, num_workers=3, slow_worker=0,
-                     delay_ms=40, steps=45, chained=chained)
+                     delay_ms=40, steps=45, chained=True)
     assert r["max_spread"] <= 1
     assert sum(r["clocks"]) == 45 == r["stats"]["applied"]
     # The straggler ran fewer steps than the fast workers, yet kept up within the bound.
     assert r["clocks"][0] < max(r["clocks"])
 
 
-@pytest.mark.parametrize("policy,args", [("async", {}), ("staleness_aware", {}),
-                                         ("dc_asgd", {"lambda_": 0.5})])
-@pytest.mark.cluster
-def test_indexed_slices_match_the_dense_reference(policy, args):
-    r = run_scenario("embedding_single_worker", policy=policy, policy_args=args)
-    assert "IndexedSlices" in r["grad_types"]  # the embedding gradient stayed sparse
-    assert r["moved"] > 1e-3
-    assert r["max_abs_diff"] < 1e-5
-
-
+# Sparse (IndexedSlices) gradients against a dense reference: tests/test_engine.py.
 # Non-finite drops and their counters: tests/test_engine.py (one process).
 
 
-# async on digits: the main job (test_main_job.py) and test_faults.py.
+# async on digits: the main job (test_main_job.py) and test_faults.py; staleness_aware
+# (a pure per-step rule): tests/test_engine.py and `tf-asyncps bench`.
 @pytest.mark.parametrize("policy,args", [
-    ("drop_stale", "max_staleness=2"), ("staleness_aware", "mode=inverse"),
-    ("ssp", "max_staleness=2"), ("dc_asgd", "lambda_=0.04")])
+    ("drop_stale", "max_staleness=2"), ("ssp", "max_staleness=2"),
+    ("dc_asgd", "lambda_=0.04")])
 @pytest.mark.cluster
 def test_digits_with_four_workers(policy, args, tmp_path):
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
