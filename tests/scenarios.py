@@ -380,6 +380,17 @@ def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, st
                 "stats": _stats(strategy)}
 
 
+def _make_opt(keras_name, name, lr):
+    if keras_name == "keras3":
+        import keras
+        return {"sgd": lambda: keras.optimizers.SGD(lr),
+                "adam": lambda: keras.optimizers.Adam(lr)}[name]()
+    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
+            "adam": lambda: tf_keras.optimizers.Adam(lr),
+            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
+            "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(lr)}[name]()
+
+
 @scenario
 def case002(keras_name="tf_keras", optimizer="sgd", locking=False, num_workers=4,
             steps=200, dim=1000):
