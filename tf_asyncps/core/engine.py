@@ -203,11 +203,11 @@ class PolicyEngine:
         keras_compat.make_iterations_atomic(optimizer)
         if step.group is not None and not tf.distribute.in_cross_replica_context():
             return replicas.apply_replicated(self, step, optimizer, grads_and_vars, apply_fn)
-        locking = self.policy.atomic or self._is_locking(optimizer)
+        marked = self._is_locking(optimizer)
         if step.local_state is not None:
             mixed_precision.check_local_copies(self.policy, optimizer)
-            return self.local.apply(step, grads_and_vars, apply_fn,
-                                    self._is_locking(optimizer))
+            return self.local.apply(step, grads_and_vars, apply_fn, marked)
+        locking = self.policy.atomic or marked
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)
