@@ -77,8 +77,9 @@ def wait_dead(pids, timeout=20.0):
     assert not left, f"child processes {left} outlived their parent"
 
 
-def run_scenario(name, timeout=240, **kwargs):
-    """Runs tests/scenarios.py NAME in a fresh process and returns its RESULT.
+def run_scenario(name, timeout=240, script=None, **kwargs):
+    """Runs ``script NAME kwargs`` (default tests/scenarios.py) in a fresh
+    process and returns its RESULT.
 
     Also checks that every cluster task the scenario started is gone.
     """
@@ -87,7 +88,7 @@ def run_scenario(name, timeout=240, **kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's
         # optimizers with TensorFlow (1.4 s of CPU each).
         env.setdefault("TF_USE_LEGACY_KERAS", "1")
-    _, out = run_command([sys.executable, os.path.join(HERE, "scenarios.py"), name,
+    _, out = run_command([sys.executable, script or os.path.join(HERE, "scenarios.py"), name,
                           json.dumps(kwargs)], timeout=timeout, env=env)
     for line in out.splitlines():
         if line.startswith("RESULT: "):

@@ -217,6 +217,13 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return self._translate(super().fetch, val)
 
 
+def _describe_source(resolver) -> str:
+    """Where a resolver's cluster came from, for messages."""
+    if isinstance(resolver, tf.distribute.cluster_resolver.TFConfigClusterResolver):
+        return "TF_CONFIG"
+    return f"{type(resolver).__name__}.cluster_spec()"
+
+
 class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     """Parameter-server training with pluggable asynchronous update policies.
 
@@ -235,8 +242,10 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     Args:
       cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver``
-        with "chief", "ps" and "worker" jobs; an "evaluator" job is left out
-        of the cluster TensorFlow connects to, with a warning.
+        with "ps" and "worker" jobs and, unless the resolver names no task
+        (the coordinator of an in-process cluster, as in TensorFlow's
+        tutorial), a "chief" job; an "evaluator" job is left out of the
+        cluster TensorFlow connects to, with a warning.
       update_policy: a registered policy name (``tf_asyncps.policies.names()``)
         or a ``tf_asyncps.policies.UpdatePolicy``.
       variable_partitioner: as in ``ParameterServerStrategy``.
@@ -266,13 +275,20 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             raise ValueError(
                 f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
         spec = cluster_resolver.cluster_spec().as_dict()
+        task_type = cluster_resolver.task_type
+        # A coordinator whose resolver names no task may have no "chief" job,
+        # as in vanilla PSS (see cluster.validate_tf_config): TensorFlow then
+        # adds a local one. Otherwise the cluster must have its chief.
         config = cluster_lib.validate_tf_config(
-            {"cluster": spec, "task": {"type": cluster_resolver.task_type or "chief",
-                                       "index": cluster_resolver.task_id or 0}})
-        if config.task_type != "chief":
+            {"cluster": spec,
+             "task": {"type": task_type or "chief", "index": cluster_resolver.task_id or 0}
+             if task_type is not None or "chief" in spec else {}},
+            require_task=False, require_chief=task_type is not None,
+            source=_describe_source(cluster_resolver))
+        if config.task_type not in (None, "chief"):
             raise ValueError(
-                f"AsyncParameterServerStrategy runs on the chief; this task is "
-                f"{config.task_type}:{config.task_id}. Start ps and worker tasks "
+                f"AsyncParameterServerStrategy runs on the coordinator (the chief); this "
+                f"task is {config.task_type}:{config.task_id}. Start ps and worker tasks "
                 "with `tf-asyncps server` (or `train`, which serves them).")
         if set(spec) - set(cluster_lib.ROLES):
             # An evaluator is no server of this cluster: connecting to it would hang.

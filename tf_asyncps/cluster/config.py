@@ -82,10 +82,16 @@ class ClusterConfig(dict):
                            "task": {"type": task_type, "index": task_id}})
 
 
+class _Invalid(Exception):
+    """A failed check: the message and the cluster it read (see validate_tf_config)."""
+
+    def __init__(self, msg: str, cluster=None):
+        super().__init__(msg)
+        self.msg, self.cluster = msg, cluster
+
+
 def _fail(msg: str, cluster=None) -> None:
-    if cluster is not None:
-        msg += f"\n  cluster read from TF_CONFIG: {json.dumps(cluster, default=str)}"
-    raise ValueError("Invalid TF_CONFIG: " + msg)
+    raise _Invalid(msg, cluster)
 
 
 def _check_address(job: str, i: int, addr, cluster) -> str:
@@ -117,20 +123,45 @@ def _canonical(addr: str) -> str:
 
 
 def validate_tf_config(tf_config: Union[str, dict, None] = None,
-                       require_task: bool = True) -> ClusterConfig:
+                       require_task: bool = True, *, require_chief: bool = True,
+                       source: str = "TF_CONFIG") -> ClusterConfig:
     """Checks a TF_CONFIG for a parameter-server training cluster.
+
+    The "chief" rule follows TensorFlow. Every ps and worker task, and a
+    chief started from TF_CONFIG, needs the "chief" job in the cluster: the
+    other tasks reach the coordinator there, and a TF_CONFIG without it stalls
+    training (shared/cases/001). Only the coordinator process itself, when its
+    resolver names no task (TensorFlow's in-process clusters and
+    ``SimpleClusterResolver(spec)``), may leave it out:
+    ``ParameterServerStrategy`` then adds a local "chief" job on an unused
+    port (``tf.config.experimental_connect_to_cluster``). The strategy passes
+    ``require_chief=False`` in that case only.
 
     Args:
       tf_config: JSON string or dict; None reads the ``TF_CONFIG`` env var.
       require_task: whether ``task`` must be present.
+      require_chief: whether the cluster must have a "chief" job (see above).
+      source: where the cluster came from, for messages ("TF_CONFIG", or
+        e.g. "SimpleClusterResolver.cluster_spec()").
 
     Returns:
       A :class:`ClusterConfig` (ClusterSpec-like) with ``task_type``/``task_id``.
 
     Raises:
       ValueError: naming the field at fault and the fix, and showing the
-        cluster that was read. Runs in microseconds: no network access.
+        cluster that was read and where it came from. Runs in microseconds:
+        no network access.
     """
+    try:
+        return _validate(tf_config, require_task, require_chief)
+    except _Invalid as e:
+        msg = e.msg
+        if e.cluster is not None:
+            msg += f"\n  cluster read from {source}: {json.dumps(e.cluster, default=str)}"
+        raise ValueError(f"Invalid {source}: {msg}") from None
+
+
+def _validate(tf_config, require_task: bool, require_chief: bool) -> ClusterConfig:
     if tf_config is None:
         tf_config = os.environ.get("TF_CONFIG")
         if not tf_config:
@@ -165,7 +196,8 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
         if not isinstance(addrs, list):
             _fail(f'cluster["{job}"] must be a list of "host:port" strings, got '
                   f'{type(addrs).__name__}.', cluster)
-    for job in ROLES:
+    jobs = [j for j in ROLES if j in cluster or require_chief or j != "chief"]
+    for job in jobs:
         if job not in cluster:
             what = {"chief": "the coordinator that runs model.fit",
                     "ps": "a parameter server that holds the variables",
@@ -175,12 +207,12 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
         if not cluster[job]:
             _fail(f'cluster["{job}"] is an empty list: give at least one '
                   f'"host:port".', cluster)
-    if len(cluster["chief"]) != 1:
+    if len(cluster.get("chief", [None])) != 1:
         _fail(f'cluster["chief"] has {len(cluster["chief"])} addresses; a cluster '
               'has exactly one chief: keep one address there (extra trainers are '
               '"worker" tasks).', cluster)
     seen = {}
-    for job in ROLES:
+    for job in jobs:
         for i, addr in enumerate(cluster[job]):
             _check_address(job, i, addr, cluster)
             key = _canonical(addr)
@@ -217,11 +249,15 @@ def validate_tf_config(tf_config: Union[str, dict, None] = None,
         if isinstance(task_id, bool) or not isinstance(task_id, int):
             _fail(f'task "index" is {task_id!r} ({type(task_id).__name__}); it must be '
                   f'an integer such as 0.', cluster)
+        if task_type not in cluster:  # only "chief", with require_chief=False
+            _fail(f'this task is "chief" but the cluster has no "chief" job: add "chief": '
+                  '["host:port"], or give the coordinator no task (ParameterServerStrategy '
+                  'then adds a local chief itself).', cluster)
         n = len(cluster[task_type])
         if not 0 <= task_id < n:
             _fail(f'task index {task_id} is out of range: cluster["{task_type}"] '
                   f"has {n} task(s), so the index must be in 0..{n - 1}.", cluster)
-    training = {job: cluster[job] for job in ROLES}
+    training = {job: cluster[job] for job in jobs}
     return ClusterConfig(training, task_type, task_id, "grpc", evaluators)
 
 

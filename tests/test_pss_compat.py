@@ -1,0 +1,234 @@
+"""Drop-in for ParameterServerStrategy: TensorFlow's own tutorial code, with the
+class name as the only change.
+
+The scenarios below are the code paths of TensorFlow's parameter-server
+tutorial (tensorflow.org/tutorials/distribute/parameter_server_training): an
+in-process cluster of "worker" and "ps" jobs only (no "chief": the calling
+process is the coordinator), ``SimpleClusterResolver``, ``model.fit`` with a
+``DatasetCreator`` (``steps_per_execution``, ModelCheckpoint, BackupAndRestore,
+inline evaluation), a custom loop with ``create_per_worker_dataset`` and
+``schedule``/``join``, and exact evaluation (``pss_evaluation_shards``). Each
+scenario runs in its own process (TensorFlow allows one cluster per process):
+``python tests/test_pss_compat.py NAME '{kwargs}'``.
+"""
+
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+
+import pytest
+
+if __name__ != "__main__":
+    from conftest import run_scenario
+
+FIT_EPOCHS, FIT_STEPS, LOOP_EPOCHS, LOOP_STEPS = 3, 20, 3, 10
+FIT_WORKER_STEPS = FIT_EPOCHS * FIT_STEPS
+LOOP_WORKER_STEPS = LOOP_EPOCHS * LOOP_STEPS + 1  # the tutorial's last fetched step
+
+
+# -- the scenario (runs in its own process) ---------------------------------------
+def _create_in_process_cluster(tf, num_workers, num_ps):
+    """The tutorial's create_in_process_cluster, as published."""
+    import portpicker
+    worker_ports = [portpicker.pick_unused_port() for _ in range(num_workers)]
+    ps_ports = [portpicker.pick_unused_port() for _ in range(num_ps)]
+    cluster_dict = {"worker": ["localhost:%s" % port for port in worker_ports]}
+    if num_ps > 0:
+        cluster_dict["ps"] = ["localhost:%s" % port for port in ps_ports]
+    cluster_spec = tf.train.ClusterSpec(cluster_dict)
+    # Workers need some inter_ops threads to work properly.
+    worker_config = tf.compat.v1.ConfigProto()
+    if multiprocessing.cpu_count() < num_workers + 1:
+        worker_config.inter_op_parallelism_threads = num_workers + 1
+    for i in range(num_workers):
+        tf.distribute.Server(cluster_spec, job_name="worker", task_index=i,
+                             config=worker_config, protocol="grpc")
+    for i in range(num_ps):
+        tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, config=worker_config,
+                             protocol="grpc")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, rpc_layer="grpc")
+
+
+def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, num_ps=2):
+    """The tutorial's fit, inline evaluation, exact evaluation and custom loop."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    import tf_asyncps
+
+    tf_keras.utils.set_random_seed(0)
+    cluster_resolver = _create_in_process_cluster(tf, num_workers, num_ps)
+    variable_partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=(256 << 10), max_shards=num_ps)
+    if strategy == "vanilla":
+        strategy = tf.distribute.ParameterServerStrategy(
+            cluster_resolver, variable_partitioner=variable_partitioner)
+    else:  # the class name changed, and the policy chosen
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            cluster_resolver, variable_partitioner=variable_partitioner,
+            update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+
+    # -- model.fit with a DatasetCreator ---------------------------------------
+    x_all = np.random.RandomState(0).uniform(size=(64, 10)).astype(np.float32)
+    y_all = (x_all.sum(axis=1) / 10.0).astype(np.float32)
+
+    def dataset_fn(input_context):
+        global_batch_size = 16
+        batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices((x_all, y_all)).shuffle(64, seed=0).repeat()
+        dataset = dataset.shard(input_context.num_input_pipelines,
+                                input_context.input_pipeline_id)
+        dataset = dataset.batch(batch_size)
+        return dataset.prefetch(2)
+
+    dc = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+    with strategy.scope():
+        model = tf_keras.models.Sequential([tf_keras.layers.Dense(1)])
+        model.compile(tf_keras.optimizers.legacy.SGD(0.1), loss="mse", metrics=["mae"],
+                      steps_per_execution=10, pss_evaluation_shards="auto")
+    work = tempfile.mkdtemp(prefix="pss_tutorial_")
+    callbacks = [tf_keras.callbacks.TensorBoard(log_dir=os.path.join(work, "log")),
+                 tf_keras.callbacks.ModelCheckpoint(filepath=os.path.join(work, "ckpt")),
+                 tf_keras.callbacks.BackupAndRestore(backup_dir=os.path.join(work, "backup"))]
+    history = model.fit(dc, epochs=FIT_EPOCHS, steps_per_epoch=FIT_STEPS, callbacks=callbacks,
+                        validation_data=tf_keras.utils.experimental.DatasetCreator(dataset_fn),
+                        validation_steps=4)
+    fit_iterations = int(model.optimizer.iterations.numpy())
+
+    # -- exact evaluation: every example once, as in one process ---------------
+    eval_ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(8)
+    exact = model.evaluate(eval_ds, return_dict=True, verbose=0)
+    local = tf_keras.models.Sequential([tf_keras.layers.Dense(1)])
+    local.build((None, 10))
+    local.set_weights(model.get_weights())
+    local.compile(loss="mse", metrics=["mae"])
+    reference = local.evaluate(x_all, y_all, batch_size=8, return_dict=True, verbose=0)
+
+    # -- the custom loop --------------------------------------------------------
+    labels_all = (x_all.sum(axis=1) > 5.0).astype(np.int64)
+
+    def loop_dataset_fn(input_context):
+        batch_size = input_context.get_per_replica_batch_size(16)
+        dataset = tf.data.Dataset.from_tensor_slices((x_all, labels_all)).shuffle(
+            64, seed=1).repeat()
+        dataset = dataset.shard(input_context.num_input_pipelines,
+                                input_context.input_pipeline_id)
+        return dataset.batch(batch_size).prefetch(2)
+
+    with strategy.scope():
+        loop_model = tf_keras.models.Sequential([tf_keras.layers.Dense(1, activation="sigmoid")])
+        optimizer = tf_keras.optimizers.legacy.RMSprop(learning_rate=0.1)
+        accuracy = tf_keras.metrics.Accuracy()
+
+    @tf.function
+    def step_fn(iterator):
+        def replica_fn(batch_data, labels):
+            with tf.GradientTape() as tape:
+                pred = loop_model(batch_data, training=True)
+                per_example_loss = tf_keras.losses.BinaryCrossentropy(
+                    reduction=tf_keras.losses.Reduction.NONE)(labels, pred)
+                loss = tf.nn.compute_average_loss(per_example_loss)
+            gradients = tape.gradient(loss, loop_model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, loop_model.trainable_variables))
+            actual_pred = tf.cast(tf.greater(pred, 0.5), tf.int64)
+            accuracy.update_state(labels, actual_pred)
+            return loss
+
+        batch_data, labels = next(iterator)
+        losses = strategy.run(replica_fn, args=(batch_data, labels))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    @tf.function
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(loop_dataset_fn)
+
+    per_worker_iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+    for _ in range(LOOP_EPOCHS):
+        accuracy.reset_states()
+        for _ in range(LOOP_STEPS):
+            coordinator.schedule(step_fn, args=(per_worker_iterator,))
+        coordinator.join()
+    final_loss = float(coordinator.schedule(step_fn, args=(per_worker_iterator,)).fetch())
+    coordinator.join()
+
+    result = {
+        "loss": [float(v) for v in history.history["loss"]],
+        "val_loss": [float(v) for v in history.history.get("val_loss", [])],
+        "fit_iterations": fit_iterations, "loop_iterations": int(optimizer.iterations.numpy()),
+        "exact": exact, "reference": reference, "final_loss": final_loss,
+        "fit_weights": [w.tolist() for w in model.get_weights()],
+        "loop_weights": [w.tolist() for w in loop_model.get_weights()],
+        "accuracy": float(accuracy.result().numpy()),
+    }
+    if hasattr(strategy, "staleness_stats"):
+        result["stats"] = strategy.staleness_stats().to_dict()
+    return result
+
+
+SCENARIOS = {"tutorial": tutorial}
+
+if __name__ == "__main__":
+    out = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2]))
+    out["_child_pids"] = []  # in-process servers: nothing outlives this process
+    print("RESULT: " + json.dumps(out), flush=True)
+    os._exit(0)  # skip TensorFlow's teardown of the in-process servers
+
+
+# -- the tests -----------------------------------------------------------------
+def _run(**kwargs):
+    return run_scenario("tutorial", timeout=200, script=os.path.abspath(__file__), **kwargs)
+
+
+def _assert_trained_exactly(r):
+    assert r["loss"][-1] < r["loss"][0]
+    assert len(r["val_loss"]) == FIT_EPOCHS  # inline evaluation ran every epoch
+    # Exact evaluation visited each of the 64 examples once: the one-process value.
+    assert r["exact"]["loss"] == pytest.approx(r["reference"]["loss"], rel=1e-5, abs=1e-6)
+    assert r["exact"]["mae"] == pytest.approx(r["reference"]["mae"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(420)
+def test_tutorial_with_one_worker_equals_vanilla_parameter_server_strategy():
+    vanilla = _run(strategy="vanilla", num_workers=1)
+    ours = _run(strategy="async", num_workers=1)
+    for key in ("fit_weights", "loop_weights"):
+        for a, b in zip(vanilla[key], ours[key]):
+            assert a == pytest.approx(b, abs=1e-6)
+    assert vanilla["loss"] == pytest.approx(ours["loss"], abs=1e-6)
+    assert ours["fit_iterations"] == vanilla["fit_iterations"] == FIT_WORKER_STEPS
+    assert ours["loop_iterations"] == vanilla["loop_iterations"] == LOOP_WORKER_STEPS
+    s = ours["stats"]
+    assert s["applied"] == s["global_step"] == FIT_WORKER_STEPS + LOOP_WORKER_STEPS
+    assert s["max"] == 0  # one worker alone: τ = 0
+    _assert_trained_exactly(vanilla)
+    _assert_trained_exactly(ours)
+
+
+@pytest.mark.parametrize("policy,args", [
+    ("async", {}), ("drop_stale", {"max_staleness": 2}), ("staleness_aware", {}),
+    ("ssp", {"max_staleness": 1}), ("dc_asgd", {}),
+    ("sync_replicas", {"replicas_to_aggregate": 2}), ("local_sgd", {"sync_every": 10})])
+@pytest.mark.cluster
+def test_tutorial_on_a_chiefless_in_process_cluster_under_every_policy(policy, args):
+    r = _run(strategy="async", policy=policy, policy_args=args, num_workers=2)
+    s = r["stats"]
+    steps = FIT_WORKER_STEPS + LOOP_WORKER_STEPS
+    _assert_trained_exactly(r)
+    if policy == "local_sgd":
+        # Every worker step trained a local copy; counters are deltas, exact.
+        assert s["local_steps"] == steps
+        assert r["fit_iterations"] == FIT_WORKER_STEPS
+        assert r["loop_iterations"] == LOOP_WORKER_STEPS
+        return
+    assert s["applied"] + s["dropped"] == steps
+    if policy == "sync_replicas":
+        assert s["global_step"] == r["fit_iterations"] + r["loop_iterations"]
+        assert s["global_step"] * 2 <= s["applied"] <= s["global_step"] * 2 + 2
+    else:
+        assert s["global_step"] == s["applied"]
+        assert r["fit_iterations"] + r["loop_iterations"] == s["applied"]
