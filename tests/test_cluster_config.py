@@ -248,3 +248,73 @@ def test_local_cluster_rejects_bad_sizes():
         LocalCluster(num_workers=0)
     with pytest.raises(ValueError, match="num_ps"):
         LocalCluster(num_workers=1, num_ps=True)
+
+
+# -- the "chief" rule (issue 14): follows TensorFlow -------------------------------
+CHIEFLESS = {"ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002", "127.0.0.1:2003"]}
+
+
+def test_a_coordinator_with_no_task_may_leave_out_the_chief():
+    # TensorFlow's in-process clusters: the calling process is the coordinator
+    # and ParameterServerStrategy adds a local "chief" job itself.
+    c = validate_tf_config({"cluster": CHIEFLESS}, require_task=False, require_chief=False)
+    assert c.task_type is None and c.jobs == ["ps", "worker"]
+    assert c.num_workers == 2 and c.num_ps == 1
+
+
+@pytest.mark.parametrize("task", [{"type": "worker", "index": 0}, {"type": "ps", "index": 0},
+                                  {"type": "chief", "index": 0}])
+def test_a_task_named_in_a_chiefless_tf_config_is_still_refused(task):
+    # case 001 and its variants: a ps/worker (or a chief) started from a
+    # TF_CONFIG with no "chief" job stalls training, so it stays an error.
+    with pytest.raises(ValueError) as e:
+        validate_tf_config({"cluster": CHIEFLESS, "task": task})
+    assert 'no "chief" task' in str(e.value) and 'add "chief": ["host:port"]' in str(e.value)
+
+
+def test_a_chief_task_without_a_chief_job_is_named():
+    with pytest.raises(ValueError) as e:
+        validate_tf_config({"cluster": CHIEFLESS, "task": {"type": "chief", "index": 0}},
+                           require_chief=False, source="SimpleClusterResolver.cluster_spec()")
+    msg = str(e.value)
+    assert msg.startswith("Invalid SimpleClusterResolver.cluster_spec(): this task is \"chief\"")
+    assert "give the coordinator no task" in msg
+    assert "cluster read from SimpleClusterResolver.cluster_spec(): " + json.dumps(CHIEFLESS) in msg
+    assert "TF_CONFIG" not in msg
+
+
+# Clusters both strategies refuse, with vanilla's words; ours says more, and
+# raises the same type (ValueError), before any connection is tried.
+REFUSED = [
+    ("two_chiefs", {"chief": ["localhost:1", "localhost:2"], **CHIEFLESS}, None,
+     "at most one 'chief'", 'cluster["chief"] has 2 addresses'),
+    ("unknown_job", {"chief": ["localhost:1"], "trainer": ["localhost:5"], **CHIEFLESS}, None,
+     "Disallowed task type", 'unknown job "trainer"'),
+    ("no_ps", {"chief": ["localhost:1"], "worker": ["localhost:4"]}, None,
+     "at least one ps", 'no "ps" task'),
+    ("no_worker", {"chief": ["localhost:1"], "ps": ["localhost:3"]}, None,
+     "at least one worker", 'no "worker" task'),
+    ("chief_task_without_chief_job", CHIEFLESS, "chief",
+     "'chief' not found in cluster_spec", 'this task is "chief" but the cluster has no "chief"'),
+]
+
+
+@pytest.mark.parametrize("name,spec,task_type,vanilla_words,our_words", REFUSED,
+                         ids=[r[0] for r in REFUSED])
+def test_refused_clusters_raise_what_vanilla_raises(name, spec, task_type, vanilla_words,
+                                                    our_words):
+    import tensorflow as tf
+    import tf_asyncps
+
+    def resolver():
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type=task_type,
+            task_id=0 if task_type else None, rpc_layer="grpc")
+
+    with pytest.raises(ValueError, match=vanilla_words.replace("(", r"\(").replace(")", r"\)")):
+        tf.distribute.ParameterServerStrategy(resolver())
+    with pytest.raises(ValueError) as e:
+        tf_asyncps.AsyncParameterServerStrategy(resolver())
+    msg = str(e.value)
+    assert our_words in msg, msg
+    assert msg.startswith("Invalid SimpleClusterResolver.cluster_spec(): "), msg

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 if __name__ != "__main__":
@@ -85,29 +86,36 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
 
     dc = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
     with strategy.scope():
-        model = tf_keras.models.Sequential([tf_keras.layers.Dense(1)])
+        # A seeded initializer: the same start as vanilla's, whatever else
+        # either strategy draws from the global seed.
+        model = tf_keras.models.Sequential([tf_keras.layers.Dense(
+            1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=1))])
         model.compile(tf_keras.optimizers.legacy.SGD(0.1), loss="mse", metrics=["mae"],
                       steps_per_execution=10, pss_evaluation_shards="auto")
     work = tempfile.mkdtemp(prefix="pss_tutorial_")
     callbacks = [tf_keras.callbacks.TensorBoard(log_dir=os.path.join(work, "log")),
                  tf_keras.callbacks.ModelCheckpoint(filepath=os.path.join(work, "ckpt")),
                  tf_keras.callbacks.BackupAndRestore(backup_dir=os.path.join(work, "backup"))]
+    # Inline evaluation; with pss_evaluation_shards it is exact, so the
+    # validation data must be finite (tf_keras refuses a repeat()ed dataset).
+    # Exact evaluation ("auto") cuts the data into 5 x num_workers shards and
+    # tf.data refuses an empty shard ("Could not apply FILE based sharding"),
+    # so 64 examples go in 16 batches of 4.
+    eval_ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(4)
     history = model.fit(dc, epochs=FIT_EPOCHS, steps_per_epoch=FIT_STEPS, callbacks=callbacks,
-                        validation_data=tf_keras.utils.experimental.DatasetCreator(dataset_fn),
-                        validation_steps=4)
+                        validation_data=eval_ds)
     fit_iterations = int(model.optimizer.iterations.numpy())
 
     # -- exact evaluation: every example once, as in one process ---------------
-    eval_ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(8)
     exact = model.evaluate(eval_ds, return_dict=True, verbose=0)
     local = tf_keras.models.Sequential([tf_keras.layers.Dense(1)])
     local.build((None, 10))
     local.set_weights(model.get_weights())
     local.compile(loss="mse", metrics=["mae"])
-    reference = local.evaluate(x_all, y_all, batch_size=8, return_dict=True, verbose=0)
+    reference = local.evaluate(x_all, y_all, batch_size=4, return_dict=True, verbose=0)
 
     # -- the custom loop --------------------------------------------------------
-    labels_all = (x_all.sum(axis=1) > 5.0).astype(np.int64)
+    labels_all = (x_all.sum(axis=1, keepdims=True) > 5.0).astype(np.int64)
 
     def loop_dataset_fn(input_context):
         batch_size = input_context.get_per_replica_batch_size(16)
@@ -118,7 +126,9 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
         return dataset.batch(batch_size).prefetch(2)
 
     with strategy.scope():
-        loop_model = tf_keras.models.Sequential([tf_keras.layers.Dense(1, activation="sigmoid")])
+        loop_model = tf_keras.models.Sequential([tf_keras.layers.Dense(
+            1, activation="sigmoid",
+            kernel_initializer=tf_keras.initializers.GlorotUniform(seed=2))])
         optimizer = tf_keras.optimizers.legacy.RMSprop(learning_rate=0.1)
         accuracy = tf_keras.metrics.Accuracy()
 
@@ -159,7 +169,8 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
         "loss": [float(v) for v in history.history["loss"]],
         "val_loss": [float(v) for v in history.history.get("val_loss", [])],
         "fit_iterations": fit_iterations, "loop_iterations": int(optimizer.iterations.numpy()),
-        "exact": exact, "reference": reference, "final_loss": final_loss,
+        "exact": {k: float(v) for k, v in exact.items()},
+        "reference": {k: float(v) for k, v in reference.items()}, "final_loss": final_loss,
         "fit_weights": [w.tolist() for w in model.get_weights()],
         "loop_weights": [w.tolist() for w in loop_model.get_weights()],
         "accuracy": float(accuracy.result().numpy()),
@@ -198,7 +209,7 @@ def test_tutorial_with_one_worker_equals_vanilla_parameter_server_strategy():
     ours = _run(strategy="async", num_workers=1)
     for key in ("fit_weights", "loop_weights"):
         for a, b in zip(vanilla[key], ours[key]):
-            assert a == pytest.approx(b, abs=1e-6)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     assert vanilla["loss"] == pytest.approx(ours["loss"], abs=1e-6)
     assert ours["fit_iterations"] == vanilla["fit_iterations"] == FIT_WORKER_STEPS
     assert ours["loop_iterations"] == vanilla["loop_iterations"] == LOOP_WORKER_STEPS

@@ -131,7 +131,10 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             # update's value instead of raising.
             kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
         var = super()._create_variable(next_creator, **kwargs)
-        if per_worker or not isinstance(var, tf.Variable):
+        # Function-local variables (tf_keras's exact evaluation clones its
+        # metrics with lifting off) live and die in one closure: not tracked.
+        local = kwargs.get("experimental_enable_variable_lifting", True) is False
+        if per_worker or local or not isinstance(var, tf.Variable):
             return var
         self.engine.track_variable(var, trainable=kwargs.get("trainable", True) is not False)
         return var
@@ -283,7 +286,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             {"cluster": spec,
              "task": {"type": task_type or "chief", "index": cluster_resolver.task_id or 0}
              if task_type is not None or "chief" in spec else {}},
-            require_task=False, require_chief=task_type is not None,
+            # A "chief" task without a chief job gets its own message there.
+            require_task=False, require_chief=task_type not in (None, "chief"),
             source=_describe_source(cluster_resolver))
         if config.task_type not in (None, "chief"):
             raise ValueError(

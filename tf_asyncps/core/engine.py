@@ -40,11 +40,15 @@ __all__ = ["PolicyEngine", "worker_index"]
 def worker_index() -> tf.Tensor:
     """The current worker's index (int64 scalar) inside a scheduled closure, else 0."""
     if tf_compat.inside_function():
-        try:
-            return tf.cast(
-                tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
-        except RuntimeError:
-            pass
+        # Read in the scheduled function's own graph: TF does not feed a
+        # call-time capture made inside a cond in a while body, which is
+        # where tf_keras runs the step when steps_per_execution > 1.
+        with tf_compat.outermost_graph().as_default():
+            try:
+                return tf.cast(
+                    tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+            except RuntimeError:
+                pass
     return tf.constant(0, tf.int64)
 
 
