@@ -93,9 +93,22 @@ def _optimizer(name, lr):
 
 
 @scenario
-def single_worker_fit(policy="async", policy_args=None, optimizer="sgd", lr=0.1,
-                      epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1):
+def single_worker_fit(**kwargs):
     """One worker: fit under the strategy vs fit in one process, same order."""
+    with _cluster(num_workers=1, num_ps=1) as c:
+        return _single_worker_fit(c, **kwargs)
+
+
+@scenario
+def single_worker_fits(cases):
+    """single_worker_fit for each kwargs dict of ``cases``, one strategy each
+    on one cluster (one cluster per process: DESIGN)."""
+    with _cluster(num_workers=1, num_ps=1) as c:
+        return {"runs": [_single_worker_fit(c, **case) for case in cases]}
+
+
+def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=0.1,
+                       epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1):
     x, y = _small_problem(n=steps_per_epoch * batch)
     rng = np.random.RandomState(1)
     w0 = [rng.uniform(-0.5, 0.5, shape).astype(np.float32)
@@ -107,29 +120,28 @@ def single_worker_fit(policy="async", policy_args=None, optimizer="sgd", lr=0.1,
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         return ds.batch(batch).repeat()
 
-    with _cluster(num_workers=1, num_ps=1) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
-        # Reference: plain single-process tf_keras training on the same batches
-        # (runs on the chief's own CPU, outside the strategy's scope).
-        ref = _mlp()
-        ref.set_weights(w0)
-        ref.compile(_optimizer(optimizer, lr), loss, steps_per_execution=steps_per_execution)
-        ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
-                epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
-        with strategy.scope():
-            model = _mlp()
-            model.set_weights(w0)
-            model.compile(_optimizer(optimizer, lr), loss,
-                          steps_per_execution=steps_per_execution)
-        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
-                  steps_per_epoch=steps_per_epoch, verbose=0)
-        diffs = [float(np.max(np.abs(a - b)))
-                 for a, b in zip(model.get_weights(), ref.get_weights())]
-        moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
-        return {"max_abs_diff": max(diffs), "moved": max(moved),
-                "iterations": int(model.optimizer.iterations.numpy()),
-                "stats": _stats(strategy)}
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+    # Reference: plain single-process tf_keras training on the same batches
+    # (runs on the chief's own CPU, outside the strategy's scope).
+    ref = _mlp()
+    ref.set_weights(w0)
+    ref.compile(_optimizer(optimizer, lr), loss, steps_per_execution=steps_per_execution)
+    ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    with strategy.scope():
+        model = _mlp()
+        model.set_weights(w0)
+        model.compile(_optimizer(optimizer, lr), loss,
+                      steps_per_execution=steps_per_execution)
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    diffs = [float(np.max(np.abs(a - b)))
+             for a, b in zip(model.get_weights(), ref.get_weights())]
+    moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
+    return {"max_abs_diff": max(diffs), "moved": max(moved),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "stats": _stats(strategy)}
 
 
 @scenario

@@ -20,12 +20,28 @@ def test_registered_with_its_default():
     assert p.get_config() == {"sync_every": 16}
 
 
+ONE_WORKER = {
+    "sgd": dict(policy="local_sgd", policy_args={"sync_every": 3}, epochs=2,
+                steps_per_epoch=20),
+    "momentum_spe4": dict(policy="local_sgd", optimizer="momentum",
+                          policy_args={"sync_every": 4}, epochs=2, steps_per_epoch=20,
+                          steps_per_execution=4),
+}
+
+
+@pytest.fixture(scope="module")
+def one_worker_fits():
+    """Both one-worker cases, one strategy each, on one cluster."""
+    runs = run_scenario("single_worker_fits", cases=list(ONE_WORKER.values()),
+                        timeout=240)["runs"]
+    return dict(zip(ONE_WORKER, runs))
+
+
 @pytest.mark.cluster
-def test_one_worker_equals_plain_sgd():
+def test_one_worker_equals_plain_sgd(one_worker_fits):
     """sync_every=3 with 20 steps per epoch: windows end mid-epoch and the
     drain at each epoch end pushes the rest; the result is plain SGD."""
-    r = run_scenario("single_worker_fit", policy="local_sgd",
-                     policy_args={"sync_every": 3}, epochs=2, steps_per_epoch=20)
+    r = one_worker_fits["sgd"]
     assert r["moved"] > 1e-2
     assert r["max_abs_diff"] < 1e-5
     s = r["stats"]
@@ -38,12 +54,10 @@ def test_one_worker_equals_plain_sgd():
 
 
 @pytest.mark.cluster
-def test_one_worker_with_steps_per_execution_equals_plain_sgd():
+def test_one_worker_with_steps_per_execution_equals_plain_sgd(one_worker_fits):
     """Regression (fresh-user check): with steps_per_execution > 1 the
     exchange raced with the closure's steps and lost about one step each."""
-    r = run_scenario("single_worker_fit", policy="local_sgd", optimizer="momentum",
-                     policy_args={"sync_every": 4}, epochs=2, steps_per_epoch=20,
-                     steps_per_execution=4)
+    r = one_worker_fits["momentum_spe4"]
     assert r["moved"] > 1e-2
     assert r["max_abs_diff"] < 1e-5
     s = r["stats"]

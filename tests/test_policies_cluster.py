@@ -21,11 +21,23 @@ POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("policy,args", POLICIES, ids=[p for p, _ in POLICIES])
+CASES = {f"{p}-sgd": dict(policy=p, policy_args=a, epochs=1, steps_per_epoch=30)
+         for p, a in POLICIES}
+CASES.update({f"{p}-adam": dict(policy=p, policy_args=a, optimizer="adam", lr=0.01, epochs=1,
+                                steps_per_epoch=20) for p, a in POLICIES})
+
+
+@pytest.fixture(scope="module")
+def one_worker_fits():
+    """Every case of CASES, one strategy each, on one 1-worker cluster."""
+    runs = run_scenario("single_worker_fits", cases=list(CASES.values()), timeout=280)["runs"]
+    return dict(zip(CASES, runs))
+
+
+@pytest.mark.parametrize("policy", [p for p, _ in POLICIES])
 @pytest.mark.cluster
-def test_one_worker_policy_equals_plain_sgd(policy, args):
-    r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
-                     epochs=1, steps_per_epoch=30)
+def test_one_worker_policy_equals_plain_sgd(one_worker_fits, policy):
+    r = one_worker_fits[f"{policy}-sgd"]
     assert r["moved"] > 1e-2
     assert r["max_abs_diff"] < 1e-5
     s = r["stats"]
@@ -92,12 +104,10 @@ def test_digits_with_four_workers(policy, args, tmp_path):
 
 # Other optimizers under one worker: tests/test_engine.py (one process, every
 # policy x optimizer); the cluster keeps Adam, whose slots live on the ps.
-@pytest.mark.parametrize("policy,args", [("drop_stale", {"max_staleness": 0}),
-                                         ("dc_asgd", {"lambda_": 0.5})])
+@pytest.mark.parametrize("policy", [p for p, _ in POLICIES])
 @pytest.mark.cluster
-def test_one_worker_policy_with_adam(policy, args):
-    r = run_scenario("single_worker_fit", policy=policy, policy_args=args,
-                     optimizer="adam", lr=0.01, epochs=1, steps_per_epoch=20)
+def test_one_worker_policy_with_adam(one_worker_fits, policy):
+    r = one_worker_fits[f"{policy}-adam"]
     assert r["max_abs_diff"] < 1e-5
     assert r["iterations"] == r["stats"]["applied"] == 20
 

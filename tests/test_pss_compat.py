@@ -24,7 +24,7 @@ import pytest
 if __name__ != "__main__":
     from conftest import run_scenario
 
-FIT_EPOCHS, FIT_STEPS, LOOP_EPOCHS, LOOP_STEPS = 3, 20, 3, 10
+FIT_EPOCHS, FIT_STEPS, LOOP_EPOCHS, LOOP_STEPS, EVAL_STEPS = 3, 20, 3, 10, 2
 FIT_WORKER_STEPS = FIT_EPOCHS * FIT_STEPS
 LOOP_WORKER_STEPS = LOOP_EPOCHS * LOOP_STEPS + 1  # the tutorial's last fetched step
 
@@ -52,7 +52,16 @@ def _create_in_process_cluster(tf, num_workers, num_ps):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, rpc_layer="grpc")
 
 
-def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, num_ps=2):
+def tutorial(runs, num_workers=2, num_ps=2):
+    """One in-process cluster; for each run ``{"strategy", "policy",
+    "policy_args"}`` a new strategy on it runs the tutorial's code paths (as
+    TensorFlow's own tests build several strategies on one cluster)."""
+    import tensorflow as tf
+    cluster_resolver = _create_in_process_cluster(tf, num_workers, num_ps)
+    return {"runs": [_tutorial_run(cluster_resolver, num_ps, **run) for run in runs]}
+
+
+def _tutorial_run(cluster_resolver, num_ps, strategy="async", policy="async", policy_args=None):
     """The tutorial's fit, inline evaluation, exact evaluation and custom loop."""
     import numpy as np
     import tensorflow as tf
@@ -60,7 +69,6 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
     import tf_asyncps
 
     tf_keras.utils.set_random_seed(0)
-    cluster_resolver = _create_in_process_cluster(tf, num_workers, num_ps)
     variable_partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=(256 << 10), max_shards=num_ps)
     if strategy == "vanilla":
@@ -165,6 +173,28 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
     final_loss = float(coordinator.schedule(step_fn, args=(per_worker_iterator,)).fetch())
     coordinator.join()
 
+    # -- the custom loop's inline evaluation -------------------------------------
+    with strategy.scope():
+        eval_accuracy = tf_keras.metrics.Accuracy()
+
+    @tf.function
+    def eval_step(iterator):
+        def replica_fn(batch_data, labels):
+            pred = loop_model(batch_data, training=False)
+            eval_accuracy.update_state(labels, tf.cast(tf.greater(pred, 0.5), tf.int64))
+
+        batch_data, labels = next(iterator)
+        strategy.run(replica_fn, args=(batch_data, labels))
+
+    def eval_dataset_fn():
+        return tf.data.Dataset.from_tensor_slices((x_all[:16], labels_all[:16])).shuffle(
+            16, seed=2).repeat().batch(8)
+
+    per_worker_eval_iterator = iter(coordinator.create_per_worker_dataset(eval_dataset_fn))
+    for _ in range(EVAL_STEPS):
+        coordinator.schedule(eval_step, args=(per_worker_eval_iterator,))
+    coordinator.join()
+
     result = {
         "loss": [float(v) for v in history.history["loss"]],
         "val_loss": [float(v) for v in history.history.get("val_loss", [])],
@@ -174,6 +204,8 @@ def tutorial(strategy="async", policy="async", policy_args=None, num_workers=2, 
         "fit_weights": [w.tolist() for w in model.get_weights()],
         "loop_weights": [w.tolist() for w in loop_model.get_weights()],
         "accuracy": float(accuracy.result().numpy()),
+        "eval_count": float(eval_accuracy.count.numpy()),
+        "eval_accuracy": float(eval_accuracy.result().numpy()),
     }
     if hasattr(strategy, "staleness_stats"):
         result["stats"] = strategy.staleness_stats().to_dict()
@@ -190,27 +222,35 @@ if __name__ == "__main__":
 
 
 # -- the tests -----------------------------------------------------------------
-def _run(**kwargs):
-    return run_scenario("tutorial", timeout=200, script=os.path.abspath(__file__), **kwargs)
+POLICIES = [
+    ("async", {}), ("drop_stale", {"max_staleness": 2}), ("staleness_aware", {}),
+    ("ssp", {"max_staleness": 1}), ("dc_asgd", {}),
+    ("sync_replicas", {"replicas_to_aggregate": 2}), ("local_sgd", {"sync_every": 10})]
+
+
+def _run(runs, num_workers, timeout):
+    return run_scenario("tutorial", timeout=timeout, script=os.path.abspath(__file__),
+                        runs=runs, num_workers=num_workers)["runs"]
 
 
 def _assert_trained_exactly(r):
     assert r["loss"][-1] < r["loss"][0]
     assert len(r["val_loss"]) == FIT_EPOCHS  # inline evaluation ran every epoch
+    assert r["eval_count"] == EVAL_STEPS * 8  # the custom loop's evaluation: every batch once
     # Exact evaluation visited each of the 64 examples once: the one-process value.
     assert r["exact"]["loss"] == pytest.approx(r["reference"]["loss"], rel=1e-5, abs=1e-6)
     assert r["exact"]["mae"] == pytest.approx(r["reference"]["mae"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.cluster
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_tutorial_with_one_worker_equals_vanilla_parameter_server_strategy():
-    vanilla = _run(strategy="vanilla", num_workers=1)
-    ours = _run(strategy="async", num_workers=1)
+    vanilla, ours = _run([{"strategy": "vanilla"}, {"strategy": "async"}], 1, timeout=240)
     for key in ("fit_weights", "loop_weights"):
         for a, b in zip(vanilla[key], ours[key]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    assert vanilla["loss"] == pytest.approx(ours["loss"], abs=1e-6)
+    for key in ("loss", "val_loss", "accuracy", "eval_accuracy", "final_loss"):
+        assert vanilla[key] == pytest.approx(ours[key], abs=1e-6), key
     assert ours["fit_iterations"] == vanilla["fit_iterations"] == FIT_WORKER_STEPS
     assert ours["loop_iterations"] == vanilla["loop_iterations"] == LOOP_WORKER_STEPS
     s = ours["stats"]
@@ -220,13 +260,18 @@ def test_tutorial_with_one_worker_equals_vanilla_parameter_server_strategy():
     _assert_trained_exactly(ours)
 
 
-@pytest.mark.parametrize("policy,args", [
-    ("async", {}), ("drop_stale", {"max_staleness": 2}), ("staleness_aware", {}),
-    ("ssp", {"max_staleness": 1}), ("dc_asgd", {}),
-    ("sync_replicas", {"replicas_to_aggregate": 2}), ("local_sgd", {"sync_every": 10})])
+@pytest.fixture(scope="module")
+def every_policy():
+    """All policies, one strategy each, on one chief-less 2-worker cluster."""
+    runs = [{"strategy": "async", "policy": p, "policy_args": a} for p, a in POLICIES]
+    return dict(zip([p for p, _ in POLICIES], _run(runs, 2, timeout=420)))
+
+
+@pytest.mark.parametrize("policy", [p for p, _ in POLICIES])
 @pytest.mark.cluster
-def test_tutorial_on_a_chiefless_in_process_cluster_under_every_policy(policy, args):
-    r = _run(strategy="async", policy=policy, policy_args=args, num_workers=2)
+@pytest.mark.timeout(480)
+def test_tutorial_on_a_chiefless_in_process_cluster_under_every_policy(every_policy, policy):
+    r = every_policy[policy]
     s = r["stats"]
     steps = FIT_WORKER_STEPS + LOOP_WORKER_STEPS
     _assert_trained_exactly(r)
