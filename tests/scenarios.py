@@ -19,6 +19,7 @@ import tf_keras  # noqa: E402
 
 import tf_asyncps  # noqa: E402
 from tf_asyncps.cluster import LocalCluster  # noqa: E402
+from tf_asyncps.compat import tensorflow as tf_compat  # noqa: E402
 
 SCENARIOS = {}
 _CLUSTERS = []
@@ -1100,6 +1101,134 @@ def watchdogs_lifecycle(num_workers=2, steps=20):
                            "after": {"running": [d.running for d in engine.watchdogs()],
                                      "threads": watchdog_threads()}})
         return {"rounds": rounds, "w": w.numpy().tolist(), "stats": _stats(strategy)}
+
+
+# -- sharded embeddings (variable_partitioner over several ps tasks) ---------------
+EMB_ROWS, EMB_DIM, EMB_BATCH = 40, 4, 8
+
+
+def _embedding_problem(steps, batch=EMB_BATCH, seed=0):
+    """ids (int64 [n, 2]) drawn from the first half of the table, with
+    duplicates inside every batch; targets float32 [n, 1]."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(0, EMB_ROWS // 2, size=(steps * batch, 2)).astype(np.int64)
+    ys = rng.uniform(size=(steps * batch, 1)).astype(np.float32)
+    emb0 = rng.uniform(-0.5, 0.5, (EMB_ROWS, EMB_DIM)).astype(np.float32)
+    k0 = rng.uniform(-0.5, 0.5, (2 * EMB_DIM, 1)).astype(np.float32)
+    return ids, ys, emb0, k0
+
+
+def _embedding_model(emb0, k0):
+    # Constant initializers: each shard starts from its rows of emb0/k0.
+    return tf_keras.Sequential([
+        tf_keras.Input(shape=(2,), dtype=tf.int64),
+        tf_keras.layers.Embedding(EMB_ROWS, EMB_DIM,
+                                  embeddings_initializer=tf_keras.initializers.Constant(emb0)),
+        tf_keras.layers.Flatten(),
+        tf_keras.layers.Dense(1, use_bias=False,
+                              kernel_initializer=tf_keras.initializers.Constant(k0))])
+
+
+def _partitioner(name, num_ps):
+    p = tf.distribute.experimental.partitioners
+    return {"fixed": lambda: p.FixedShardsPartitioner(num_ps),
+            "min": lambda: p.MinSizePartitioner(min_shard_bytes=64, max_shards=num_ps),
+            "max": lambda: p.MaxSizePartitioner(max_shard_bytes=256)}[name]()
+
+
+def _same_task(a, b):
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (a.job, a.task) == (b.job, b.task)
+
+
+def _state_placement(strategy):
+    """Counts of engine/policy state variables that sit on the ps task of the
+    variable they serve (``beside``) and of those that do not."""
+    engine = strategy.extended.engine
+    by_id = {id(v): v for v in engine._trainable}
+    pairs = [(by_id[k].device, b.device) for k, b in engine._backups.items()]
+    for key, state in engine._policy_state.items():
+        for vid, per_var in zip(key, state if isinstance(state, (list, tuple)) else []):
+            for s in tf.nest.flatten(per_var):
+                if isinstance(s, tf.Variable) and vid in by_id:
+                    pairs.append((by_id[vid].device, s.device))
+    if engine.lock is not None:
+        pairs.append((engine.tracker.global_step.device, engine.lock._stats.device))
+    beside = sum(_same_task(a, b) for a, b in pairs)
+    return {"beside": beside, "elsewhere": len(pairs) - beside}
+
+
+def _sharded_run(c, num_ps, policy="async", policy_args=None, optimizer="sgd", lr=0.5,
+                 partitioner="fixed", locking=False, steps=12, full_batch=False,
+                 reference=True, mixed=False):
+    if mixed:  # mixed_float16: float32 shards, float16 compute, loss scaling
+        tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner,
+                            locking, steps, full_batch, reference)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+
+
+def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, locking, steps,
+                 full_batch, reference):
+    ids, ys, emb0, k0 = _embedding_problem(steps)
+    batch = len(ids) if full_batch else EMB_BATCH
+    loss = "mse"
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((ids, ys))
+        if not full_batch:
+            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(batch).repeat()
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=_partitioner(partitioner, num_ps),
+        update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+    with strategy.scope():
+        model = _embedding_model(emb0, k0)
+        opt = _optimizer(optimizer, lr)
+        if locking:
+            opt = tf_asyncps.optimizers.LockingOptimizer(opt)
+        model.compile(opt, loss)
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+              steps_per_epoch=steps, verbose=0)
+    table = np.concatenate(model.layers[0].get_weights(), axis=0) \
+        if len(model.layers[0].get_weights()) > 1 else model.layers[0].get_weights()[0]
+    kernel = np.concatenate(model.layers[2].get_weights(), axis=0) \
+        if len(model.layers[2].get_weights()) > 1 else model.layers[2].get_weights()[0]
+    emb_var = model.layers[0].embeddings
+    out = {"shards": len(tf_compat.shards(emb_var) or [emb_var]),
+           "shard_tasks": sorted({tf.DeviceSpec.from_string(v.device).task
+                                  for v in (tf_compat.shards(emb_var)
+                                            or [emb_var])}),
+           "untouched_rows_moved": float(np.max(np.abs(
+               table[EMB_ROWS // 2:] - emb0[EMB_ROWS // 2:]))),
+           "touched_rows_moved": float(np.max(np.abs(
+               table[:EMB_ROWS // 2] - emb0[:EMB_ROWS // 2]))),
+           "iterations": int(model.optimizer.iterations.numpy()),
+           "stats": _stats(strategy), "placement": _state_placement(strategy),
+           "local_copies": len(strategy.extended.engine.local._copies)
+           if strategy.extended.engine.local is not None else 0,
+           "trainable_parts": len(model.trainable_variables)}
+    if reference:
+        # Plain single-process tf_keras training on the same batches.
+        ref = _embedding_model(emb0, k0)
+        ref.compile(_optimizer(optimizer, lr), loss)
+        ref.fit(tf.data.Dataset.from_tensor_slices((ids, ys)).batch(batch).repeat(),
+                epochs=1, steps_per_epoch=steps, verbose=0)
+        ref_table, ref_kernel = ref.get_weights()
+        out["max_abs_diff"] = float(max(np.max(np.abs(table - ref_table)),
+                                        np.max(np.abs(kernel - ref_kernel))))
+    return out
+
+
+@scenario
+def sharded_embedding(runs, num_workers=1, num_ps=2):
+    """An embedding model partitioned over ``num_ps`` ps tasks; for each run
+    (kwargs of _sharded_run) a new strategy on the one cluster."""
+    with _cluster(num_workers=num_workers, num_ps=num_ps) as c:
+        return {"runs": [_sharded_run(c, num_ps, **run) for run in runs]}
 
 
 def main():

@@ -134,9 +134,14 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         # Function-local variables (tf_keras's exact evaluation clones its
         # metrics with lifting off) live and die in one closure: not tracked.
         local = kwargs.get("experimental_enable_variable_lifting", True) is False
-        if per_worker or local or not isinstance(var, tf.Variable):
+        if per_worker or local:
             return var
-        self.engine.track_variable(var, trainable=kwargs.get("trainable", True) is not False)
+        trainable = kwargs.get("trainable", True) is not False
+        # A partitioned variable is its shards to the engine: each shard is a
+        # variable on one ps task, and its gradient arrives on its own.
+        for part in tf_compat.shards(var) or [var]:
+            if isinstance(part, tf.Variable):
+                self.engine.track_variable(part, trainable=trainable)
         return var
 
     # -- the worker step ------------------------------------------------------

@@ -21,7 +21,9 @@ import sys
 __all__ = [
     "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
     "inside_function", "outermost_graph", "copy_retrace_setting", "num_workers", "num_gpus_per_worker",
-    "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "unwrap_caching_variable",
+    "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "shards",
+    "colocating_creator",
+    "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
     "assign_handle", "assign_add_handle", "dataset_sleep",
 ]
@@ -170,6 +172,29 @@ def instrument_closures(coordinator, on_put_back, on_finished, on_process, on_fa
 
 
 # -- variables -------------------------------------------------------------------
+def colocating_creator(var):
+    """A variable creator that places new variables with ``var``, unpartitioned.
+
+    What ``strategy.extended.colocate_vars_with(var)`` does, without its check
+    that ``var`` was made in the strategy's scope (the global step is made
+    before it). The ``colocate_with`` creator argument is what
+    ParameterServerStrategy's ``_create_variable`` honours (never partitioned,
+    ``ops.colocate_with(var)``).
+    """
+    def creator(next_creator, **kwargs):
+        kwargs["colocate_with"] = var
+        return next_creator(**kwargs)
+    return creator
+
+
+def shards(var):
+    """The ps shards of a ``ShardedVariable`` (``variable_partitioner``), else None."""
+    from tensorflow.python.distribute import sharded_variable
+    if isinstance(var, sharded_variable.ShardedVariable):
+        return list(var.variables)
+    return None
+
+
 def unwrap_caching_variable(var):
     """The ResourceVariable under PSS's ``CachingVariable`` wrapper (else ``var``)."""
     from tensorflow.python.distribute import ps_values

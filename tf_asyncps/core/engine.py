@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import mixed_precision, replicas
+from tf_asyncps.core import mixed_precision, placement, replicas
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import PolicyRuntime, StepInfo, as_decision
@@ -148,7 +148,7 @@ class PolicyEngine:
     def _backup_for(self, var):
         key = id(var)
         if key not in self._backups:
-            with tf.init_scope(), tf.device(var.device):
+            with placement.beside(var):
                 self._backups[key] = tf.Variable(
                     tf.zeros([self.num_workers] + var.shape.as_list(), var.dtype),
                     trainable=False, name="asyncps_read_backup")
@@ -244,7 +244,8 @@ class PolicyEngine:
         if locking:
             # Placed on the PS: a worker that dies cannot hold the lock.
             if self.lock is None:
-                self.lock = PSLock(device, self._lock_timeout(optimizer), name="update_lock")
+                self.lock = PSLock(device, self._lock_timeout(optimizer), name="update_lock",
+                                   anchor=self.tracker.global_step)
             g_after = self.lock.execute(decide_and_apply, inputs=inputs + [step.read_step])
         else:
             # On the PS: a rule that needs τ (read on the PS) and transforms the

@@ -29,7 +29,9 @@ worker trained since its last exchange, and every worker pulls the PS copy at
 its next closure, so chief-side changes (``set_weights``, metric resets)
 reach them.
 
-Sharded variables are not supported. Metrics that ``fit``/``evaluate`` print
+A partitioned variable (``variable_partitioner``) gets one local copy per
+shard: each worker holds the whole table, and an exchange moves every row of
+it. Metrics that ``fit``/``evaluate`` print
 come from one worker's copy (partial between drains); the PS values are exact
 after each drain.
 """
@@ -160,18 +162,11 @@ class LocalCopies:
         Called for every variable created in the strategy's scope (eagerly:
         Keras lifts the optimizer's and metrics' lazy variables out of the
         traced step). A variable created while a step is traced is used
-        locally from that step on.
-
-        Raises:
-          ValueError: a partitioned variable.
+        locally from that step on. The strategy passes a partitioned
+        variable's shards one by one.
         """
         if not (var.dtype.is_floating or var.dtype.is_integer):
             return  # e.g. bool flags: stay shared on the PS
-        if not isinstance(var, tf.Variable) or "Sharded" in type(var).__name__:
-            raise ValueError(
-                f"{self.policy.name}: variable {getattr(var, 'name', var)!r} of type "
-                f"{type(var).__name__} cannot have a local copy; {self.policy.name} needs "
-                "unpartitioned variables (variable_partitioner=None).")
         with tf.init_scope():
             copies = _Copies(var, self.strategy)
         self._copies[id(var)] = copies

@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tf_asyncps.core import placement
+
 from tf_asyncps.core.watchdog import Watchdog
 
 __all__ = ["PSLock", "run_collecting_ops"]
@@ -39,12 +41,16 @@ class PSLock(Watchdog):
       timeout_s: seconds the lock may go unacquired while steps wait for it
         before training fails with TimeoutError (float > 0).
       name: used in variable names and error messages.
+      anchor: a variable on ``device``; the counters are colocated with it
+        (inside a ParameterServerStrategy scope ``tf.device`` alone is
+        overridden by its round-robin placement).
 
     Raises:
       ValueError: timeout_s <= 0.
     """
 
-    def __init__(self, device: str, timeout_s: float = 60.0, name: str = "update_lock"):
+    def __init__(self, device: str, timeout_s: float = 60.0, name: str = "update_lock",
+                 anchor=None):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"{name}: timeout_s must be > 0 seconds, got {timeout_s!r}.")
         super().__init__(f"asyncps-{name}")
@@ -55,6 +61,8 @@ class PSLock(Watchdog):
             self._queue = tf.queue.FIFOQueue(1, [tf.int64], shapes=[[]],
                                              name=f"asyncps_{name}")
             self._queue.enqueue(tf.constant(0, tf.int64))
+        with tf.init_scope(), (placement.beside(anchor) if anchor is not None
+                               else tf.device(device)):
             # [steps waiting to acquire, acquisitions so far]
             self._stats = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
                                       name=f"asyncps_{name}_stats")

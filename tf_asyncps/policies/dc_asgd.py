@@ -18,6 +18,7 @@ per worker step and num_workers copies of the model in PS memory.
 import tensorflow as tf
 
 from tf_asyncps.policies import registry
+from tf_asyncps.core import placement
 from tf_asyncps.core.grads import map_values
 from tf_asyncps.policies.base import UpdatePolicy
 
@@ -68,7 +69,7 @@ class DCASGD(UpdatePolicy):
             return ()
         out = []
         for v in variables:
-            with tf.init_scope(), tf.device(v.device):
+            with placement.beside(v):
                 out.append(tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                        name="dc_asgd_meansquare"))
         return out

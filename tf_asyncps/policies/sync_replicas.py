@@ -47,6 +47,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import placement
 from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import Decision, UpdatePolicy
@@ -151,7 +152,7 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
     def init(self, variables):
         state = []
         for v in variables:
-            with tf.init_scope(), tf.device(v.device):
+            with placement.beside(v):  # on v's ps task: the sum stays local to it
                 buf = tf.Variable(tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
                                   trainable=False, name="sync_replicas_accumulator")
                 rows = tf.Variable(tf.zeros([v.shape[0]] if v.shape.rank else [1], tf.bool),

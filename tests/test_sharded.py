@@ -1,0 +1,101 @@
+"""Partitioned variables (``variable_partitioner``) over several ps tasks.
+
+An embedding model (40 x 4 table, ids with duplicates inside every batch,
+drawn from the first 20 rows only) and its Dense head are split over the ps
+tasks. With one worker every policy, LockingOptimizer, Adam and mixed
+precision equal one-process tf_keras training on the same batches; with two
+workers every policy's counters are exact. Each group runs as one strategy
+per case on one cluster (tests/scenarios.py ``sharded_embedding``).
+"""
+
+import pytest
+
+from conftest import run_scenario
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
+
+POLICIES = {
+    "async": {}, "drop_stale": {"max_staleness": 1}, "staleness_aware": {},
+    "ssp": {"max_staleness": 1}, "dc_asgd": {},
+    "sync_replicas": {"replicas_to_aggregate": 1}, "local_sgd": {"sync_every": 3}}
+# State beside the shard it serves: sync_replicas' buffers, dc_asgd's read
+# snapshots and second moments, the update lock beside the global step.
+HOLDS_STATE = {"drop_stale", "dc_asgd", "sync_replicas"}  # atomic or per-variable state
+
+ONE_WORKER = {name: dict(policy=name, policy_args=args) for name, args in POLICIES.items()}
+ONE_WORKER.update({
+    "locking": dict(policy="async", locking=True),
+    "adam": dict(policy="async", optimizer="adam", lr=0.05),
+    # Full-batch data: sync_replicas' mean of one gradient is the gradient.
+    "sync_replicas_min_full_batch": dict(policy="sync_replicas", partitioner="min",
+                                         full_batch=True),
+    "async_max": dict(policy="async", partitioner="max"),
+    # mixed_float16: tf_keras cannot autocast a partitioned Dense kernel
+    # (AutoCastVariable wraps ResourceVariables only), so only the table splits.
+    "mixed_async": dict(policy="async", partitioner="min", mixed=True),
+    "mixed_sync_replicas": dict(policy="sync_replicas", partitioner="min", mixed=True),
+})
+STEPS = 20
+TWO_WORKERS = {name: dict(policy=name, policy_args=dict(args), reference=False, steps=STEPS)
+               for name, args in POLICIES.items()}
+TWO_WORKERS["sync_replicas"]["policy_args"] = {"replicas_to_aggregate": 2}
+TWO_WORKERS["locking"] = dict(policy="async", locking=True, reference=False, steps=STEPS)
+
+
+def _runs(cases, num_workers, num_ps):
+    r = run_scenario("sharded_embedding", timeout=360, runs=list(cases.values()),
+                     num_workers=num_workers, num_ps=num_ps)
+    return dict(zip(cases, r["runs"]))
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    return _runs(ONE_WORKER, num_workers=1, num_ps=3)
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return _runs(TWO_WORKERS, num_workers=2, num_ps=2)
+
+
+def _check_sparse(r, num_ps):
+    assert r["shards"] == num_ps and r["shard_tasks"] == list(range(num_ps))
+    # Rows no id touches keep their initial values exactly; the others moved.
+    assert r["untouched_rows_moved"] == 0.0
+    assert r["touched_rows_moved"] > 1e-2
+
+
+@pytest.mark.parametrize("case", list(ONE_WORKER))
+def test_one_worker_on_three_ps_tasks_equals_one_process(one_worker, case):
+    r, spec = one_worker[case], ONE_WORKER[case]
+    _check_sparse(r, 3)
+    assert r["max_abs_diff"] < 1e-5, r["max_abs_diff"]
+    s = r["stats"]
+    assert s["dropped"] == 0 and s["max"] == 0  # one worker: tau is always 0
+    assert r["iterations"] == 12
+    if spec["policy"] == "local_sgd":
+        # Every shard has its own local copy on the worker (none trained on the ps).
+        assert r["local_copies"] >= r["trainable_parts"]
+        assert s["local_steps"] == 12 and s["applied"] == s["global_step"] == 4
+    else:
+        assert s["applied"] == s["global_step"] == 12
+    assert r["placement"]["elsewhere"] == 0
+    if spec["policy"] in HOLDS_STATE or spec.get("locking"):
+        assert r["placement"]["beside"] >= 1
+
+
+@pytest.mark.parametrize("case", list(TWO_WORKERS))
+def test_two_workers_on_two_ps_tasks_count_every_step(two_workers, case):
+    r, spec = two_workers[case], TWO_WORKERS[case]
+    _check_sparse(r, 2)
+    s = r["stats"]
+    assert r["placement"]["elsewhere"] == 0
+    if spec["policy"] == "local_sgd":
+        assert s["local_steps"] == STEPS and r["iterations"] == STEPS
+        assert r["local_copies"] >= r["trainable_parts"]
+        return
+    assert s["applied"] + s["dropped"] == STEPS  # every worker step, accounted
+    if spec["policy"] == "sync_replicas":
+        assert s["global_step"] == s["applied"] // 2 == r["iterations"]
+    else:
+        assert s["global_step"] == s["applied"] == r["iterations"]
