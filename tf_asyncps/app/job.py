@@ -9,6 +9,7 @@ by plain TensorFlow in one process) and ``test_predictions.npy``.
 import dataclasses
 import os
 import shutil
+import tempfile
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -20,12 +21,14 @@ from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies, recovery
 from tf_asyncps.app import datasets
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
-__all__ = ["JobConfig", "run", "parse_policy_args", "make_optimizer", "OPTIMIZERS"]
+__all__ = ["JobConfig", "run", "run_reference", "partitioner", "parse_policy_args",
+           "make_optimizer", "OPTIMIZERS"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
 
@@ -56,12 +59,17 @@ class JobConfig:
     locking: bool = False
     mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
     backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
+    embedding_dim: int = 32  # recommender: width of each embedding table
+    # variable_partitioner: MinSizePartitioner(min_shard_bytes, max_shards=num_ps);
+    # 0 keeps every variable whole.
+    min_shard_bytes: int = 0
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field and its valid range."""
-        for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution"):
+        for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution",
+                     "embedding_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {v!r}.")
@@ -79,6 +87,15 @@ class JobConfig:
         if self.dataset not in datasets.NAMES:
             raise ValueError(
                 f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
+        if (self.model == "recommender") != (self.dataset == "movielens"):
+            raise ValueError(
+                f"--model={self.model} does not fit --dataset={self.dataset}: "
+                "--model=recommender needs the id columns of --dataset=movielens, and "
+                "movielens needs --model=recommender.")
+        if isinstance(self.min_shard_bytes, bool) or not isinstance(self.min_shard_bytes, int) \
+                or self.min_shard_bytes < 0:
+            raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
+                             f"variable_partitioner), got {self.min_shard_bytes!r}.")
         if self.backup_dir is not None:
             _check_writable_dir(self.backup_dir, "--backup_dir")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
@@ -176,6 +193,61 @@ def export_saved_model(model, path: str, num_features: int) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def partitioner(min_shard_bytes: int, num_ps: int):
+    """``MinSizePartitioner(min_shard_bytes, max_shards=num_ps)``, or None for 0.
+
+    A variable of B bytes is split on axis 0 into min(num_ps, B // min_shard_bytes)
+    shards (at least 1): large embedding tables spread over the ps tasks,
+    small Dense kernels stay whole.
+    """
+    if not min_shard_bytes:
+        return None
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=min_shard_bytes, max_shards=num_ps)
+
+
+def _build(cfg, data):
+    return models.build_model(cfg.model, data.num_features, data.num_classes, cfg.hidden,
+                              cfg.seed, vocab=data.vocab, embedding_dim=cfg.embedding_dim)
+
+
+def _local_copy(cfg, data, model):
+    """A single-process float32 copy of the trained (maybe partitioned) model.
+
+    Partitioned variables are copied through a checkpoint, which TensorFlow
+    restores onto any partitioning, none included.
+    """
+    local = _build(cfg, data)
+    if len(local.weights) == len(model.weights):
+        local.set_weights(model.get_weights())
+        return local
+    # The layers only: the optimizer stays behind (its restore would be
+    # deferred to the copy's compile, after the files are gone).
+    layers = lambda m: tf.train.Checkpoint(**{f"layer_{i}": l for i, l in enumerate(m.layers)})
+    with tempfile.TemporaryDirectory(prefix="asyncps_copy_") as tmp:
+        path = layers(model).write(os.path.join(tmp, "model"))
+        layers(local).read(path).assert_consumed()
+    return local
+
+
+def _sharding(model) -> Dict[str, Any]:
+    """Partitioned variables of ``model``: name -> ps task of each shard."""
+    out = {}
+    for layer in model.layers:
+        for attr in ("embeddings", "kernel"):
+            parts = tf_compat.shards(getattr(layer, attr, None))
+            if parts:
+                out[f"{layer.name}/{attr}"] = [
+                    tf.DeviceSpec.from_string(p.device).task for p in parts]
+    return out
+
+
+def _binary_metrics(y, probs) -> Dict[str, float]:
+    """AUC of the positive class (needs scikit-learn) for 2-class data."""
+    from sklearn.metrics import roc_auc_score
+    return {"test_auc": float(roc_auc_score(y, probs[:, 1]))}
+
+
 def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     """Trains with ``model.fit`` under AsyncParameterServerStrategy.
 
@@ -197,12 +269,13 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     data = datasets.load(cfg.dataset, seed=cfg.seed)
     if resolver is None:
         resolver = cluster_lib.cluster_resolver()
-    strategy = AsyncParameterServerStrategy(
-        resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
-        connect_timeout_s=cfg.connect_timeout_s,
-        max_tracked_staleness=cfg.max_tracked_staleness)
     spec = resolver.cluster_spec()
     num_workers, num_ps = spec.num_tasks("worker"), spec.num_tasks("ps")
+    strategy = AsyncParameterServerStrategy(
+        resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
+        variable_partitioner=partitioner(cfg.min_shard_bytes, num_ps),
+        connect_timeout_s=cfg.connect_timeout_s,
+        max_tracked_staleness=cfg.max_tracked_staleness)
     precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
     mixed_precision.check_local_copies(strategy.update_policy, precision=precision)
     previous_policy = tf_keras.mixed_precision.global_policy()
@@ -219,8 +292,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
 def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
     tf_keras.utils.set_random_seed(cfg.seed)
     with strategy.scope():
-        model = models.build_model(cfg.model, data.num_features, data.num_classes,
-                                   cfg.hidden, cfg.seed)
+        model = _build(cfg, data)
         optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         if precision == "mixed_float16":
             # float16 gradients underflow without loss scaling; its loss-scale
@@ -289,9 +361,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     # model (mixed-precision variables are float32 already).
     # (run() restores the caller's policy afterwards.)
     tf_keras.mixed_precision.set_global_policy("float32")
-    local = models.build_model(cfg.model, data.num_features, data.num_classes,
-                               cfg.hidden, cfg.seed)
-    local.set_weights(model.get_weights())
+    local = _local_copy(cfg, data, model)
     _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate))
     test_loss, test_acc = local.evaluate(data.x_test, data.y_test, verbose=0,
                                          batch_size=256)
@@ -320,6 +390,8 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "wall_time_s": time.perf_counter() - t_job,
         "test_accuracy": float(test_acc),
         "test_loss": float(test_loss),
+        **(_binary_metrics(data.y_test, probs) if data.num_classes == 2 else {}),
+        "sharded_variables": _sharding(model),
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
         "mixed_precision": precision,
         "gpus_per_worker": int(gpus),
@@ -328,7 +400,8 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "staleness": stats.to_dict(),
         "epoch_log": logger.epochs,
     }
-    say(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
+    auc = f"test AUC {metrics['test_auc']:.4f}  " if "test_auc" in metrics else ""
+    say(f"{auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
         f"{metrics['steps_per_sec']:.1f} steps/s overall, "
         f"{metrics['steady_steps_per_sec']:.1f} after epoch 1  "
         f"tau mean {stats.mean:.2f} max {stats.max}  "
@@ -341,4 +414,51 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         metrics["wall_time_s"] = time.perf_counter() - t_job
         recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
         say(f"wrote {cfg.output_dir}/metrics.json, saved_model/, tensorboard/")
+    return metrics
+
+
+def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
+    """The same model, data and number of steps, trained in one process.
+
+    Plain tf_keras ``model.fit`` (no cluster, no strategy) for ``epochs x
+    steps_per_epoch`` steps of ``batch_size`` examples, i.e. as many steps as
+    the distributed job's workers make together, one after another: the
+    reference a distributed run is measured against. Writes
+    ``output_dir/metrics.json`` (``"policy": "single_process"``).
+
+    Raises:
+      ValueError: bad settings. RuntimeError: data not loadable.
+    """
+    t_job = time.perf_counter()
+    cfg.validate()
+    say = print_fn or (lambda s: print(s, flush=True))
+    data = datasets.load(cfg.dataset, seed=cfg.seed)
+    tf_keras.utils.set_random_seed(cfg.seed)
+    model = _build(cfg, data)
+    _compile(model, make_optimizer(cfg.optimizer, cfg.learning_rate), cfg.steps_per_execution)
+    ds = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).shuffle(
+        len(data.x_train), seed=cfg.seed, reshuffle_each_iteration=True).repeat().batch(
+        cfg.batch_size, drop_remainder=True)
+    say(f"reference: {cfg.model} on {cfg.dataset} in one process, {cfg.epochs} epochs x "
+        f"{cfg.steps_per_epoch} steps of {cfg.batch_size} examples")
+    t0 = time.perf_counter()
+    model.fit(ds, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, verbose=0)
+    train_s = time.perf_counter() - t0
+    test_loss, test_acc = model.evaluate(data.x_test, data.y_test, verbose=0, batch_size=4096)
+    probs = tf.nn.softmax(model.predict(data.x_test, batch_size=4096, verbose=0)).numpy()
+    steps = cfg.epochs * cfg.steps_per_epoch
+    metrics = {"policy": "single_process", "num_workers": 0, "num_ps": 0,
+               "epochs": cfg.epochs, "steps_per_epoch": cfg.steps_per_epoch,
+               "batch_size": cfg.batch_size, "worker_steps": steps,
+               "steps_per_sec": steps / train_s, "train_time_s": train_s,
+               "test_accuracy": float(test_acc), "test_loss": float(test_loss),
+               **(_binary_metrics(data.y_test, probs) if data.num_classes == 2 else {}),
+               "wall_time_s": time.perf_counter() - t_job}
+    auc = f"test AUC {metrics['test_auc']:.4f}  " if "test_auc" in metrics else ""
+    say(f"reference: {auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
+        f"{metrics['steps_per_sec']:.1f} steps/s")
+    if cfg.output_dir:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
+        say(f"wrote {cfg.output_dir}/metrics.json")
     return metrics
