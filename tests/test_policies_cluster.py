@@ -84,10 +84,11 @@ def test_ssp_bounds_the_clock_spread_with_a_straggler_also_inside_a_chain():
 
 
 # async on digits: the main job (test_main_job.py) and test_faults.py; staleness_aware
-# (a pure per-step rule): tests/test_engine.py and `tf-asyncps bench`.
+# (a pure per-step rule): tests/test_engine.py and `tf-asyncps bench`; ssp: its bound
+# with a straggler (below), and every policy on the tutorial's cluster
+# (test_pss_compat.py) and on sharded tables (test_sharded.py).
 @pytest.mark.parametrize("policy,args", [
-    ("drop_stale", "max_staleness=2"), ("ssp", "max_staleness=2"),
-    ("dc_asgd", "lambda_=0.04")])
+    ("drop_stale", "max_staleness=2"), ("dc_asgd", "lambda_=0.04")])
 @pytest.mark.cluster
 def test_digits_with_four_workers(policy, args, tmp_path):
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
