@@ -1231,6 +1231,49 @@ def sharded_embedding(runs, num_workers=1, num_ps=2):
         return {"runs": [_sharded_run(c, num_ps, **run) for run in runs]}
 
 
+def _full(var):
+    """The full value of a ShardedVariable (its shards concatenated) or variable."""
+    return np.concatenate([np.asarray(p.numpy()) for p in tf_compat.shards(var) or [var]],
+                          axis=0)
+
+
+@scenario
+def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
+    """Embedding model with Adam, FixedShardsPartitioner(num_ps).
+
+    Without ``restore_from``: trains ``steps`` steps. With it: restores that
+    tf.train.Checkpoint (written with another number of ps tasks). Then writes
+    a checkpoint to ``save_to``, and takes one more step on the next batch: a
+    restore that lost Adam's slots or step count would make that step differ.
+    """
+    ids, ys, emb0, k0 = _embedding_problem(steps + 1)
+    data = lambda lo, hi: tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((ids[lo:hi], ys[lo:hi])).batch(
+            EMB_BATCH).repeat())
+    with _cluster(num_workers=1, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=_partitioner("fixed", num_ps))
+        with strategy.scope():
+            model = _embedding_model(emb0, k0)
+            opt = tf_keras.optimizers.Adam(0.05)
+            model.compile(opt, "mse")
+            opt.build(model.trainable_variables)  # slots exist before a restore
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+        if restore_from:
+            ckpt.read(restore_from).assert_existing_objects_matched()
+        else:
+            model.fit(data(0, steps * EMB_BATCH), epochs=1, steps_per_epoch=steps, verbose=0)
+        table, kernel = model.layers[0].embeddings, model.layers[2].kernel
+        saved = {"table": _full(table).tolist(), "kernel": _full(kernel).tolist(),
+                 "iterations": int(opt.iterations.numpy())}
+        path = ckpt.write(save_to)
+        model.fit(data(steps * EMB_BATCH, (steps + 1) * EMB_BATCH), epochs=1,
+                  steps_per_epoch=1, verbose=0)
+        return {"path": path, "shards": len(tf_compat.shards(table) or [table]),
+                "saved": saved, "next": {"table": _full(table).tolist(),
+                                         "kernel": _full(kernel).tolist()}}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

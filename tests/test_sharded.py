@@ -8,6 +8,7 @@ workers every policy's counters are exact. Each group runs as one strategy
 per case on one cluster (tests/scenarios.py ``sharded_embedding``).
 """
 
+import numpy as np
 import pytest
 
 from conftest import run_scenario
@@ -99,3 +100,21 @@ def test_two_workers_on_two_ps_tasks_count_every_step(two_workers, case):
         assert s["global_step"] == s["applied"] // 2 == r["iterations"]
     else:
         assert s["global_step"] == s["applied"] == r["iterations"]
+
+
+@pytest.mark.timeout(420)
+def test_a_checkpoint_restores_onto_another_number_of_ps_tasks(tmp_path):
+    """tf#62215, tf-keras#838: partitioned variables and their optimizer slots
+    restored onto 2 -> 3 -> 2 ps tasks give the same values, and the next Adam
+    step (which reads the slots and the step count) is the same."""
+    run = lambda **kw: run_scenario("sharded_checkpoint", timeout=240, **kw)
+    a = run(num_ps=2, save_to=str(tmp_path / "a" / "ckpt"))
+    b = run(num_ps=3, restore_from=a["path"], save_to=str(tmp_path / "b" / "ckpt"))
+    c = run(num_ps=2, restore_from=b["path"], save_to=str(tmp_path / "c" / "ckpt"))
+    assert (a["shards"], b["shards"], c["shards"]) == (2, 3, 2)
+    assert a["saved"]["iterations"] == 6
+    for r in (b, c):
+        assert r["saved"] == a["saved"]  # exact: table, kernel, step count
+        for key in ("table", "kernel"):
+            np.testing.assert_allclose(r["next"][key], a["next"][key], rtol=0, atol=1e-6)
+    assert a["next"]["table"] != a["saved"]["table"]  # the next step did move the table
