@@ -1274,6 +1274,47 @@ def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
                                          "kernel": _full(kernel).tolist()}}
 
 
+def _loopback_bytes():
+    """Bytes sent on the loopback interface so far (Linux /proc/net/dev)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])  # transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+@scenario
+def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
+    """Loopback bytes per worker step of an embedding model whose table has
+    each of ``rows_list`` rows (split over ``num_ps`` ps tasks), every step
+    touching ``ids_per_step`` ids: sparse reads and updates keep it flat."""
+    rng = np.random.RandomState(0)
+    out = []
+    with _cluster(num_workers=1, num_ps=num_ps) as c:
+        for rows in rows_list:
+            ids = rng.randint(0, rows, size=(steps * ids_per_step, 1)).astype(np.int64)
+            ys = rng.uniform(size=(steps * ids_per_step, 1)).astype(np.float32)
+            strategy = tf_asyncps.AsyncParameterServerStrategy(
+                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps))
+            with strategy.scope():
+                model = tf_keras.Sequential([
+                    tf_keras.Input(shape=(1,), dtype=tf.int64),
+                    # Initialised on the ps tasks: no table crosses the network.
+                    tf_keras.layers.Embedding(rows, dim),
+                    tf_keras.layers.Flatten(), tf_keras.layers.Dense(1)])
+                model.compile(tf_keras.optimizers.SGD(0.1), "mse", steps_per_execution=10)
+            data = tf_keras.utils.experimental.DatasetCreator(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((ids, ys)).batch(
+                    ids_per_step).repeat())
+            model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # traced, warm
+            before = _loopback_bytes()
+            model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            out.append({"rows": rows, "bytes_per_step": (_loopback_bytes() - before) / steps,
+                        "table_bytes": rows * dim * 4})
+    return {"runs": out}
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

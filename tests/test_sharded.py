@@ -118,3 +118,13 @@ def test_a_checkpoint_restores_onto_another_number_of_ps_tasks(tmp_path):
         for key in ("table", "kernel"):
             np.testing.assert_allclose(r["next"][key], a["next"][key], rtol=0, atol=1e-6)
     assert a["next"]["table"] != a["saved"]["table"]  # the next step did move the table
+
+
+def test_a_step_moves_the_rows_it_touches_not_the_table():
+    """Loopback bytes per worker step (64 ids of 32 floats) with a 10K-row and
+    a 1M-row table (128 MB) on 2 ps tasks: reads are gathers of the touched rows
+    and updates IndexedSlices, so the bytes do not grow with the table."""
+    small, large = run_scenario("embedding_traffic", timeout=240,
+                                rows_list=[10_000, 1_000_000])["runs"]
+    assert large["bytes_per_step"] < large["table_bytes"] / 100  # a dense read: 128 MB
+    assert large["bytes_per_step"] < 3 * small["bytes_per_step"]
