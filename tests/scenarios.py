@@ -839,17 +839,18 @@ def _fake_multi_replica_workers(replicas):
         lambda self: tuple(f"/device:CPU:{i}" for i in range(replicas)))
 
 
-def _in_process_cluster(num_workers, cpus_per_worker=1):
+def _in_process_cluster(num_workers, cpus_per_worker=1, num_ps=1):
     """ps and worker servers in this process (TensorFlow's own PS tests do
     this); each worker server has ``cpus_per_worker`` CPU devices."""
     import portpicker
     from tf_asyncps import cluster as cluster_lib
-    ports = [portpicker.pick_unused_port() for _ in range(num_workers + 2)]
+    ports = [portpicker.pick_unused_port() for _ in range(num_workers + num_ps + 1)]
     spec = tf.train.ClusterSpec({
-        "chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
-        "worker": [f"127.0.0.1:{p}" for p in ports[2:]]})
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{p}" for p in ports[1:1 + num_ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1 + num_ps:]]})
     servers = []
-    for job, n in (("ps", 1), ("worker", num_workers)):
+    for job, n in (("ps", num_ps), ("worker", num_workers)):
         for i in range(n):
             cfg = cluster_lib.server_config(num_workers)
             if job == "worker":
@@ -913,31 +914,40 @@ def replicas_fit(replicas=2, num_workers=1, policy="async", policy_args=None,
 
 
 @scenario
-def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch=10, batch=8):
+def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch=10, batch=8,
+                           num_ps=1):
     """An Embedding model (sparse IndexedSlices gradients) with ``replicas``
     replicas on one worker, against one-process training on batches of
-    replicas * batch examples in the same order."""
+    replicas * batch examples in the same order. ``num_ps`` > 1: the table
+    and the Dense layer are split over the ps tasks (FixedShardsPartitioner)."""
     _fake_multi_replica_workers(replicas)
-    servers, resolver = _in_process_cluster(1, cpus_per_worker=replicas)
+    servers, resolver = _in_process_cluster(1, cpus_per_worker=replicas, num_ps=num_ps)
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 50, size=(steps_per_epoch * batch * replicas, 3)).astype("int32")
     y = (ids[:, 0] % 2).astype("int64")
     loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    def build():
-        return tf_keras.Sequential([tf_keras.layers.Input((3,), dtype="int32"),
-                                    tf_keras.layers.Embedding(50, 4),
-                                    tf_keras.layers.Flatten(), tf_keras.layers.Dense(2)])
+    w0 = [np.random.RandomState(1).uniform(-0.5, 0.5, shape).astype(np.float32)
+          for shape in [(50, 4), (12, 2), (2,)]]
 
-    strategy = tf_asyncps.AsyncParameterServerStrategy(resolver, update_policy=policy)
+    def build():  # constant initializers: every shard starts from its rows of w0
+        c = tf_keras.initializers.Constant
+        return tf_keras.Sequential([tf_keras.layers.Input((3,), dtype="int32"),
+                                    tf_keras.layers.Embedding(50, 4,
+                                                              embeddings_initializer=c(w0[0])),
+                                    tf_keras.layers.Flatten(),
+                                    tf_keras.layers.Dense(2, kernel_initializer=c(w0[1]),
+                                                          bias_initializer=c(w0[2]))])
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        resolver, update_policy=policy,
+        variable_partitioner=_partitioner("fixed", num_ps) if num_ps > 1 else None)
     ref = build()
-    w0 = ref.get_weights()
     ref.compile(tf_keras.optimizers.SGD(0.1), loss)
     ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch * replicas).repeat(),
             epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
     with strategy.scope():
         model = build()
-        model.set_weights(w0)
         model.compile(tf_keras.optimizers.SGD(0.1), loss)
 
     def dataset_fn(ctx):
@@ -946,9 +956,12 @@ def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch
 
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
               steps_per_epoch=steps_per_epoch, verbose=0)
-    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())]
+    full = [_full(v) for v in (model.layers[0].embeddings, model.layers[2].kernel,
+                               model.layers[2].bias)]
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(full, ref.get_weights())]
     moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
     return {"max_abs_diff": max(diffs), "moved": max(moved),
+            "shards": len(tf_compat.shards(model.layers[0].embeddings) or [None]),
             "iterations": int(model.optimizer.iterations.numpy()), "stats": _stats(strategy)}
 
 

@@ -63,3 +63,14 @@ def test_two_replicas_sparse_embedding_gradients_stay_exact():
     r = run_scenario("replicas_embedding_fit", replicas=2, policy="drop_stale")
     assert r["moved"] > 0.01 and r["max_abs_diff"] < 1e-5, r
     assert r["iterations"] == 20 == r["stats"]["global_step"] == r["stats"]["applied"]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("policy", ["drop_stale", "sync_replicas"])
+def test_two_replicas_on_a_table_split_over_two_ps_tasks_stay_exact(policy):
+    # variable_partitioner with K = 2 replicas: each shard's rows from both
+    # replicas are joined and applied once per worker step.
+    r = run_scenario("replicas_embedding_fit", replicas=2, policy=policy, num_ps=2)
+    assert r["shards"] == 2
+    assert r["moved"] > 0.01 and r["max_abs_diff"] < 1e-5, r
+    assert r["iterations"] == 20 == r["stats"]["global_step"] == r["stats"]["applied"]
