@@ -72,3 +72,24 @@ def test_digits_split_is_fixed():
     a, b = datasets.load("digits", seed=0), datasets.load("digits", seed=0)
     assert a.x_train.shape == (1437, 64) and a.x_test.shape == (360, 64)
     assert (a.y_test == b.y_test).all() and a.x_train.max() <= 1.0
+
+
+def test_model_and_dataset_names_match_the_cli_choices():
+    from tf_asyncps.app import cli, datasets, models
+    assert cli.MODELS == models.NAMES and cli.DATASETS == datasets.NAMES
+
+
+@pytest.mark.parametrize("args,words", [
+    (["launch", "--flagfile=configs/movielens_async.flags", "--model=mlp"],
+     ["--model=recommender goes with --dataset=movielens"]),
+    (["reference", "--dataset=digits", "--model=recommender"],
+     ["--model=recommender goes with --dataset=movielens"]),
+    (["launch", "--model=cnn"], ["--model", "recommender"]),
+])
+def test_model_and_dataset_mismatches_fail_at_flag_parsing(args, words):
+    t0 = time.perf_counter()
+    rc, out = _cli(*args)
+    assert rc != 0
+    for w in words:
+        assert w in out, out[-2000:]
+    assert time.perf_counter() - t0 < 4.0  # before TensorFlow is imported

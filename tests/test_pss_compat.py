@@ -61,7 +61,8 @@ def tutorial(runs, num_workers=2, num_ps=2):
     return {"runs": [_tutorial_run(cluster_resolver, num_ps, **run) for run in runs]}
 
 
-def _tutorial_run(cluster_resolver, num_ps, strategy="async", policy="async", policy_args=None):
+def _tutorial_run(cluster_resolver, num_ps, strategy="async", policy="async", policy_args=None,
+                  callbacks=True):
     """The tutorial's fit, inline evaluation, exact evaluation and custom loop."""
     import numpy as np
     import tensorflow as tf
@@ -101,9 +102,12 @@ def _tutorial_run(cluster_resolver, num_ps, strategy="async", policy="async", po
         model.compile(tf_keras.optimizers.legacy.SGD(0.1), loss="mse", metrics=["mae"],
                       steps_per_execution=10, pss_evaluation_shards="auto")
     work = tempfile.mkdtemp(prefix="pss_tutorial_")
+    # The tutorial's callbacks (ModelCheckpoint writes a SavedModel every epoch:
+    # the policy sweep leaves them to the one-worker test).
     callbacks = [tf_keras.callbacks.TensorBoard(log_dir=os.path.join(work, "log")),
                  tf_keras.callbacks.ModelCheckpoint(filepath=os.path.join(work, "ckpt")),
-                 tf_keras.callbacks.BackupAndRestore(backup_dir=os.path.join(work, "backup"))]
+                 tf_keras.callbacks.BackupAndRestore(backup_dir=os.path.join(work, "backup"))
+                 ] if callbacks else []
     # Inline evaluation; with pss_evaluation_shards it is exact, so the
     # validation data must be finite (tf_keras refuses a repeat()ed dataset).
     # Exact evaluation ("auto") cuts the data into 5 x num_workers shards and
@@ -205,6 +209,7 @@ def _tutorial_run(cluster_resolver, num_ps, strategy="async", policy="async", po
         "loop_weights": [w.tolist() for w in loop_model.get_weights()],
         "accuracy": float(accuracy.result().numpy()),
         "eval_count": float(eval_accuracy.count.numpy()),
+        "callback_outputs": sorted(os.listdir(work)),
         "eval_accuracy": float(eval_accuracy.result().numpy()),
     }
     if hasattr(strategy, "staleness_stats"):
@@ -258,12 +263,16 @@ def test_tutorial_with_one_worker_equals_vanilla_parameter_server_strategy():
     assert s["max"] == 0  # one worker alone: τ = 0
     _assert_trained_exactly(vanilla)
     _assert_trained_exactly(ours)
+    # ModelCheckpoint's SavedModel, TensorBoard's logs and BackupAndRestore's
+    # folder, for both strategies alike.
+    assert ours["callback_outputs"] == vanilla["callback_outputs"] == ["backup", "ckpt", "log"]
 
 
 @pytest.fixture(scope="module")
 def every_policy():
     """All policies, one strategy each, on one chief-less 2-worker cluster."""
-    runs = [{"strategy": "async", "policy": p, "policy_args": a} for p, a in POLICIES]
+    runs = [{"strategy": "async", "policy": p, "policy_args": a, "callbacks": False}
+            for p, a in POLICIES]
     return dict(zip([p for p, _ in POLICIES], _run(runs, 2, timeout=420)))
 
 

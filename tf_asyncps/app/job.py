@@ -27,7 +27,8 @@ from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
-__all__ = ["JobConfig", "run", "run_reference", "partitioner", "parse_policy_args",
+__all__ = ["JobConfig", "run", "run_reference", "reference_dir", "partitioner",
+           "parse_policy_args",
            "make_optimizer", "OPTIMIZERS"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
@@ -424,7 +425,8 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
     steps_per_epoch`` steps of ``batch_size`` examples, i.e. as many steps as
     the distributed job's workers make together, one after another: the
     reference a distributed run is measured against. Writes
-    ``output_dir/metrics.json`` (``"policy": "single_process"``).
+    ``OUTPUT_DIR_reference/metrics.json`` (``"policy": "single_process"``),
+    beside the distributed job's ``output_dir``, not over it.
 
     Raises:
       ValueError: bad settings. RuntimeError: data not loadable.
@@ -440,7 +442,8 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
         len(data.x_train), seed=cfg.seed, reshuffle_each_iteration=True).repeat().batch(
         cfg.batch_size, drop_remainder=True)
     say(f"reference: {cfg.model} on {cfg.dataset} in one process, {cfg.epochs} epochs x "
-        f"{cfg.steps_per_epoch} steps of {cfg.batch_size} examples")
+        f"{cfg.steps_per_epoch} steps of {cfg.batch_size} examples (no cluster: the "
+        "policy, locking, worker, ps and partitioner flags do not apply)")
     t0 = time.perf_counter()
     model.fit(ds, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, verbose=0)
     train_s = time.perf_counter() - t0
@@ -458,7 +461,13 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
     say(f"reference: {auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
         f"{metrics['steps_per_sec']:.1f} steps/s")
     if cfg.output_dir:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
-        say(f"wrote {cfg.output_dir}/metrics.json")
+        out = reference_dir(cfg.output_dir)
+        os.makedirs(out, exist_ok=True)
+        recovery.atomic_write_json(os.path.join(out, "metrics.json"), metrics)
+        say(f"wrote {out}/metrics.json")
     return metrics
+
+
+def reference_dir(output_dir: str) -> str:
+    """Where ``run_reference`` writes: ``runs/x`` -> ``runs/x_reference``."""
+    return os.path.normpath(output_dir) + "_reference"
