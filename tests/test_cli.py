@@ -27,6 +27,12 @@ def _cli(*args, env=None):
     (["launch", "--epochs=0"], ["epochs"]),
     (["frobnicate"], ["usage: tf-asyncps", "launch"]),
     ([], ["usage: tf-asyncps"]),
+    # At flag parsing, before TensorFlow is imported:
+    (["launch", "--flagfile=configs/movielens_async.flags", "--model=mlp"],
+     ["--model=recommender goes with --dataset=movielens"]),
+    (["reference", "--dataset=digits", "--model=recommender"],
+     ["--model=recommender goes with --dataset=movielens"]),
+    (["launch", "--model=cnn"], ["--model", "recommender"]),
 ])
 def test_bad_flags_fail_before_any_process_starts(args, words):
     t0 = time.perf_counter()
@@ -77,19 +83,3 @@ def test_digits_split_is_fixed():
 def test_model_and_dataset_names_match_the_cli_choices():
     from tf_asyncps.app import cli, datasets, models
     assert cli.MODELS == models.NAMES and cli.DATASETS == datasets.NAMES
-
-
-@pytest.mark.parametrize("args,words", [
-    (["launch", "--flagfile=configs/movielens_async.flags", "--model=mlp"],
-     ["--model=recommender goes with --dataset=movielens"]),
-    (["reference", "--dataset=digits", "--model=recommender"],
-     ["--model=recommender goes with --dataset=movielens"]),
-    (["launch", "--model=cnn"], ["--model", "recommender"]),
-])
-def test_model_and_dataset_mismatches_fail_at_flag_parsing(args, words):
-    t0 = time.perf_counter()
-    rc, out = _cli(*args)
-    assert rc != 0
-    for w in words:
-        assert w in out, out[-2000:]
-    assert time.perf_counter() - t0 < 4.0  # before TensorFlow is imported
