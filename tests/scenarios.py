@@ -1206,11 +1206,8 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
         model.compile(opt, loss)
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
               steps_per_epoch=steps, verbose=0)
-    table = np.concatenate(model.layers[0].get_weights(), axis=0) \
-        if len(model.layers[0].get_weights()) > 1 else model.layers[0].get_weights()[0]
-    kernel = np.concatenate(model.layers[2].get_weights(), axis=0) \
-        if len(model.layers[2].get_weights()) > 1 else model.layers[2].get_weights()[0]
     emb_var = model.layers[0].embeddings
+    table, kernel = _full(emb_var), _full(model.layers[2].kernel)
     out = {"shards": len(tf_compat.shards(emb_var) or [emb_var]),
            "shard_tasks": sorted({tf.DeviceSpec.from_string(v.device).task
                                   for v in (tf_compat.shards(emb_var)

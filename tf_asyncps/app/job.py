@@ -243,10 +243,19 @@ def _sharding(model) -> Dict[str, Any]:
     return out
 
 
-def _binary_metrics(y, probs) -> Dict[str, float]:
-    """AUC of the positive class (needs scikit-learn) for 2-class data."""
+def _binary_metrics(data, probs) -> Dict[str, float]:
+    """``{"test_auc": ...}`` (AUC of the positive class, by scikit-learn) for
+    2-class data, else ``{}``."""
+    if data.num_classes != 2:
+        return {}
     from sklearn.metrics import roc_auc_score
-    return {"test_auc": float(roc_auc_score(y, probs[:, 1]))}
+    return {"test_auc": float(roc_auc_score(data.y_test, probs[:, 1]))}
+
+
+def _quality_line(metrics, test_acc, test_loss) -> str:
+    """``test AUC ...  test accuracy ...  test loss ...`` for progress lines."""
+    auc = f"test AUC {metrics['test_auc']:.4f}  " if "test_auc" in metrics else ""
+    return f"{auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}"
 
 
 def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
@@ -391,7 +400,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "wall_time_s": time.perf_counter() - t_job,
         "test_accuracy": float(test_acc),
         "test_loss": float(test_loss),
-        **(_binary_metrics(data.y_test, probs) if data.num_classes == 2 else {}),
+        **_binary_metrics(data, probs),
         "sharded_variables": _sharding(model),
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
         "mixed_precision": precision,
@@ -401,8 +410,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "staleness": stats.to_dict(),
         "epoch_log": logger.epochs,
     }
-    auc = f"test AUC {metrics['test_auc']:.4f}  " if "test_auc" in metrics else ""
-    say(f"{auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
+    say(f"{_quality_line(metrics, test_acc, test_loss)}  "
         f"{metrics['steps_per_sec']:.1f} steps/s overall, "
         f"{metrics['steady_steps_per_sec']:.1f} after epoch 1  "
         f"tau mean {stats.mean:.2f} max {stats.max}  "
@@ -455,10 +463,9 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
                "batch_size": cfg.batch_size, "worker_steps": steps,
                "steps_per_sec": steps / train_s, "train_time_s": train_s,
                "test_accuracy": float(test_acc), "test_loss": float(test_loss),
-               **(_binary_metrics(data.y_test, probs) if data.num_classes == 2 else {}),
+               **_binary_metrics(data, probs),
                "wall_time_s": time.perf_counter() - t_job}
-    auc = f"test AUC {metrics['test_auc']:.4f}  " if "test_auc" in metrics else ""
-    say(f"reference: {auc}test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  "
+    say(f"reference: {_quality_line(metrics, test_acc, test_loss)}  "
         f"{metrics['steps_per_sec']:.1f} steps/s")
     if cfg.output_dir:
         out = reference_dir(cfg.output_dir)

@@ -17,7 +17,6 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from tf_asyncps.core import placement
-
 from tf_asyncps.core.watchdog import Watchdog
 
 __all__ = ["PSLock", "run_collecting_ops"]
