@@ -2,9 +2,11 @@
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +19,8 @@ def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # A crash in TensorFlow's C++ (SIGSEGV) then leaves each thread's Python stack.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env["CUDA_VISIBLE_DEVICES"] = env.get("ASYNCPS_TEST_CUDA_VISIBLE_DEVICES", "")
     return env
 
@@ -77,12 +81,111 @@ def wait_dead(pids, timeout=20.0):
     assert not left, f"child processes {left} outlived their parent"
 
 
-def run_scenario(name, timeout=240, script=None, **kwargs):
+class SharedCluster:
+    """``tests/scenarios.py serve``: one process holding a cluster of one shape
+    for the whole session, running scenarios on it on request.
+
+    A request that fails or runs past its timeout stops the process (by its
+    process group); the next request starts a new one.
+    """
+
+    def __init__(self, num_workers, num_ps):
+        self.shape = {"num_workers": num_workers, "num_ps": num_ps}
+        self.proc = None
+        self.child_pids = []
+        self._busy = False  # a request whose answer was not read (its test timed out)
+        self._lines = queue.Queue()
+        self._tail = []
+
+    def _start(self, deadline):
+        env = _env()
+        env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 comes in by `import keras`
+        self._lines = queue.Queue()
+        self._tail = []
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "scenarios.py"), "serve",
+             json.dumps(self.shape)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True, text=True)
+        threading.Thread(target=self._read, args=(self.proc.stdout, self._lines),
+                         daemon=True).start()
+        self.child_pids = self._answer("READY", deadline)["_child_pids"]
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    def _answer(self, word, deadline):
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                pytest.fail(f"shared cluster {self.shape}: no answer in time; output "
+                            f"tail:\n{''.join(self._tail[-40:])}")
+            if line is None:
+                self.close()
+                pytest.fail(f"shared cluster {self.shape} exited; output tail:\n"
+                            f"{''.join(self._tail[-40:])}")
+            if line.startswith(word + ": ") or line.startswith("ERROR: "):
+                kind, _, body = line.partition(": ")
+                if kind == "ERROR":
+                    self.close()
+                    pytest.fail(f"scenario failed on the shared cluster {self.shape}:\n"
+                                f"{json.loads(body)}")
+                return json.loads(body)
+            self._tail.append(line)
+
+    def run(self, name, kwargs, timeout):
+        deadline = time.monotonic() + timeout
+        if self._busy:
+            self.close()
+        if self.proc is None or self.proc.poll() is not None:
+            self._start(deadline)
+        self._busy = True
+        self.proc.stdin.write(json.dumps({"name": name, "kwargs": kwargs}) + "\n")
+        self.proc.stdin.flush()
+        result = self._answer("RESULT", deadline)
+        self._busy = False
+        return result
+
+    def close(self):
+        """Ends the process (end of input, then by process group) and checks
+        that every task it started is gone."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        self._busy = False
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        stop_process(proc)
+        wait_dead(self.child_pids)
+
+
+_SHARED_CLUSTERS = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for c in _SHARED_CLUSTERS.values():
+        c.close()
+
+
+def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
     """Runs ``script NAME kwargs`` (default tests/scenarios.py) in a fresh
     process and returns its RESULT.
 
     Also checks that every cluster task the scenario started is gone.
+    With ``shared=(num_workers, num_ps)`` the scenario (one marked
+    ``shares_cluster``) runs instead on that session-wide cluster
+    (SharedCluster): same code, no cluster start.
     """
+    if shared is not None:
+        cluster = _SHARED_CLUSTERS.setdefault(tuple(shared), SharedCluster(*shared))
+        return cluster.run(name, kwargs, timeout)
     env = _env()
     if "keras3" not in name and "keras3" not in json.dumps(kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's

@@ -5,11 +5,22 @@ test that needs a real cluster runs one of these functions through
 ``conftest.run_scenario``: ``python tests/scenarios.py NAME JSON_KWARGS``.
 The scenario starts a LocalCluster (ps/worker processes, stopped by pid on
 exit), creates the strategy in this process and prints ``RESULT: {json}``.
+
+Starting a cluster costs most of a short scenario (about 9 s of the 2 cores
+for 4 workers). Scenarios marked ``@scenario(shares_cluster=True)`` neither
+kill, stop, restart nor reconfigure a task, so they may also run on a cluster
+kept up for the whole test session: ``python tests/scenarios.py serve
+'{"num_workers": W, "num_ps": P}'`` reads one request per line on stdin and
+answers each (``conftest.run_scenario(..., shared=(W, P))``). Each request
+gets new variables, a new strategy and a new ClusterCoordinator, exactly as
+in a fresh process; only the ps/worker processes are reused.
 """
 
+import contextlib
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -22,18 +33,31 @@ from tf_asyncps.cluster import LocalCluster  # noqa: E402
 from tf_asyncps.compat import tensorflow as tf_compat  # noqa: E402
 
 SCENARIOS = {}
+SHARES_CLUSTER = set()
 _CLUSTERS = []
+_SHARED = {}  # under `serve`: "shape" (LocalCluster kwargs) and "cluster"
 
 
 def _cluster(**kwargs):
+    if _SHARED:
+        if kwargs != _SHARED["shape"]:
+            raise ValueError(f"this scenario needs a cluster {kwargs}, but the shared "
+                             f"cluster is {_SHARED['shape']}: pass shared=(num_workers, "
+                             f"num_ps) that match it.")
+        return contextlib.nullcontext(_SHARED["cluster"])  # stays up after the scenario
     c = LocalCluster(**kwargs)
     _CLUSTERS.append(c)
     return c
 
 
-def scenario(fn):
-    SCENARIOS[fn.__name__] = fn
-    return fn
+def scenario(fn=None, *, shares_cluster=False):
+    """Registers a scenario; ``shares_cluster``: it may run under ``serve``."""
+    def register(fn):
+        SCENARIOS[fn.__name__] = fn
+        if shares_cluster:
+            SHARES_CLUSTER.add(fn.__name__)
+        return fn
+    return register(fn) if fn is not None else register
 
 
 def _stats(strategy):
@@ -93,14 +117,14 @@ def _optimizer(name, lr):
             }[name]()
 
 
-@scenario
+@scenario(shares_cluster=True)
 def single_worker_fit(**kwargs):
     """One worker: fit under the strategy vs fit in one process, same order."""
     with _cluster(num_workers=1, num_ps=1) as c:
         return _single_worker_fit(c, **kwargs)
 
 
-@scenario
+@scenario(shares_cluster=True)
 def single_worker_fits(cases):
     """single_worker_fit for each kwargs dict of ``cases``, one strategy each
     on one cluster (one cluster per process: DESIGN)."""
@@ -145,7 +169,7 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
             "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def accounting_fit(num_workers=3, epochs=3, steps_per_epoch=40, batch=16):
     """Several workers under model.fit: exact counters."""
     x, y = _small_problem()
@@ -168,7 +192,7 @@ def accounting_fit(num_workers=3, epochs=3, steps_per_epoch=40, batch=16):
                 "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def custom_loop_linear(num_workers=3, steps=60, lr=0.5, dim=4):
     """coordinator.schedule with loss = sum(w): constant gradient 1.
 
@@ -187,7 +211,7 @@ def custom_loop_linear(num_workers=3, steps=60, lr=0.5, dim=4):
                 "stats": s.to_dict(), "steps": steps, "lr": lr}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4, chained=False):
     """local_sgd with loss = sum(w) (gradient 1): every local step moves a
     worker's copy by -lr, so after the drain w == w0 - lr * steps exactly.
@@ -210,7 +234,7 @@ def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4, chain
                 "iterations": int(opt.iterations.numpy()), "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40):
     """tf_asyncps.straggler.slow_dataset_fn: closures taken by each worker,
     counted on the PS (ClusterCoordinator gives closures to free workers)."""
@@ -241,7 +265,7 @@ def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40):
         return {"counts": counts.numpy().tolist()}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def shard_per_worker(num_workers=2, n=1000, batch=10, steps=100):
     """Case 003: each worker must read its own shard; ids counted on the PS."""
     ids = np.arange(n, dtype=np.int64)
@@ -283,7 +307,7 @@ def shard_per_worker(num_workers=2, n=1000, batch=10, steps=100):
         return {"counts": counts.tolist(), "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def keras3_fit_fails():
     """A Keras 3 model.fit under the strategy fails at once with our message."""
     import time
@@ -311,7 +335,7 @@ def _least_squares(n=64, features=5, seed=0):
     return x, y
 
 
-@scenario
+@scenario(shares_cluster=True)
 def full_batch_policy(policy="drop_stale", policy_args=None, num_workers=4, steps=60,
                       lr=0.05, sparse=False):
     """Every worker computes the full-batch least-squares gradient (custom loop).
@@ -376,7 +400,7 @@ def _train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps, l
     _run_steps(coord, step, steps, iter(coord.create_per_worker_dataset(dataset_fn)))
 
 
-@scenario
+@scenario(shares_cluster=True)
 def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, steps=45,
                   chained=False):
     """ssp with one worker slowed by a tf.data sleep: the clock spread stays <= s.
@@ -404,7 +428,7 @@ def _make_opt(keras_name, name, lr):
             "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(lr)}[name]()
 
 
-@scenario
+@scenario(shares_cluster=True)
 def case002(keras_name="tf_keras", optimizer="sgd", locking=False, num_workers=4,
             steps=200, dim=1000):
     """Case 002: loss = sum(w) (gradient 1), w zeros [1000], 200 steps."""
@@ -445,7 +469,7 @@ class _HalfPlusGrad(tf_keras.optimizers.Optimizer):
         variable.assign(0.5 * variable + gradient)
 
 
-@scenario
+@scenario(shares_cluster=True)
 def read_modify_write(locking=True, num_workers=4, steps=20):
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
@@ -531,7 +555,7 @@ def lock_timeout(timeout_s=2.0):
                 "seconds": time.perf_counter() - t0, "w": float(w.numpy())}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_ms=80,
                    steps=60):
     """sync_replicas with one worker slowed by a sleep in its input pipeline."""
@@ -593,7 +617,7 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
                 "rounds": strategy.update_policy.rounds(), "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
     """Worker 0 computes slowly between reading the model and applying: the
     other worker's updates land in that window, so its tau must be >= 1."""
@@ -618,7 +642,7 @@ def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
         return {"stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def fit_evaluate_fit(policy="sync_replicas", policy_args=None, num_workers=2, steps=20):
     """model.fit, model.evaluate (steps without updates), model.fit again."""
     x, y = _small_problem()
@@ -965,7 +989,7 @@ def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch
             "iterations": int(model.optimizer.iterations.numpy()), "stats": _stats(strategy)}
 
 
-@scenario
+@scenario(shares_cluster=True)
 def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=None,
                         num_workers=2, epochs=2, steps_per_epoch=40, batch=16, lr=0.1,
                         initial_scale=None, locking=False):
@@ -1325,9 +1349,47 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
     return {"runs": out}
 
 
+def _reset_process_state(environ):
+    """What one scenario may leave behind for the next one under ``serve``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    tf_keras.mixed_precision.set_global_policy("float32")
+    if "keras" in sys.modules:
+        sys.modules["keras"].mixed_precision.set_global_policy("float32")
+
+
+def serve(num_workers, num_ps=1):
+    """Keeps one LocalCluster up; runs each request line ``{"name", "kwargs"}``
+    read on stdin on it and prints ``RESULT: {json}`` or ``ERROR: {json}``.
+
+    Prints ``READY: {"_child_pids": [...]}`` once the cluster serves and exits
+    at end of input (its tasks stop with it: their death signal).
+    """
+    shape = {"num_workers": num_workers, "num_ps": num_ps}
+    cluster = LocalCluster(**shape).start()
+    _SHARED.update(shape=shape, cluster=cluster)
+    print("READY: " + json.dumps({"_child_pids": list(cluster.pids.values())}), flush=True)
+    environ = dict(os.environ)
+    for line in sys.stdin:
+        request = json.loads(line)
+        name = request["name"]
+        try:
+            if name not in SHARES_CLUSTER:
+                raise ValueError(f"scenario {name!r} is not marked shares_cluster=True")
+            print("RESULT: " + json.dumps(SCENARIOS[name](**request["kwargs"])), flush=True)
+        except Exception:  # the test fails with this; the next one gets a new cluster
+            print("ERROR: " + json.dumps(traceback.format_exc()), flush=True)
+        finally:
+            _reset_process_state(environ)
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    if name == "serve":
+        serve(**kwargs)
     result = SCENARIOS[name](**kwargs)
     result["_child_pids"] = [p for c in _CLUSTERS for p in c.pids.values()]
     print("RESULT: " + json.dumps(result), flush=True)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 # cluster: 2 of 3 workers (a backup worker), a dense and a sparse part.
 @pytest.mark.cluster
 def test_full_batch_aggregation_equals_sequential_gradient_descent():
-    r = run_scenario("full_batch_policy", policy="sync_replicas",
+    r = run_scenario("full_batch_policy", shared=(3, 1), policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "total_num_replicas": 3},
                      num_workers=3, steps=45, sparse=True)
     s = r["stats"]
@@ -32,7 +32,7 @@ def test_full_batch_aggregation_equals_sequential_gradient_descent():
 
 @pytest.mark.cluster
 def test_backup_worker_keeps_updates_ahead_of_the_straggler():
-    r = run_scenario("sync_straggler", replicas_to_aggregate=2, num_workers=3,
+    r = run_scenario("sync_straggler", shared=(3, 1), replicas_to_aggregate=2, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
     s = r["stats"]
     slow = r["sent"][0]
@@ -45,7 +45,7 @@ def test_backup_worker_keeps_updates_ahead_of_the_straggler():
 
 @pytest.mark.cluster
 def test_without_backup_every_update_waits_for_the_straggler():
-    r = run_scenario("sync_straggler", replicas_to_aggregate=3, num_workers=3,
+    r = run_scenario("sync_straggler", shared=(3, 1), replicas_to_aggregate=3, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
     s = r["stats"]
     assert s["applied"] + s["dropped"] == 60 and s["global_step"] * 3 == s["applied"]
@@ -116,7 +116,8 @@ def test_digits_with_sync_replicas(tmp_path):
 @pytest.mark.cluster
 def test_evaluate_between_fits_does_not_stall_the_rounds():
     """Evaluation steps take a token but give no gradient: the token comes back."""
-    r = run_scenario("fit_evaluate_fit", policy="sync_replicas", num_workers=2, steps=20)
+    r = run_scenario("fit_evaluate_fit", shared=(2, 1), policy="sync_replicas", num_workers=2,
+                     steps=20)
     s = r["stats"]
     assert np.isfinite(r["eval_loss"])
     assert s["applied"] + s["dropped"] == 40  # the two fits' worker steps

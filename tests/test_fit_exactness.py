@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.cluster
 def test_one_worker_async_equals_single_process_training():
-    r = run_scenario("single_worker_fit", epochs=2, steps_per_epoch=20)
+    r = run_scenario("single_worker_fit", shared=(1, 1), epochs=2, steps_per_epoch=20)
     assert r["moved"] > 1e-2  # training really changed the weights
     assert r["max_abs_diff"] < 1e-5
     s = r["stats"]
@@ -22,7 +22,7 @@ def test_one_worker_async_equals_single_process_training():
 
 @pytest.mark.cluster
 def test_accounting_identity_with_three_workers():
-    r = run_scenario("accounting_fit", num_workers=3, epochs=3, steps_per_epoch=40)
+    r = run_scenario("accounting_fit", shared=(3, 1), num_workers=3, epochs=3, steps_per_epoch=40)
     s = r["stats"]
     assert s["applied"] + s["dropped"] == r["scheduled"] == 120
     assert s["global_step"] == s["applied"] == 120
@@ -34,7 +34,7 @@ def test_accounting_identity_with_three_workers():
 
 @pytest.mark.cluster
 def test_custom_loop_constant_gradient_is_exact():
-    r = run_scenario("custom_loop_linear", num_workers=3, steps=60, lr=0.5)
+    r = run_scenario("custom_loop_linear", shared=(3, 1), num_workers=3, steps=60, lr=0.5)
     s = r["stats"]
     assert s["applied"] == s["global_step"] == 60
     assert r["iterations"] == 60
@@ -44,7 +44,7 @@ def test_custom_loop_constant_gradient_is_exact():
 @pytest.mark.cluster
 def test_each_worker_reads_its_own_shard():
     """Case 003: dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)."""
-    r = run_scenario("shard_per_worker", num_workers=2, n=1000, batch=10, steps=100)
+    r = run_scenario("shard_per_worker", shared=(2, 1), num_workers=2, n=1000, batch=10, steps=100)
     counts = np.array(r["counts"])
     assert counts.sum() == 100 * 10  # every example read is counted once
     by0, by1 = counts[0] > 0, counts[1] > 0
@@ -57,7 +57,7 @@ def test_each_worker_reads_its_own_shard():
 
 @pytest.mark.cluster
 def test_keras3_fit_fails_at_once_with_the_reason():
-    r = run_scenario("keras3_fit_fails")
+    r = run_scenario("keras3_fit_fails", shared=(1, 1))
     assert r["error"] == "NotImplementedError"
     assert "tf_keras" in r["message"] and "Keras 3" in r["message"]
     assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
@@ -68,7 +68,7 @@ def test_keras3_fit_fails_at_once_with_the_reason():
 @pytest.mark.cluster
 def test_tau_counts_updates_that_land_during_a_slow_step(policy):
     """Regression: tau was read at step start on both ends and always came out 0."""
-    r = run_scenario("tau_visible", policy=policy, num_workers=2, steps=30)
+    r = run_scenario("tau_visible", shared=(2, 1), policy=policy, num_workers=2, steps=30)
     s = r["stats"]
     assert s["applied"] == s["global_step"] == 30
     assert sum(s["histogram"][1:]) > 0 and s["max"] >= 1 and s["mean"] > 0

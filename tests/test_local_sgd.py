@@ -32,7 +32,7 @@ ONE_WORKER = {
 @pytest.fixture(scope="module")
 def one_worker_fits():
     """Both one-worker cases, one strategy each, on one cluster."""
-    runs = run_scenario("single_worker_fits", cases=list(ONE_WORKER.values()),
+    runs = run_scenario("single_worker_fits", shared=(1, 1), cases=list(ONE_WORKER.values()),
                         timeout=240)["runs"]
     return dict(zip(ONE_WORKER, runs))
 
@@ -71,7 +71,7 @@ def test_several_workers_sum_exactly_and_pull_chief_changes_also_inside_a_chain(
     # Run as chain("local_sgd"), which must train local copies exactly as
     # local_sgd alone (a chain that dropped its hooks trained as plain async:
     # local_steps 0); local_sgd alone: the other tests of this file.
-    r = run_scenario("local_sgd_linear", num_workers=3, steps=60, lr=0.5, sync_every=4,
+    r = run_scenario("local_sgd_linear", shared=(3, 1), num_workers=3, steps=60, lr=0.5, sync_every=4,
                      chained=True)
     first, s = r["first"], r["stats"]
     # Gradient 1 everywhere: each local step moves w by -0.5, whoever runs it.

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("locking", [False, True], ids=["unlocked", "locked"])
 @pytest.mark.cluster
 def test_case_002_sgd_counter_and_weights_are_exact(keras_name, locking):
-    r = run_scenario("case002", keras_name=keras_name, optimizer="sgd", locking=locking)
+    r = run_scenario("case002", shared=(4, 1), keras_name=keras_name, optimizer="sgd",
+                     locking=locking)
     assert r["iterations"] == 200 == r["stats"]["applied"] == r["stats"]["global_step"]
     assert r["w_min"] == r["w_max"] == -200.0  # one assign_sub per step, lr 1
 
@@ -20,7 +21,8 @@ def test_case_002_sgd_counter_and_weights_are_exact(keras_name, locking):
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
 @pytest.mark.cluster
 def test_case_002_adam_with_locking_equals_sequential_adam(keras_name):
-    r = run_scenario("case002", keras_name=keras_name, optimizer="adam", locking=True)
+    r = run_scenario("case002", shared=(4, 1), keras_name=keras_name, optimizer="adam",
+                     locking=True)
     assert r["iterations"] == 200 == r["stats"]["applied"]
     assert r["max_abs_diff"] < 1e-5
     assert r["ref"] < -0.1  # Adam really moved w
@@ -29,20 +31,21 @@ def test_case_002_adam_with_locking_equals_sequential_adam(keras_name):
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
 @pytest.mark.cluster
 def test_case_002_adam_unlocked_counter_is_exact(keras_name):
-    r = run_scenario("case002", keras_name=keras_name, optimizer="adam", locking=False)
+    r = run_scenario("case002", shared=(4, 1), keras_name=keras_name, optimizer="adam",
+                     locking=False)
     assert r["iterations"] == 200 == r["stats"]["applied"] == r["stats"]["global_step"]
 
 
 @pytest.mark.cluster
 def test_legacy_tf_keras_optimizer_with_locking():
-    r = run_scenario("case002", keras_name="tf_keras", optimizer="legacy_adam",
+    r = run_scenario("case002", shared=(4, 1), keras_name="tf_keras", optimizer="legacy_adam",
                      locking=True)
     assert r["iterations"] == 200 and r["max_abs_diff"] < 1e-5
 
 
 @pytest.mark.cluster
 def test_read_modify_write_with_locking_is_the_sequential_recurrence():
-    r = run_scenario("read_modify_write", locking=True, num_workers=4, steps=20)
+    r = run_scenario("read_modify_write", shared=(4, 1), locking=True, num_workers=4, steps=20)
     # w_n = 0.5 w_{n-1} + 1, w_0 = 0  ->  w_20 = 2 (1 - 2^-20), exact in float32
     assert r["w"] == 2 * (1 - 0.5 ** 20)
     assert r["iterations"] == 20 == r["stats"]["applied"]
@@ -52,7 +55,7 @@ def test_read_modify_write_with_locking_is_the_sequential_recurrence():
 def test_read_modify_write_without_locking_keeps_only_the_guarantees():
     """Unlocked read-modify-write updates may be lost (w = 2(1 - 2^-k), k <= 20);
     what is guaranteed: the counters are exact and w never passes the locked value."""
-    r = run_scenario("read_modify_write", locking=False, num_workers=4, steps=20)
+    r = run_scenario("read_modify_write", shared=(4, 1), locking=False, num_workers=4, steps=20)
     assert r["iterations"] == 20 == r["stats"]["applied"] == r["stats"]["global_step"]
     assert 1.0 <= r["w"] <= 2 * (1 - 0.5 ** 20)
 

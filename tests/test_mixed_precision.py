@@ -183,7 +183,7 @@ def _accounting(r):
 
 @pytest.mark.cluster
 def test_sync_replicas_under_mixed_bfloat16_trains_in_float32_sums():
-    r = run_scenario("mixed_precision_fit", precision="mixed_bfloat16",
+    r = run_scenario("mixed_precision_fit", shared=(2, 1), precision="mixed_bfloat16",
                      policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "timeout_s": 30})
     s = _accounting(r)
@@ -197,7 +197,7 @@ def test_sync_replicas_under_mixed_bfloat16_trains_in_float32_sums():
 def test_mixed_float16_loss_scaling_drops_overflowing_steps_and_lowers_the_scale():
     """LossScaleOptimizer around a LockingOptimizer, loss scale starting at 2**20:
     the first steps overflow float16, are dropped as non-finite and halve it."""
-    r = run_scenario("mixed_precision_fit", precision="mixed_float16",
+    r = run_scenario("mixed_precision_fit", shared=(2, 1), precision="mixed_float16",
                      initial_scale=2.0 ** 20, locking=True)
     s = _accounting(r)
     assert r["compute_dtypes"] == ["float16"] and r["policy_grad_dtypes"] == ["float32"]

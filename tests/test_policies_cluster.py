@@ -30,7 +30,8 @@ CASES.update({f"{p}-adam": dict(policy=p, policy_args=a, optimizer="adam", lr=0.
 @pytest.fixture(scope="module")
 def one_worker_fits():
     """Every case of CASES, one strategy each, on one 1-worker cluster."""
-    runs = run_scenario("single_worker_fits", cases=list(CASES.values()), timeout=280)["runs"]
+    runs = run_scenario("single_worker_fits", shared=(1, 1), cases=list(CASES.values()),
+                        timeout=280)["runs"]
     return dict(zip(CASES, runs))
 
 
@@ -47,7 +48,7 @@ def test_one_worker_policy_equals_plain_sgd(one_worker_fits, policy):
 
 @pytest.mark.cluster
 def test_drop_stale_zero_is_sequential_gradient_descent():
-    r = run_scenario("full_batch_policy", policy="drop_stale",
+    r = run_scenario("full_batch_policy", shared=(4, 1), policy="drop_stale",
                      policy_args={"max_staleness": 0}, num_workers=4, steps=60)
     s = r["stats"]
     assert s["applied"] + s["dropped"] == 60
@@ -60,7 +61,8 @@ def test_drop_stale_zero_is_sequential_gradient_descent():
 @pytest.mark.cluster
 def test_async_full_batch_is_really_stale():
     """The contrast to the test above: async with 4 workers applies stale gradients."""
-    r = run_scenario("full_batch_policy", policy="async", num_workers=4, steps=60)
+    r = run_scenario("full_batch_policy", shared=(4, 1), policy="async", num_workers=4,
+                     steps=60)
     s = r["stats"]
     assert s["applied"] == s["global_step"] == 60 and s["dropped"] == 0
     assert sum(s["histogram"]) == 60
@@ -71,7 +73,7 @@ def test_ssp_bounds_the_clock_spread_with_a_straggler_also_inside_a_chain():
     # Run inside chain(ssp, "async"): the wait, the clock tick and the
     # end-of-schedule release (attach) must all still happen, so this is
     # ssp's own test and the chain's (ssp alone: test_sigstop.py, digits).
-    r = run_scenario("ssp_straggler", max_staleness=1, num_workers=3, slow_worker=0,
+    r = run_scenario("ssp_straggler", shared=(3, 1), max_staleness=1, num_workers=3, slow_worker=0,
                      delay_ms=40, steps=45, chained=True)
     assert r["max_spread"] <= 1
     assert sum(r["clocks"]) == 45 == r["stats"]["applied"]
