@@ -1,5 +1,6 @@
 """Shared test helpers: run a cluster scenario in its own process, stop by pid."""
 
+import collections
 import json
 import os
 import queue
@@ -166,7 +167,10 @@ class SharedCluster:
         wait_dead(self.child_pids)
 
 
-_SHARED_CLUSTERS = {}
+_SHARED_CLUSTERS = collections.OrderedDict()  # shape -> SharedCluster, least recent first
+# An idle shared cluster holds about 1 GB (its tasks and the serve process):
+# at most this many stay up.
+MAX_SHARED_CLUSTERS = 4
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -184,8 +188,13 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
     (SharedCluster): same code, no cluster start.
     """
     if shared is not None:
-        cluster = _SHARED_CLUSTERS.setdefault(tuple(shared), SharedCluster(*shared))
-        return cluster.run(name, kwargs, timeout)
+        shape = tuple(shared)
+        if shape not in _SHARED_CLUSTERS:
+            while len(_SHARED_CLUSTERS) >= MAX_SHARED_CLUSTERS:
+                _SHARED_CLUSTERS.popitem(last=False)[1].close()
+            _SHARED_CLUSTERS[shape] = SharedCluster(*shape)
+        _SHARED_CLUSTERS.move_to_end(shape)
+        return _SHARED_CLUSTERS[shape].run(name, kwargs, timeout)
     env = _env()
     if "keras3" not in name and "keras3" not in json.dumps(kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's

@@ -1178,6 +1178,15 @@ def _same_task(a, b):
     return (a.job, a.task) == (b.job, b.task)
 
 
+def _policy(policy, policy_args=None):
+    """A policy from JSON-able arguments; "route" takes its parts as names or
+    ``[name, kwargs]`` pairs."""
+    if policy == "route":
+        part = lambda p: tf_asyncps.policies.get(p[0], **p[1]) if isinstance(p, list) else p
+        return tf_asyncps.policies.route(**{k: part(v) for k, v in policy_args.items()})
+    return tf_asyncps.policies.get(policy, **(policy_args or {}))
+
+
 def _state_placement(strategy):
     """Counts of engine/policy state variables that sit on the ps task of the
     variable they serve (``beside``) and of those that do not."""
@@ -1185,10 +1194,17 @@ def _state_placement(strategy):
     by_id = {id(v): v for v in engine._trainable}
     pairs = [(by_id[k].device, b.device) for k, b in engine._backups.items()]
     for key, state in engine._policy_state.items():
-        for vid, per_var in zip(key, state if isinstance(state, (list, tuple)) else []):
-            for s in tf.nest.flatten(per_var):
-                if isinstance(s, tf.Variable) and vid in by_id:
-                    pairs.append((by_id[vid].device, s.device))
+        groups = [(key, state)]
+        if isinstance(engine.policy, tf_asyncps.policies.Route):  # a state per part
+            known = [by_id.get(k) for k in key]
+            if all(v is not None for v in known):
+                groups = [([key[i] for i in idx], part_state) for idx, part_state
+                          in zip(engine.policy.split(known), state)]
+        for ids, st in groups:
+            for vid, per_var in zip(ids, st if isinstance(st, (list, tuple)) else []):
+                for s in tf.nest.flatten(per_var):
+                    if isinstance(s, tf.Variable) and vid in by_id:
+                        pairs.append((by_id[vid].device, s.device))
     if engine.lock is not None:
         pairs.append((engine.tracker.global_step.device, engine.lock._stats.device))
     beside = sum(_same_task(a, b) for a, b in pairs)
@@ -1221,7 +1237,7 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
 
     strategy = tf_asyncps.AsyncParameterServerStrategy(
         c.resolver(), variable_partitioner=_partitioner(partitioner, num_ps),
-        update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        update_policy=_policy(policy, policy_args))
     with strategy.scope():
         model = _embedding_model(emb0, k0)
         opt = _optimizer(optimizer, lr)
@@ -1245,6 +1261,9 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
            "local_copies": len(strategy.extended.engine.local._copies)
            if strategy.extended.engine.local is not None else 0,
            "trainable_parts": len(model.trainable_variables)}
+    if policy == "route":
+        out["part_updates"] = strategy.update_policy.part_updates()
+        out["dense_rounds"] = strategy.update_policy.parts[1].rounds()
     if reference:
         # Plain single-process tf_keras training on the same batches.
         ref = _embedding_model(emb0, k0)
@@ -1257,7 +1276,7 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
     return out
 
 
-@scenario
+@scenario(shares_cluster=True)
 def sharded_embedding(runs, num_workers=1, num_ps=2):
     """An embedding model partitioned over ``num_ps`` ps tasks; for each run
     (kwargs of _sharded_run) a new strategy on the one cluster."""
@@ -1271,7 +1290,7 @@ def _full(var):
                           axis=0)
 
 
-@scenario
+@scenario(shares_cluster=True)
 def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
     """Embedding model with Adam, FixedShardsPartitioner(num_ps).
 
@@ -1308,19 +1327,99 @@ def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
                                          "kernel": _full(kernel).tolist()}}
 
 
-def _loopback_bytes():
-    """Bytes sent on the loopback interface so far (Linux /proc/net/dev)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])  # transmit bytes
-    raise RuntimeError("no loopback interface in /proc/net/dev")
+@scenario(shares_cluster=True)
+def sharded_backup(backup_dir, num_ps=2, epochs=3, steps=4, crash_after_epoch=None):
+    """model.fit with BackupAndRestore of an embedding model and its Adam
+    slots, partitioned over ``num_ps`` ps tasks (one worker).
+
+    Each epoch sees the same ``steps`` batches, so a fit resumed at an epoch
+    boundary can equal an uninterrupted one exactly. With
+    ``crash_after_epoch=k`` this process dies (exit 17) right after epoch k's
+    checkpoint is written, and the cluster's tasks with it. Without it, the fit
+    resumes from ``backup_dir``; then the same fit runs uninterrupted on fresh
+    variables (a new strategy on the same cluster) for comparison, and that
+    model is written with a checkpoint sharding callback (tf#73836:
+    MaxShardSizePolicy on partitioned variables) and read into a third one.
+    """
+    ids, ys, emb0, k0 = _embedding_problem(steps)
+    data = tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((ids, ys)).batch(EMB_BATCH).repeat())
+
+    def values(model):
+        table = model.layers[0].embeddings
+        return {"shards": len(tf_compat.shards(table) or [table]),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "table": _full(table).tolist(), "kernel": _full(model.layers[2].kernel).tolist(),
+                # Adam's m and v of every part (variables()[0] is the step count).
+                "slots": [_full(v).tolist() for v in model.optimizer.variables()[1:]]}
+
+    with _cluster(num_workers=1, num_ps=num_ps) as c:
+        def build():
+            strategy = tf_asyncps.AsyncParameterServerStrategy(
+                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps))
+            with strategy.scope():
+                model = _embedding_model(emb0, k0)
+                model.compile(tf_keras.optimizers.Adam(0.05), "mse")
+            return model
+
+        def fit(callbacks):
+            model, began = build(), []
+            callbacks = callbacks + [tf_keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda epoch, logs: began.append(epoch))]
+            model.fit(data, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                      callbacks=callbacks)
+            return model, dict(values(model), epochs_run=began)
+
+        backup = tf_keras.callbacks.BackupAndRestore(backup_dir)
+        if crash_after_epoch is not None:
+            print("PIDS: " + json.dumps(list(c.pids.values())), flush=True)
+
+            def crash(epoch, logs):
+                if epoch + 1 == crash_after_epoch:
+                    print(f"crashing after epoch {epoch + 1}", flush=True)
+                    os._exit(17)  # no cleanup, as a SIGKILL right after the save
+            fit([backup, tf_keras.callbacks.LambdaCallback(on_epoch_end=crash)])
+            raise AssertionError("fit ended without the crash")
+        _, resumed = fit([backup])
+        left = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
+        model, uninterrupted = fit([])
+        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+            os.path.join(backup_dir + "_sharded", "ckpt"),
+            options=tf.train.CheckpointOptions(
+                experimental_sharding_callback=tf.train.experimental.MaxShardSizePolicy(
+                    max_shard_size=64)))
+        third = build()
+        third.optimizer.build(third.trainable_variables)
+        tf.train.Checkpoint(model=third, optimizer=third.optimizer).read(
+            path).assert_existing_objects_matched()
+        return {"resumed": resumed, "uninterrupted": uninterrupted, "backup_left": left,
+                "files": len(os.listdir(os.path.dirname(path))), "reread": values(third)}
+
+
+def _cluster_tcp_bytes(c):
+    """Bytes sent so far on every TCP connection to or from a task of
+    cluster ``c`` (``ss -tin``, per socket: other jobs sharing the loopback
+    interface do not count). Both ends of a loopback connection are listed,
+    so this is what the tasks sent, all together."""
+    import re
+    import subprocess
+    ports = {a.rsplit(":", 1)[1] for addrs in c.config.values() for a in addrs}
+    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True,
+                         text=True, check=True).stdout
+    total, ours = 0, False
+    for line in out.splitlines():
+        if line and not line[0].isspace():  # "Recv-Q Send-Q local peer": a socket
+            local, peer = line.split()[2:4]
+            ours = bool({local.rsplit(":", 1)[1], peer.rsplit(":", 1)[1]} & ports)
+        elif ours:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
 
 
 @scenario
 def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
-    """Loopback bytes per worker step of an embedding model whose table has
+    """TCP bytes per worker step (all the cluster's tasks) of an embedding model whose table has
     each of ``rows_list`` rows (split over ``num_ps`` ps tasks), every step
     touching ``ids_per_step`` ids: sparse reads and updates keep it flat."""
     rng = np.random.RandomState(0)
@@ -1342,9 +1441,9 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
                 lambda ctx: tf.data.Dataset.from_tensor_slices((ids, ys)).batch(
                     ids_per_step).repeat())
             model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # traced, warm
-            before = _loopback_bytes()
+            before = _cluster_tcp_bytes(c)
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-            out.append({"rows": rows, "bytes_per_step": (_loopback_bytes() - before) / steps,
+            out.append({"rows": rows, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
                         "table_bytes": rows * dim * 4})
     return {"runs": out}
 

@@ -52,6 +52,11 @@ def test_main_job_trains_to_090_and_writes_metrics(main_job):
     state = json.loads((out / "logs" / "cluster.json").read_text())
     assert sorted(state["tasks"]) == ["chief:0", "ps:0", "worker:0", "worker:1"]
     assert m["recovery"] is None and m["retried_closures"] == 0  # no faults, no backup
+    # launch adds each ps/worker process's CPU seconds (and prints them).
+    cpu = m["task_cpu_s"]
+    assert sorted(cpu) == ["ps:0", "worker:0", "worker:1"]
+    assert all(0 < s < m["wall_time_s"] * 2 + 60 for s in cpu.values()), cpu
+    assert "CPU seconds per task: ps:0 " in log
 
 
 @pytest.mark.cluster

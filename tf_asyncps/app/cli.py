@@ -296,6 +296,7 @@ def cmd_launch(argv):
             print(f"tf-asyncps launch: the chief {_describe_exit(rc)}; re-running it "
                   f"(restart {runs} of {FLAGS.max_restarts}), it resumes from the latest "
                   "checkpoint.", flush=True)
+        _report_task_cpu(c.cpu_seconds(), rc)
         if c.restarts:
             print(f"tf-asyncps launch: tasks restarted: {dict(sorted(c.restarts.items()))}",
                   flush=True)
@@ -311,6 +312,22 @@ def cmd_launch(argv):
                     "such failures.")
         raise SystemExit(f"tf-asyncps launch: the chief {_describe_exit(rc)}"
                          f"{f' after {runs} runs' if runs > 1 else ''}{why}.{hint}")
+
+
+def _report_task_cpu(cpu, rc) -> None:
+    """Prints each ps/worker task's CPU seconds (a ps that does more than its
+    share shows here) and, after a successful run, adds them to
+    metrics.json as ``task_cpu_s``."""
+    if not cpu:
+        return
+    print("tf-asyncps launch: CPU seconds per task: " +
+          ", ".join(f"{n} {s:.1f}" for n, s in sorted(cpu.items())), flush=True)
+    path = os.path.join(FLAGS.output_dir or "", "metrics.json")
+    if rc == 0 and FLAGS.output_dir and os.path.exists(path):
+        from tf_asyncps import files
+        metrics = files.read_json(path)
+        metrics["task_cpu_s"] = dict(sorted(cpu.items()))
+        files.atomic_write_json(path, metrics)
 
 
 def _run_chief(c, args, env, deadline) -> int:

@@ -102,6 +102,21 @@ class LocalCluster:
     def log_path(self, name: str) -> str:
         return os.path.join(self.log_dir, name.replace(":", "-") + ".log")
 
+    def cpu_seconds(self) -> Dict[str, float]:
+        """CPU time (user + system, seconds) each running ps/worker process
+        has used so far, by task name; read from Linux ``/proc/PID/stat``
+        ({} where there is none). A restarted task counts from its restart."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for name, p in self.procs.items():
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+                out[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            except (OSError, IndexError, ValueError):
+                continue  # exited, or no /proc
+        return out
+
     def log_tail(self, name: str, n: int = 20) -> str:
         try:
             with open(self.log_path(name), errors="replace") as f:

@@ -274,18 +274,17 @@ class PolicyEngine:
                         variables=variables, worker_index=w, read_values=read_values,
                         finite=finite)
         decision = as_decision(policy.update(list(grads), state, info))
-        keep = decision.keep
-        if finite is not None:
-            keep = finite if keep is True else tf.logical_and(keep, finite)
+        groups = _keep_groups(decision.keep, len(variables), finite)
         # Without the lock and with a rule that ignores τ, τ comes from the
         # atomic increment itself: every update gets its own g.
         tau_from_increment = not locking and not policy.uses_tau
 
-        def applied():
+        def applied(indices):
             # The counters move only after every op of the optimizer's update:
             # optimizers leave their variable updates unordered with respect
             # to each other and to their return value.
-            _, update_ops = run_collecting_ops(apply_fn, list(zip(decision.grads, variables)))
+            pairs = [(decision.grads[i], variables[i]) for i in indices]
+            _, update_ops = run_collecting_ops(apply_fn, pairs)
             with tf.control_dependencies(update_ops):
                 if tau_from_increment:
                     return tracker.record_increment(step.read_step)
@@ -300,12 +299,44 @@ class PolicyEngine:
                     tau, applied=False,
                     nonfinite=None if finite is None else tf.logical_not(finite))
 
-        if keep is True:
-            return applied()
-        otherwise = dropped
+        nothing_applied = dropped
         if decision.accepted is not None:  # an aggregator: accepted, update pending
-            def otherwise():
+            def nothing_applied():
                 return tf.cond(decision.accepted,
                                lambda: tracker.record(tau, applied=True, increment=0),
                                dropped)
-        return tf.cond(keep, applied, otherwise)
+
+        def choose(j, chosen):
+            # One optimizer call for the kept parts together (route: one keep
+            # per part), so the step advances optimizer.iterations once. The
+            # branch keeping every part is traced first: the optimizer builds
+            # its slots for all the variables.
+            if j == len(groups):
+                return applied(chosen) if chosen else nothing_applied()
+            keep, indices = groups[j]
+            if keep is True:
+                return choose(j + 1, chosen + indices)
+            return tf.cond(keep, lambda: choose(j + 1, chosen + indices),
+                           lambda: choose(j + 1, chosen))
+
+        return choose(0, [])
+
+
+def _keep_groups(keep, n, finite):
+    """``[(keep, variable indices)]``: one group for a step-wide keep, one per
+    distinct keep for a per-variable list (route). Each keep is ANDed with
+    ``finite``: a non-finite step is never applied."""
+    if not isinstance(keep, (list, tuple)):
+        keep = [keep] * n
+    elif len(keep) != n:
+        raise ValueError(f"Decision.keep has {len(keep)} entries for {n} variables; give "
+                         "one keep for the step or one per variable.")
+    groups = {}
+    for i, k in enumerate(keep):
+        groups.setdefault(id(k) if k is not True else True, (k, []))[1].append(i)
+    out = []
+    for k, indices in groups.values():
+        if finite is not None:
+            k = finite if k is True else tf.logical_and(k, finite)
+        out.append((k, indices))
+    return out

@@ -80,13 +80,16 @@ class Decision(NamedTuple):
       grads: the gradients to hand to the optimizer (same structure and types
         as the ones received: tensors or IndexedSlices).
       keep: ``True`` or a scalar tf.bool: apply ``grads`` now (False: drop).
+        Or a list with one such keep per variable (``route``): the variables
+        whose keep holds are updated together, in one optimizer call.
       accepted: for aggregators, a scalar tf.bool: the gradient went into a
         pending update, so the step counts as applied without advancing the
-        global step. None for every other policy.
+        global step (when nothing else of it was applied). None for every
+        other policy.
     """
 
     grads: List[Any]
-    keep: Keep
+    keep: Union[Keep, List[Keep]]
     accepted: Optional[tf.Tensor] = None
 
 

@@ -1,7 +1,9 @@
 """Asynchronous update policies: update rules only, each policy whole in its own module.
 
 ``get(name, **kwargs)`` builds one by name, ``register(name)`` adds your own,
-``names()`` lists them and ``chain(*policies)`` composes them. The protocol a
+``names()`` lists them, ``chain(*policies)`` composes them and
+``route(sparse=..., dense=...)`` gives embedding tables and dense layers a
+policy each. The protocol a
 policy implements (:class:`UpdatePolicy`, every hook with a default) is
 defined in ``tf_asyncps/core/protocol.py``; the machinery the rules use (the
 PS lock, worker gates, local copies) lives in ``tf_asyncps/core/``.
@@ -11,6 +13,7 @@ from tf_asyncps.core.grads import all_finite, map_values, scale
 from tf_asyncps.policies.base import Decision, PolicyRuntime, StepInfo, UpdatePolicy
 from tf_asyncps.policies.registry import get, names, register
 from tf_asyncps.policies.chain import Chain, chain
+from tf_asyncps.policies.route import Route, route
 from tf_asyncps.policies.async_ import Async
 from tf_asyncps.policies.drop_stale import DropStale
 from tf_asyncps.policies.staleness_aware import StalenessAwareLR
@@ -20,6 +23,6 @@ from tf_asyncps.policies.sync_replicas import SyncReplicas, SyncReplicasAggregat
 from tf_asyncps.policies.local_sgd import LocalSteps
 
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "PolicyRuntime", "get", "names",
-           "register", "chain", "Chain", "Async", "DropStale", "StalenessAwareLR",
+           "register", "chain", "Chain", "route", "Route", "Async", "DropStale", "StalenessAwareLR",
            "BoundedStaleness", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
            "LocalSteps", "scale", "map_values", "all_finite"]
