@@ -39,8 +39,10 @@ def test_backup_worker_keeps_updates_ahead_of_the_straggler():
     assert s["applied"] + s["dropped"] == 60 and s["global_step"] == r["rounds"]
     # Late gradients of the slow worker are dropped and counted with tau >= 1.
     assert s["dropped"] > 0 and s["dropped_histogram"][0] == 0
-    # Updates did not fall to the slow worker's pace.
-    assert r["rounds"] >= 2 * slow
+    # Updates did not fall to the slow worker's pace: without backup workers
+    # every round needs its gradient (rounds <= slow, test below); here some
+    # rounds completed without it. (A speed ratio would depend on the load.)
+    assert r["rounds"] > slow
 
 
 @pytest.mark.cluster

@@ -222,3 +222,33 @@ def test_sparse_gradients_stay_sparse_and_equal_the_dense_reference(policy, args
         assert types.seen == {"IndexedSlices"}
     s = engine.tracker.stats()
     assert s.applied == 6 and s.global_step == 6 // workers
+
+
+@pytest.mark.parametrize("make,warns", [
+    (lambda: tf_keras.optimizers.SGD(0.1), True),
+    (lambda: tf_keras.optimizers.legacy.SGD(0.1), False),
+    (lambda: tf_keras.optimizers.Adagrad(0.1), False)])
+def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warns, caplog):
+    """tf_keras 2.21's SGD applies a sparse gradient densely (a momentum slot
+    even with momentum=0): O(table) per step, said once with the fix."""
+    engine = _engine("async")
+    table = tf.Variable(tf.zeros([PolicyEngine.LARGE_TABLE_ROWS, 2]), name="embeddings")
+    opt = make()
+
+    @tf.function
+    def step(row):
+        ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        with ws.active():
+            opt.apply_gradients([(tf.IndexedSlices(tf.ones([1, 2]), tf.reshape(row, [1]),
+                                                   tf.shape(table, out_type=tf.int64)),
+                                  table)])
+
+    with caplog.at_level("WARNING"):
+        step(tf.constant(3, tf.int64))
+        step(tf.constant(4, tf.int64))
+    said = [r.getMessage() for r in caplog.records if "every row" in r.getMessage()]
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+        assert "embeddings" in said[0] and "legacy.SGD" in said[0]
+    t = table.numpy()
+    assert t[3, 0] < 0 and t[4, 0] < 0 and not np.any(t[5:])  # the steps were applied

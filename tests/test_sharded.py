@@ -177,3 +177,19 @@ def test_backup_and_restore_resumes_a_crashed_fit_exactly(tmp_path):
     assert sum(np.count_nonzero(v) for v in full["slots"]) > 0  # Adam's m and v moved
     assert r["backup_left"] == []  # BackupAndRestore removes its checkpoint after fit
     assert r["files"] > 3  # the sharding callback did split the save
+
+
+def test_zipf_example_reports_rows_memory_and_traffic(tmp_path):
+    """examples/zipf_embedding.py, small: one table size, 2 ps tasks."""
+    out = tmp_path / "zipf.json"
+    _, log = run_command([sys.executable, "examples/zipf_embedding.py", "--rows=20000,30000",
+                          "--steps=20", "--num_ps=2", "--num_workers=1", "--batch_size=64",
+                          f"--output={out}"], timeout=300)
+    runs = json.loads(out.read_text())
+    assert [r["rows"] for r in runs] == [20000, 30000]
+    for r in runs:
+        assert r["shards"] == 2 and sorted(r["ps_rss_mb"]) == ["ps:0", "ps:1"]
+        assert r["global_step"] == 40 + 20  # warm-up and measured steps, all applied
+        assert 1 <= r["rows_per_step"] <= 64 and r["bytes_per_step"] > 0
+        assert r["steps_per_sec"] > 0
+    assert "RSS per ps task (MiB)" in log

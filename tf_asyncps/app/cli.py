@@ -275,6 +275,7 @@ def cmd_launch(argv):
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
               f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
               f"task logs in {c.log_dir}", flush=True)
+        cpu_at_start = c.cpu_seconds()  # TensorFlow's import and start-up, left out below
         if FLAGS.restart_failed_tasks:
             c.supervise(max_restarts=FLAGS.max_restarts)
         env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
@@ -296,7 +297,8 @@ def cmd_launch(argv):
             print(f"tf-asyncps launch: the chief {_describe_exit(rc)}; re-running it "
                   f"(restart {runs} of {FLAGS.max_restarts}), it resumes from the latest "
                   "checkpoint.", flush=True)
-        _report_task_cpu(c.cpu_seconds(), rc)
+        _report_task_cpu({n: s - (0.0 if n in c.restarts else cpu_at_start.get(n, 0.0))
+                          for n, s in c.cpu_seconds().items()}, rc)
         if c.restarts:
             print(f"tf-asyncps launch: tasks restarted: {dict(sorted(c.restarts.items()))}",
                   flush=True)
@@ -315,12 +317,13 @@ def cmd_launch(argv):
 
 
 def _report_task_cpu(cpu, rc) -> None:
-    """Prints each ps/worker task's CPU seconds (a ps that does more than its
-    share shows here) and, after a successful run, adds them to
-    metrics.json as ``task_cpu_s``."""
+    """Prints the CPU seconds each ps/worker task used while the chief ran
+    (from the cluster being up; a restarted task: since its restart), so a
+    ps doing more than its share shows, and after a successful run adds
+    them to metrics.json as ``task_cpu_s``."""
     if not cpu:
         return
-    print("tf-asyncps launch: CPU seconds per task: " +
+    print("tf-asyncps launch: CPU seconds per task while the job ran: " +
           ", ".join(f"{n} {s:.1f}" for n, s in sorted(cpu.items())), flush=True)
     path = os.path.join(FLAGS.output_dir or "", "metrics.json")
     if rc == 0 and FLAGS.output_dir and os.path.exists(path):

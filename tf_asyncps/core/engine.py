@@ -24,9 +24,11 @@ worker<->PS round trip. ``local_copies`` policies take another path
 from typing import List, Optional
 
 import tensorflow as tf
+from absl import logging
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import mixed_precision, placement, replicas
 from tf_asyncps.core.local_copies import LocalCopies
@@ -77,6 +79,7 @@ class PolicyEngine:
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
         self._backups = {}  # id(var) -> [num_workers, *shape] read snapshots
+        self._warned = set()  # optimizers already warned about dense table updates
 
     worker_index = staticmethod(worker_index)
 
@@ -215,6 +218,7 @@ class PolicyEngine:
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)
+        self._warn_dense_table_updates(optimizer, pairs)
         step.applied = True
         # Policies and aggregators work in the variables' dtype (float32 under
         # mixed precision, where tf_keras keeps float32 variables).
@@ -256,6 +260,22 @@ class PolicyEngine:
             with tf.control_dependencies(after):
                 g_after = tf.identity(g_after)
         return g_after
+
+    #: A sparse gradient on a variable with at least this many rows is a table.
+    LARGE_TABLE_ROWS = 100_000
+
+    def _warn_dense_table_updates(self, optimizer, pairs) -> None:
+        """Warns once per optimizer whose update of a large embedding table
+        touches every row each step (tf_keras SGD), naming the fix."""
+        if id(optimizer) in self._warned:
+            return
+        tables = [v.name for g, v in pairs if isinstance(g, tf.IndexedSlices)
+                  and v.shape.rank and (v.shape[0] or 0) >= self.LARGE_TABLE_ROWS]
+        why = tf_keras_compat.dense_on_sparse_gradients(optimizer) if tables else None
+        if why:
+            self._warned.add(id(optimizer))
+            logging.warning("%s: %s; each step's cost grows with the table, not the "
+                            "batch.", ", ".join(tables), why)
 
     def _read_values(self, variables, w):
         known = {id(v) for v in self._trainable}
