@@ -40,6 +40,7 @@ flags.DEFINE_float("zipf_a", 1.2, "Zipf exponent of the id stream (> 1).")
 flags.DEFINE_enum("optimizer", "adagrad", ["adagrad", "legacy_sgd", "sgd"],
                   "tf_keras optimizer (learning rate 0.1); sgd updates every row each step.")
 flags.DEFINE_string("output", None, "Also write the results (a JSON list) here.")
+flags.DEFINE_bool("child", False, "Internal: train the one --rows size in this process.")
 FLAGS = flags.FLAGS
 
 WARMUP = 40
@@ -133,13 +134,13 @@ def main(argv):
     rows = [int(r) for r in FLAGS.rows]
     if any(r < 1 for r in rows) or FLAGS.zipf_a <= 1 or FLAGS.steps < 1:
         raise app.UsageError("--rows must be positive, --zipf_a > 1 and --steps >= 1.")
-    if len(rows) == 1:
+    if FLAGS.child:
         print("RESULT: " + json.dumps(run_one(rows[0])), flush=True)
         os._exit(0)  # the cluster is stopped: skip TensorFlow's teardown
     results = []
     for r in rows:  # one process per size: one cluster per process
-        args = [a for a in sys.argv[1:] if not a.startswith("--rows")]
-        out = subprocess.run([sys.executable, __file__, f"--rows={r}"] + args,
+        args = [a for a in sys.argv[1:] if not a.startswith(("--rows", "--output"))]
+        out = subprocess.run([sys.executable, __file__, f"--rows={r}", "--child"] + args,
                              stdout=subprocess.PIPE, text=True, check=True).stdout
         results.append(json.loads(out.split("RESULT: ", 1)[1].splitlines()[0]))
         print(json.dumps(results[-1]), flush=True)

@@ -618,25 +618,25 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
 
 
 @scenario(shares_cluster=True)
-def tau_visible(policy="async", num_workers=2, steps=30, slow_iters=150):
-    """Worker 0 computes slowly between reading the model and applying: the
-    other worker's updates land in that window, so its tau must be >= 1."""
+def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000):
+    """Worker 0 waits, between reading the model and applying, until another
+    worker's update has landed (it polls the global step, at most
+    ``max_polls`` reads): each of its steps must then count tau >= 1."""
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             w = tf.Variable(tf.zeros([4]), name="w")
             opt = tf_keras.optimizers.SGD(0.1)
-        m = tf.random.stateless_normal([200, 200], seed=[1, 2]) / 20.0
+        g = strategy.extended.engine.tracker.global_step
 
         def loss_fn():
             me = tf.distribute.coordinator.experimental_get_current_worker_index()
-            iters = tf.where(tf.equal(me, 0), slow_iters, 1)
-            v = tf.reduce_sum(w) * tf.ones([200, 1])
-            _, v = tf.while_loop(lambda i, v: i < iters,
-                                 lambda i, v: (i + 1, tf.tanh(tf.matmul(m, v))),
-                                 [tf.constant(0, iters.dtype), v])
-            return tf.reduce_sum(w) + 0.0 * tf.reduce_sum(v)
+            start = g.read_value()
+            polls = tf.where(tf.equal(me, 0), max_polls, 0)
+            n = tf.while_loop(lambda i: tf.logical_and(i < polls, g.read_value() <= start),
+                              lambda i: i + 1, [tf.constant(0, polls.dtype)])
+            return tf.reduce_sum(w) + 0.0 * tf.cast(n, tf.float32)
 
         _run_steps(coord, _step_fn(strategy, [w], opt, loss_fn), steps)
         return {"stats": _stats(strategy)}

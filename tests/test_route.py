@@ -165,7 +165,8 @@ def test_variables_are_split_by_name():
     (lambda: policies.route(dense=policies.route()), "itself a route"),
     (lambda: policies.route(sparse_names="("), "not a regular expression"),
     (lambda: policies.route(sparse_names=""), "non-empty"),
-    (lambda: policies.route(sparse="no_such_policy"), "not a registered policy"),
+    (lambda: policies.route(sparse="no_such_policy"),
+     r"route\(\): sparse='no_such_policy': .*not a registered policy"),
 ])
 def test_bad_routes_are_refused_with_the_reason(make, words):
     with pytest.raises(ValueError, match=words):

@@ -67,7 +67,12 @@ class Route(UpdatePolicy):
 
     def __init__(self, sparse="async", dense="async", sparse_names: str = "embeddings"):
         from tf_asyncps.policies.registry import get
-        self.parts = [get(sparse), get(dense)]
+        self.parts = []
+        for part, p in zip(PARTS, (sparse, dense)):
+            try:
+                self.parts.append(get(p))
+            except ValueError as e:
+                raise ValueError(f"route(): {part}={p!r}: {e}") from None
         if self.parts[0] is self.parts[1]:
             raise ValueError("route(): sparse and dense got the same policy object; give "
                              "each part its own (policy state is per object).")
