@@ -105,10 +105,12 @@ def test_slow_dataset_fn_rejects_bad_arguments():
 @pytest.mark.cluster
 def test_straggler_injection_slows_the_chosen_worker():
     r = run_scenario("straggler_counts", shared=(2, 1), num_workers=2, slow_worker=0,
-                     delay_ms=30, steps=40)
+                     delay_ms=80, steps=40)
     slow, fast = r["counts"]
     assert slow + fast == 40  # every closure ran once
-    assert slow * 3 < fast  # the slowed worker took far fewer closures
+    # The slowed worker took far fewer closures (80 ms per batch dwarfs a fast
+    # step even with the other test process loading the cores).
+    assert slow * 2 < fast
 
 
 def _state(pid):
