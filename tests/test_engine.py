@@ -252,3 +252,24 @@ def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warn
         assert "embeddings" in said[0] and "legacy.SGD" in said[0]
     t = table.numpy()
     assert t[3, 0] < 0 and t[4, 0] < 0 and not np.any(t[5:])  # the steps were applied
+
+
+def test_a_waiting_workers_own_closures_do_not_hold_its_release_back():
+    """The gates release waiting workers when the coordinator drains with
+    nothing queued. Closures TensorFlow tags for one worker (per-worker
+    resources, e.g. an exact evaluation's datasets) can only run on it: while
+    it waits they must not count, or it waits for itself (seen once: a
+    sync_replicas fit with pss_evaluation_shards stalled for timeout_s)."""
+    import queue
+    import types
+    from tf_asyncps.compat import tensorflow as tf_compat
+    q = types.SimpleNamespace(_queue=queue.Queue(), _tagged_queue={0: queue.Queue(),
+                                                                   1: queue.Queue()})
+    coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(closure_queue=q))
+    assert not tf_compat.closure_queue_nonempty(coordinator)
+    q._tagged_queue[1].put("create worker 1's dataset")
+    assert tf_compat.closure_queue_nonempty(coordinator)  # worker 1 is not waiting: it will run it
+    assert tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[0])
+    assert not tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[1])
+    q._queue.put("a step any worker can take")
+    assert tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[0, 1])

@@ -178,14 +178,15 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self.accounting = faults.attach(
                 self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
 
-    def has_queued_closures(self) -> bool:
+    def has_queued_closures(self, waiting_workers=()) -> bool:
         """True unless the caller is draining: inside ``join``/``done``/``fetch``
-        with no closure left in the queue. Only then may waiting workers be
-        released: while the program is still scheduling, the queue can be
+        with no closure left in the queue that a worker outside
+        ``waiting_workers`` (indices) could run. Only then may waiting workers
+        be released: while the program is still scheduling, the queue can be
         empty for a moment between two ``schedule`` calls."""
         if self._waiting_callers <= 0:
             return True
-        return tf_compat.closure_queue_nonempty(self)
+        return tf_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
 
     def schedule(self, fn, args=None, kwargs=None):
         out = super().schedule(fn, args=args, kwargs=kwargs)

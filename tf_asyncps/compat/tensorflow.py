@@ -109,12 +109,17 @@ def coordinator_initialized(coordinator) -> bool:
     return bool(getattr(coordinator, "_has_initialized", False))
 
 
-def closure_queue_nonempty(coordinator) -> bool:
+def closure_queue_nonempty(coordinator, ignore_workers=()) -> bool:
     """Whether ``coordinator``'s closure queue holds a closure not yet taken
-    by a worker. True when the internals moved (never release early)."""
+    by a worker, leaving out the closures tagged for a worker in
+    ``ignore_workers`` (its per-worker resource closures, which only it can
+    run: ``_tagged_queue`` is keyed by worker index). True when the internals
+    moved (never release early)."""
     try:
         q = coordinator._cluster.closure_queue
-        return (not q._queue.empty()) or any(not t.empty() for t in q._tagged_queue.values())
+        ignore = set(ignore_workers)
+        return (not q._queue.empty()) or any(
+            not t.empty() for tag, t in q._tagged_queue.items() if tag not in ignore)
     except AttributeError:  # pragma: no cover - internals moved
         return True
 

@@ -100,8 +100,9 @@ class WorkerGate(Watchdog):
         return [give(q) for q in self.queues]
 
     # -- chief side ---------------------------------------------------------------
-    def set_pending_probe(self, probe: Callable[[], bool]) -> None:
-        """``probe()`` -> True while the coordinator still has queued closures."""
+    def set_pending_probe(self, probe: Callable[..., bool]) -> None:
+        """``probe(waiting_workers)`` -> True while the coordinator still has
+        queued closures that a worker not in ``waiting_workers`` could run."""
         self._pending = probe
 
     def released_reads(self) -> int:
@@ -129,7 +130,10 @@ class WorkerGate(Watchdog):
         if progress != self._last or not waiting.any():
             self._last, self._since = progress, time.monotonic()
             return False
-        if self._pending is not None and not self._pending():
+        # A waiting worker's own queued closures (TensorFlow tags per-worker
+        # resource closures, e.g. the datasets of an exact evaluation) cannot
+        # run until it is released: they must not hold the release back.
+        if self._pending is not None and not self._pending(np.flatnonzero(waiting).tolist()):
             self._release(waiting)  # nothing queued for the awaited workers to run
             self._since = time.monotonic()
             return False

@@ -115,15 +115,16 @@ class PolicyRuntime:
     Attributes:
       strategy: the AsyncParameterServerStrategy.
       tracker: its StalenessTracker (the global step and τ counters on the PS).
-      has_queued_closures: ``() -> bool``, False only while the coordinator
-        drains (``join``) with nothing queued: a policy that makes workers
-        wait may then release them.
+      has_queued_closures: ``(waiting_workers=()) -> bool``, False only while
+        the coordinator drains (``join``) with nothing queued that a worker
+        outside ``waiting_workers`` (worker indices) could run: a policy that
+        makes workers wait may then release them.
       num_workers: worker tasks in the cluster.
     """
 
     strategy: Any
     tracker: Any
-    has_queued_closures: Callable[[], bool]
+    has_queued_closures: Callable[..., bool]
     num_workers: int
 
 
