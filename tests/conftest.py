@@ -221,6 +221,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cluster: starts TensorFlow servers (in-process or as processes); "
         "the fast tier is `python -m pytest -q -m \"not cluster\"`")
+    config.addinivalue_line(
+        "markers", "solo: its assertion needs the cores to itself (a race it must "
+        "see happen); the README's test command runs these after the -n 2 pass")
     # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 20
