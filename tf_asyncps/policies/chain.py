@@ -17,12 +17,13 @@ Such a policy may stand alone in a chain (``chain("local_sgd")`` behaves as
 
 import tensorflow as tf
 
-from tf_asyncps.policies.base import Decision, UpdatePolicy, as_decision
+from tf_asyncps.policies.base import Decision, as_decision
+from tf_asyncps.policies.composite import Composite
 
 __all__ = ["chain", "Chain"]
 
 
-class Chain(UpdatePolicy):
+class Chain(Composite):
     """Runs ``policies`` in order; a step is kept only if every policy keeps it.
 
     Args:
@@ -55,11 +56,12 @@ class Chain(UpdatePolicy):
                         f"chain(): {p!r} trains per-worker copies, so its steps never reach "
                         "a per-step rule; it cannot be chained with other policies. Use it "
                         "on its own.")
-        self.atomic = any(p.atomic for p in self.policies)
-        self.needs_read_values = any(p.needs_read_values for p in self.policies)
+        self._take_member_flags()
         self.uses_tau = any(p.uses_tau for p in self.policies)
-        self.aggregates = any(p.aggregates for p in self.policies)
         self.local_copies = any(p.local_copies for p in self.policies)
+
+    def members(self):
+        return self.policies
 
     def __getattr__(self, name):
         # A chain of one is that policy: its own host-side methods
@@ -69,23 +71,8 @@ class Chain(UpdatePolicy):
             return getattr(members[0], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def validate_cluster(self, num_workers):
-        for p in self.policies:
-            p.validate_cluster(num_workers)
-
-    def build(self, num_workers, device):
-        for p in self.policies:
-            p.build(num_workers, device)
-
-    def attach(self, runtime):
-        for p in self.policies:
-            p.attach(runtime)
-
     def init(self, variables):
         return [p.init(variables) for p in self.policies]
-
-    def before_read(self, worker_index):
-        return [op for p in self.policies for op in p.before_read(worker_index)]
 
     def update(self, grads, state, info):
         keep, accepted = True, None
@@ -96,18 +83,9 @@ class Chain(UpdatePolicy):
                 keep = d.keep if keep is True else tf.logical_and(keep, d.keep)
         return Decision(grads, keep, accepted)
 
-    def after_step(self, worker_index):
-        return [op for p in self.policies for op in p.after_step(worker_index)]
-
-    def step_without_update(self, worker_index):
-        return [op for p in self.policies for op in p.step_without_update(worker_index)]
-
     def exchange_due(self, local_steps):
         (local,) = [p for p in self.policies if p.local_copies]
         return local.exchange_due(local_steps)
-
-    def watchdogs(self):
-        return [w for p in self.policies for w in p.watchdogs()]
 
     def get_config(self):
         return {"policies": [repr(p) for p in self.policies]}

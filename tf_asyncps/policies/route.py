@@ -41,14 +41,15 @@ import re
 import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.policies.base import Decision, UpdatePolicy, as_decision
+from tf_asyncps.policies.base import Decision, as_decision
+from tf_asyncps.policies.composite import Composite
 
 __all__ = ["route", "Route"]
 
 PARTS = ("sparse", "dense")
 
 
-class Route(UpdatePolicy):
+class Route(Composite):
     """Decides each worker step's sparse and dense parts with two policies.
 
     Args:
@@ -92,9 +93,7 @@ class Route(UpdatePolicy):
             raise ValueError(f"route(): sparse_names={sparse_names!r} is not a regular "
                              f"expression: {e}.") from None
         self.sparse_names = sparse_names
-        self.atomic = any(p.atomic for p in self.parts)
-        self.needs_read_values = any(p.needs_read_values for p in self.parts)
-        self.aggregates = any(p.aggregates for p in self.parts)
+        self._take_member_flags()
         self.uses_tau = True  # each part's τ comes from its own counter
         self.counts = self.read_at = None
 
@@ -106,24 +105,18 @@ class Route(UpdatePolicy):
         return (f"route(sparse={self.parts[0]!r}, dense={self.parts[1]!r}, "
                 f"sparse_names={self.sparse_names!r})")
 
-    # -- set-up ---------------------------------------------------------------
-    def validate_cluster(self, num_workers):
-        for p in self.parts:
-            p.validate_cluster(num_workers)
+    def members(self):
+        return self.parts
 
+    # -- set-up ---------------------------------------------------------------
     def build(self, num_workers, device):
-        for p in self.parts:
-            p.build(num_workers, device)
+        super().build(num_workers, device)
         with tf.init_scope(), tf.device(device):
             # Updates of each part; each worker's copy of them at its read.
             self.counts = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
                                       name="route_part_updates")
             self.read_at = tf.Variable(tf.zeros([num_workers, 2], tf.int64),
                                        trainable=False, name="route_part_read_points")
-
-    def attach(self, runtime):
-        for p in self.parts:
-            p.attach(runtime)
 
     def split(self, variables):
         """``(sparse indices, dense indices)`` of ``variables`` (lists of int)."""
@@ -137,7 +130,7 @@ class Route(UpdatePolicy):
 
     # -- graph side -----------------------------------------------------------
     def before_read(self, worker_index):
-        waits = [op for p in self.parts for op in p.before_read(worker_index)]
+        waits = super().before_read(worker_index)
         with tf.control_dependencies(waits):
             w = tf.reshape(tf.cast(worker_index, tf.int64), [1])
             mark = self.read_at.scatter_update(
@@ -176,16 +169,7 @@ class Route(UpdatePolicy):
             any_accepted = accepted[0] if len(accepted) == 1 else tf.reduce_any(tf.stack(accepted))
         return Decision(out, keep, any_accepted)
 
-    def after_step(self, worker_index):
-        return [op for p in self.parts for op in p.after_step(worker_index)]
-
-    def step_without_update(self, worker_index):
-        return [op for p in self.parts for op in p.step_without_update(worker_index)]
-
     # -- chief side -----------------------------------------------------------
-    def watchdogs(self):
-        return [w for p in self.parts for w in p.watchdogs()]
-
     def part_updates(self):
         """``{"sparse": n, "dense": n}``: updates applied to each part (read from the PS)."""
         return dict(zip(PARTS, (int(c) for c in self.counts.numpy())))
