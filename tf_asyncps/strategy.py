@@ -42,14 +42,11 @@ from tf_asyncps.optimizers import is_locking, lock_timeout
 __all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
 
 KERAS3_FIT_MESSAGE = (
-    "Keras 3 `model.fit`/`evaluate`/`predict` cannot run under "
-    "AsyncParameterServerStrategy: Keras 3 has no ClusterCoordinator path and "
-    "its maintainers state parameter-server training is not supported. Use "
-    "tf_keras for model.fit (`import tf_keras as keras`, or set "
-    "TF_USE_LEGACY_KERAS=1 before importing TensorFlow so tf.keras is Keras 2). "
-    "Keras 3 models and optimizers do work in custom training loops with "
-    "tf.distribute.coordinator.ClusterCoordinator.schedule. Keras 3 fit support "
-    "is planned for when Keras gains a coordinator path.")
+    "This Keras 3 model's fit/evaluate/predict reached Keras 3's own loop, which "
+    "has no parameter-server path (it runs steps on the chief). Create AND compile "
+    "the model inside `with strategy.scope():` so that it gets "
+    "AsyncParameterServerStrategy's fit/evaluate/predict (tf_asyncps.keras3), or "
+    "use tf_keras (`import tf_keras as keras`).")
 
 
 class _WorkerInputContext(tf.distribute.InputContext):
@@ -121,6 +118,12 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
 
     # -- variables: the engine remembers them (read snapshots, local copies) ---
     def _create_variable(self, next_creator, **kwargs):
+        # A Keras 3 model compiling in this scope (its loss tracker's
+        # variables come here) gets fit/evaluate/predict that schedule closures.
+        model = keras_compat.compiling_model()
+        if model is not None:
+            from tf_asyncps import keras3
+            keras3.attach(model, self._container_strategy())
         per_worker = kwargs.get("per_worker_variable", False)
         none = tf.VariableAggregation.NONE
         if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \

@@ -2,14 +2,109 @@
 
 Tested with Keras 3.15.1 (what TensorFlow 2.21 installs). Importing this
 module imports nothing; functions import Keras when called.
+
+Used by ``tf_asyncps/keras3/`` (model.fit on parameter servers): the frame of
+``Trainer.compile`` (to find the model being compiled under the strategy),
+``Trainer._symbolic_build`` (to build a model from a dataset's element spec),
+the stateless scope (worker-local metric state for exact evaluation), and
+read-then-write ``assign_add`` of Keras 3 variables (made atomic).
 """
 
 import sys
 
-__all__ = ["TESTED_VERSIONS", "called_from_keras3", "backing_variable",
-           "make_iterations_atomic", "optimizer_class"]
+__all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
+           "called_from_keras3", "compiling_model", "backing_variable",
+           "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
+           "symbolic_build", "in_stateless_scope", "model_strategy", "seed_generators",
+           "initial_epoch", "optimizer_class", "is_keras3_model"]
 
 TESTED_VERSIONS = ("3.15.1",)
+# Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
+# _symbolic_build's arguments in 3.5 (DESIGN section 9): only releases this
+# module was run against are accepted.
+SUPPORTED_RANGE = ((3, 15), (3, 16))  # [3.15, 3.16)
+
+
+def version():
+    """The installed Keras version string, or None without Keras 3."""
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return None
+    v = getattr(keras, "__version__", "")
+    return v if v.startswith("3") else None
+
+
+def version_supported(v) -> bool:
+    """Whether Keras version string ``v`` lies in ``SUPPORTED_RANGE``."""
+    try:
+        major_minor = tuple(int(p) for p in str(v).split(".")[:2])
+    except ValueError:
+        return False
+    lo, hi = SUPPORTED_RANGE
+    return lo <= major_minor < hi
+
+
+def is_keras3_model(obj) -> bool:
+    """Whether ``obj`` is a Keras 3 ``keras.Model`` (not a tf_keras one)."""
+    if "keras.src.models.model" not in sys.modules:
+        return False
+    from keras.src.models.model import Model
+    return isinstance(obj, Model)
+
+
+def compiling_model(frames: int = 40):
+    """The Keras 3 model whose ``compile`` is running on this thread, or None.
+
+    ``Trainer.compile`` creates the loss tracker's variables, so the
+    strategy's variable creator sees every compile under its scope.
+    """
+    trainer = sys.modules.get("keras.src.trainers.trainer")
+    if trainer is None:
+        return None
+    # Trainer.compile is decorated: match its own frame by file and name.
+    filename = trainer.__file__
+    f = sys._getframe(1)
+    for _ in range(frames):
+        if f is None:
+            return None
+        code = f.f_code
+        if code.co_name == "compile" and code.co_filename == filename:
+            model = f.f_locals.get("self")
+            return model if is_keras3_model(model) else None
+        f = f.f_back
+    return None
+
+
+def symbolic_build(model, element_spec) -> None:
+    """Builds ``model``'s layers, compiled metrics/loss and optimizer from a
+    dataset's ``element_spec`` (``(x, y[, sample_weight])`` of TensorSpecs),
+    without running a batch: Keras 3's ``Trainer._symbolic_build``."""
+    model._symbolic_build(data_batch=element_spec)
+
+
+def model_strategy(model):
+    """The strategy a Keras 3 model was created under (None: outside any)."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def seed_generators(model):
+    """Every ``SeedGenerator`` of the model's layers (e.g. Dropout's)."""
+    out = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        out.extend(getattr(layer, "_seed_generators", ()) or ())
+    return out
+
+
+def initial_epoch(model):
+    """The epoch ``BackupAndRestore.on_train_begin`` restored (Keras 3 sets
+    ``model._initial_epoch``), else None."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def in_stateless_scope() -> bool:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as inside
+    return inside()
 
 
 def called_from_keras3(depth: int = 2, frames: int = 6) -> bool:
@@ -53,6 +148,64 @@ def make_iterations_atomic(optimizer) -> None:
 
     counter.assign_add = assign_add
     counter._asyncps_atomic = True
+
+
+def make_assign_add_atomic(var) -> None:
+    """Makes a Keras 3 variable's ``assign_add``/``assign_sub`` one atomic op.
+
+    Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
+    a write, so concurrent workers lose increments of metric totals and counts
+    (DESIGN section 9). This instance (only) gets the backing tf.Variable's
+    atomic ``assign_add``; inside a ``keras.StatelessScope`` (exact
+    evaluation's worker-local state) the original, recorded update is kept.
+    """
+    backing = getattr(var, "_value", None)
+    if backing is None or getattr(var, "_asyncps_atomic", False) or \
+            not callable(getattr(backing, "assign_add", None)):
+        return
+    import tensorflow as tf
+    plain_add, plain_sub = var.assign_add, var.assign_sub
+
+    def assign_add(value):
+        if in_stateless_scope():
+            return plain_add(value)
+        return backing.assign_add(tf.cast(value, backing.dtype))
+
+    def assign_sub(value):
+        if in_stateless_scope():
+            return plain_sub(value)
+        return backing.assign_sub(tf.cast(value, backing.dtype))
+
+    var.assign_add, var.assign_sub = assign_add, assign_sub
+    var._asyncps_atomic = True
+
+
+def make_seed_generator_atomic(generator) -> None:
+    """Makes a Keras 3 ``SeedGenerator.next()`` advance its state atomically.
+
+    Keras 3 reads the state, then assigns ``state + [0, 1]``; two workers can
+    read the same state and both write it (a lost advance). Here the state
+    advances by one atomic ``assign_add`` and the seed is the state read back
+    minus the increment: with one worker exactly the state before this
+    advance, as in one process; with several, the counter never loses an
+    advance, but a read back that includes another worker's advance can
+    repeat a seed. Only ``ordered=True`` (Keras' default) is changed.
+    """
+    state = getattr(generator, "state", None)
+    backing = getattr(state, "_value", None)
+    if backing is None or getattr(generator, "_asyncps_atomic", False):
+        return
+    import tensorflow as tf
+    plain_next = generator.next
+
+    def next_seed(ordered=True):
+        if not ordered or in_stateless_scope():
+            return plain_next(ordered)
+        inc = tf.constant([0, 1], dtype=backing.dtype)
+        return backing.assign_add(inc, read_value=True) - inc
+
+    generator.next = next_seed
+    generator._asyncps_atomic = True
 
 
 def optimizer_class():

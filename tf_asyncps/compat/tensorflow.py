@@ -25,7 +25,7 @@ __all__ = [
     "colocating_creator",
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
-    "assign_handle", "assign_add_handle", "dataset_sleep",
+    "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
 ]
 
 TESTED_VERSIONS = ("2.21.0",)
@@ -261,3 +261,10 @@ def dataset_sleep(delay_us):
     microseconds, may be a tensor) before each element."""
     from tensorflow.python.data.experimental.ops import testing as data_testing
     return data_testing.sleep(delay_us)
+
+
+def per_worker_datasets(coordinator, dataset_fn):
+    """Each worker's own ``tf.data.Dataset`` (not an iterator), as one value to
+    pass to ``coordinator.schedule``: ``PerWorkerDatasetFromDatasetFunction.build()``,
+    as tf_keras's exact evaluation uses it (TF 2.21)."""
+    return coordinator.create_per_worker_dataset(dataset_fn).build()

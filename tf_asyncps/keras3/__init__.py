@@ -1,0 +1,21 @@
+"""Keras 3 ``model.fit``/``evaluate``/``predict`` on parameter servers.
+
+Plain Keras 3 code with only the strategy added::
+
+    import keras
+    with strategy.scope():
+        model = keras.Sequential([...])
+        model.compile(optimizer=keras.optimizers.Adam(), loss=..., metrics=[...])
+    model.fit(dataset.repeat(), epochs=E, steps_per_epoch=S,
+              validation_data=val_dataset, callbacks=[...])
+
+A model compiled inside ``AsyncParameterServerStrategy.scope()`` gets this
+package's ``fit``/``evaluate``/``predict`` (``trainer.py``); input forms are
+in ``data.py`` (``DatasetFn``: one pipeline per worker), the callback rules
+in ``callbacks.py``. Keras internals it needs are in ``tf_asyncps/compat/keras.py``.
+"""
+
+from tf_asyncps.keras3.data import DatasetFn
+from tf_asyncps.keras3.trainer import Keras3Trainer, attach
+
+__all__ = ["DatasetFn", "Keras3Trainer", "attach"]

@@ -1,0 +1,388 @@
+"""Keras 3 ``model.fit``, ``evaluate`` and ``predict`` on parameter servers.
+
+Keras 3 has no parameter-server path (its ``fit`` distributes a dataset with
+``experimental_distribute_dataset``, then runs every step on the chief;
+keras-team/keras#18624), so a Keras 3 model compiled inside
+``AsyncParameterServerStrategy.scope()`` gets this trainer's ``fit``,
+``evaluate`` and ``predict`` as attributes of that model only: the model's
+class, and every model outside the strategy, are untouched. The loop is the
+one tf_keras runs under ParameterServerStrategy:
+
+    fit ─> per-worker iterator ─> coordinator.schedule(train_steps)  (per closure)
+        ─> on a worker: steps_per_execution x strategy.run(model.train_step)
+        ─> model.optimizer.apply ─> the policy engine ─> the ps tasks
+    epoch end ─> coordinator.join() ─> metric results read from the ps ─> callbacks
+
+Keras 3 state that workers update at once is made exact: the optimizer's
+``iterations`` (the engine), every metric variable's ``assign_add`` (one
+atomic op instead of Keras' read-then-write; DESIGN section 9), the
+LossScaleOptimizer's counters and the SeedGenerators' state.
+``evaluate`` is exact: each worker holds the whole dataset, closures take
+one shard of its batches each and keep metric state worker-local
+(``keras.StatelessScope``); the chief sums the shards' states, as tf_keras's
+``pss_evaluation_shards`` does. ``predict`` runs on the chief.
+"""
+
+import numbers
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.keras3 import callbacks as callbacks_lib
+from tf_asyncps.keras3 import data as data_lib
+
+__all__ = ["Keras3Trainer", "attach", "unsupported_version_message", "SHARDS_PER_WORKER"]
+
+# Exact evaluation's closures per worker (tf_keras's pss_evaluation_shards="auto").
+SHARDS_PER_WORKER = 5
+
+
+def unsupported_version_message(version) -> str:
+    lo, hi = keras_compat.SUPPORTED_RANGE
+    return (f"Keras {version} is outside the Keras 3 versions tf_asyncps's model.fit on "
+            f"parameter servers was tested with (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; "
+            f"tested: {', '.join(keras_compat.TESTED_VERSIONS)}): its fit internals change "
+            f"between releases. Install keras>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}, or use "
+            f"tf_keras (`import tf_keras as keras`).")
+
+
+def attach(model, strategy) -> None:
+    """Gives a Keras 3 model compiled under ``strategy.scope()`` this module's
+    ``fit``/``evaluate``/``predict`` (instance attributes: nothing else changes).
+
+    Raises:
+      ValueError: the model was created outside ``strategy.scope()``.
+    """
+    trainer = model.__dict__.get("_asyncps_trainer")
+    if trainer is not None and trainer.strategy is strategy:
+        return
+    created_under = keras_compat.model_strategy(model)
+    if created_under is not strategy:
+        raise ValueError(
+            f"Keras 3 model {model.name!r} was created outside "
+            f"AsyncParameterServerStrategy.scope() (it was created under "
+            f"{type(created_under).__name__ if created_under else 'no strategy'}), so its "
+            f"variables live in this process, not on the ps tasks. Create and compile the "
+            f"model inside `with strategy.scope():`.")
+    trainer = Keras3Trainer(model, strategy)
+    # object.__setattr__: plain attributes, not tracked as model state.
+    for name, value in (("_asyncps_trainer", trainer), ("fit", trainer.fit),
+                        ("evaluate", trainer.evaluate), ("predict", trainer.predict),
+                        ("train_on_batch", trainer.train_on_batch),
+                        ("test_on_batch", trainer.test_on_batch)):
+        object.__setattr__(model, name, value)
+
+
+def _to_python(v):
+    a = np.asarray(v)
+    return a.item() if a.ndim == 0 else a
+
+
+def _positive_int(value, field, fix):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{field} must be a positive int, got {value!r}: {fix}")
+    return int(value)
+
+
+class Keras3Trainer:
+    """``fit``/``evaluate``/``predict`` of one Keras 3 model on one strategy.
+
+    Args:
+      model: a compiled ``keras.Model`` created under ``strategy.scope()``.
+      strategy: the ``AsyncParameterServerStrategy``.
+    """
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        self.num_workers = len(strategy.closures_done_per_worker())
+        self._train_fn = None
+        self._shard_fn = None
+        self._predict_fn = None
+
+    # -- checks and build ---------------------------------------------------
+    @staticmethod
+    def _check_version():
+        v = keras_compat.version()
+        if not keras_compat.version_supported(v):
+            raise NotImplementedError(unsupported_version_message(v))
+
+    def _build(self, inp):
+        """Builds layers, metrics and the optimizer on the chief (their
+        variables go to the ps), then makes the concurrent counters exact."""
+        model = self.model
+        with self.strategy.scope():
+            keras_compat.symbolic_build(model, data_lib.element_spec(inp, self.num_workers))
+        for v in model.metrics_variables:
+            keras_compat.make_assign_add_atomic(v)
+        opt = model.optimizer
+        if opt is not None:
+            keras_compat.make_iterations_atomic(opt)
+            for v in opt.variables:
+                if v.path.endswith(("step_counter", "dynamic_scale")):
+                    keras_compat.make_assign_add_atomic(v)  # LossScaleOptimizer's
+        for g in keras_compat.seed_generators(model):
+            keras_compat.make_seed_generator_atomic(g)
+
+    def _join(self, what):
+        try:
+            self.coordinator.join()
+        except tf.errors.OutOfRangeError as e:
+            raise ValueError(
+                f"{what}: a worker's input ran out before the scheduled steps ran. Training "
+                f"input must repeat (`dataset.repeat()`): each epoch runs steps_per_epoch "
+                f"worker steps from one iterator per worker that lasts the whole fit.") from e
+
+    def _logs(self):
+        return {k: _to_python(v) for k, v in self.model.get_metrics_result().items()}
+
+    # -- fit ------------------------------------------------------------------
+    def _train_function(self):
+        if self._train_fn is None:
+            model, strategy = self.model, self.strategy
+
+            @tf.function
+            def train_steps(iterator, n):
+                for _ in tf.range(n):
+                    strategy.run(model.train_step, args=(next(iterator),))
+
+            self._train_fn = train_steps
+        return self._train_fn
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1):
+        """Trains on parameter servers; Keras 3 ``Model.fit``'s signature.
+
+        Args:
+          x: a batched ``tf.data.Dataset`` of ``(x, y[, sample_weight])``
+            (every worker reads it from the start) or a
+            ``tf_asyncps.keras3.DatasetFn`` (one pipeline per worker). It must
+            repeat: the fit draws ``epochs * steps_per_epoch`` batches per
+            worker from one iterator.
+          epochs: int >= 0.
+          steps_per_epoch: worker steps per epoch (int > 0), required.
+          validation_data: a finite Dataset, DatasetFn or ``(x, y)`` arrays,
+            evaluated exactly (each batch once) every ``validation_freq``
+            epochs; ``validation_steps`` limits it to that many batches.
+          callbacks: epoch-level callbacks (batch-level ones are refused).
+          verbose: 0 silent; 1 or "auto": the live progress line (on a
+            terminal) and one line per epoch; 2: one line per epoch.
+          initial_epoch: first epoch index (``BackupAndRestore`` overrides it).
+
+        Returns:
+          A ``keras.callbacks.History``: per-epoch logs (loss and metrics over
+          the epoch's worker steps, ``val_*``).
+
+        Raises:
+          ValueError/TypeError: an argument parameter-server training cannot
+            honour (``y``, ``sample_weight``, ``class_weight``,
+            ``validation_split``, ``batch_size`` with a dataset, a missing
+            ``steps_per_epoch``, batch-level callbacks), naming it and the fix.
+          NotImplementedError: an untested Keras version.
+        """
+        self._check_version()
+        for field, value, fix in (
+                ("y", y, "put the labels in the dataset: Dataset.from_tensor_slices((x, y))"),
+                ("sample_weight", sample_weight, "yield (x, y, sample_weight) from the dataset"),
+                ("class_weight", class_weight, "map class weights to sample weights in the dataset"),
+                ("batch_size", batch_size, "batch the dataset itself (dataset.batch(n))"),
+                ("validation_batch_size", validation_batch_size, "batch validation_data itself")):
+            if value is not None:
+                raise ValueError(f"fit({field}=...) is not supported with parameter-server "
+                                 f"training: workers read a tf.data input; {fix}.")
+        if validation_split:
+            raise ValueError("fit(validation_split=...) is not supported with parameter-server "
+                             "training: pass validation_data= (a finite dataset).")
+        inp = data_lib.as_input(x, "x")
+        steps = _positive_int(
+            steps_per_epoch, "steps_per_epoch",
+            "parameter-server training runs that many worker steps per epoch from a repeating "
+            "input (as tf_keras requires under ParameterServerStrategy).")
+        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 0:
+            raise ValueError(f"epochs must be an int >= 0, got {epochs!r}.")
+        if isinstance(validation_freq, numbers.Integral):
+            _positive_int(validation_freq, "validation_freq", "validate every N epochs.")
+        val = None
+        if validation_data is not None:
+            val = self._eval_input(validation_data, None, None, "validation_data")
+        cbs = callbacks_lib.check_callbacks(callbacks)
+        if verbose not in (0, 1, 2, "auto"):
+            raise ValueError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}.")
+        self._build(inp)
+
+        model = self.model
+        history = keras.callbacks.History()
+        extra = [history]
+        if verbose in (1, "auto"):
+            from tf_asyncps.callbacks import ProgressLine
+            extra.append(ProgressLine(total_steps=epochs * steps))
+        if verbose in (1, 2, "auto"):
+            extra.append(callbacks_lib.EpochLine(epochs, steps))
+        cb_list = keras.callbacks.CallbackList(
+            cbs + extra, add_history=False, add_progbar=False, model=model,
+            verbose=verbose, epochs=epochs, steps=steps)
+
+        iterator = data_lib.train_iterator(inp, self.strategy, self.coordinator)
+        train_steps = self._train_function()
+        per_closure = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        model.stop_training = False
+        cb_list.on_train_begin()
+        first = keras_compat.initial_epoch(model) or initial_epoch
+        logs = {}
+        for epoch in range(first, epochs):
+            model.reset_metrics()
+            cb_list.on_epoch_begin(epoch)
+            left = steps
+            while left > 0:
+                n = min(per_closure, left)
+                self.coordinator.schedule(train_steps, args=(iterator, tf.constant(n)))
+                left -= n
+            self._join("fit")
+            logs = self._logs()
+            if val is not None and _should_eval(epoch, validation_freq):
+                val_logs = self._evaluate(val, validation_steps)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            cb_list.on_epoch_end(epoch, logs)
+            if model.stop_training:
+                break
+        if epochs > 0 and model.optimizer is not None:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+        cb_list.on_train_end(logs)
+        return history
+
+    # -- evaluate -------------------------------------------------------------
+    def _eval_input(self, x, y, batch_size, field, sample_weight=None):
+        if isinstance(x, (tf.data.Dataset, data_lib.DatasetFn)) or \
+                type(x).__name__ == "DatasetCreator":
+            if y is not None or sample_weight is not None:
+                raise ValueError(f"{field}: pass y and sample_weight inside the dataset, "
+                                 f"not beside it.")
+            return data_lib.as_input(x, field)
+        if isinstance(x, tuple) and y is None:
+            x, y, sample_weight = (tuple(x) + (None, None))[:3]
+        if y is None:
+            raise ValueError(f"{field} needs labels: a dataset of (x, y) or arrays (x, y).")
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+        return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size or 32)
+
+    def _shard_function(self):
+        if self._shard_fn is None:
+            model = self.model
+            metric_vars = list(model.metrics_variables)
+
+            @tf.function
+            def evaluate_shard(dataset, num_shards, index):
+                # Worker-local metric state: a retried shard starts again from
+                # zeros, so each batch counts once however often a worker fails.
+                state = tuple(tf.zeros(v.shape, v.dtype) for v in metric_vars)
+                for batch in dataset.shard(num_shards, index):
+                    state = _stateless_test_step(model, metric_vars, state, batch)
+                return state
+
+            self._shard_fn = (evaluate_shard, metric_vars)
+        return self._shard_fn
+
+    def _evaluate(self, inp, steps):
+        self._build(inp)
+        shards = SHARDS_PER_WORKER * self.num_workers
+        per_worker = data_lib.eval_datasets(inp, steps, self.coordinator)
+        fn, metric_vars = self._shard_function()
+        results = [self.coordinator.schedule(
+            fn, args=(per_worker, tf.constant(shards, tf.int64), tf.constant(i, tf.int64)))
+            for i in range(shards)]
+        self._join("evaluate")
+        states = [r.fetch() for r in results]
+        for j, v in enumerate(metric_vars):
+            v.assign(np.sum([np.asarray(s[j]) for s in states], axis=0).astype(v.dtype))
+        return self._logs()
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
+        """Exact evaluation on the workers: every batch of ``x`` (or its first
+        ``steps`` batches) counts exactly once, whichever worker runs it and
+        however often a worker fails (shards of batches, worker-local metric
+        state, summed on the chief).
+
+        Args:
+          x: a finite batched Dataset or DatasetFn, or arrays with ``y``.
+          steps: batches to evaluate (int) or None for all.
+          return_dict: a dict of results instead of a list.
+
+        Returns:
+          The loss and metrics as Keras 3 ``evaluate`` returns them (a scalar,
+          a list in ``model.metrics_names`` order, or a dict).
+
+        Raises:
+          ValueError: an infinite dataset without ``steps``; batch-level callbacks.
+          NotImplementedError: an untested Keras version.
+        """
+        self._check_version()
+        if kwargs:
+            raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}.")
+        inp = self._eval_input(x, y, batch_size, "x", sample_weight)
+        if steps is not None:
+            steps = _positive_int(steps, "steps", "the number of batches to evaluate.")
+        cb_list = keras.callbacks.CallbackList(
+            callbacks_lib.check_callbacks(callbacks), add_history=False, add_progbar=False,
+            model=self.model, verbose=verbose, epochs=1, steps=steps)
+        cb_list.on_test_begin()
+        logs = self._evaluate(inp, steps)
+        cb_list.on_test_end(logs)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    # -- predict --------------------------------------------------------------
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Predicts on the chief, batch by batch in ``x``'s order (variables
+        are read from the ps); returns numpy arrays of the model's outputs,
+        rows in input order.
+
+        Raises:
+          ValueError: batch-level callbacks. NotImplementedError: an
+            untested Keras version.
+        """
+        self._check_version()
+        callbacks_lib.check_callbacks(callbacks)
+        ds = data_lib.chief_dataset(x, batch_size)
+        if steps is not None:
+            ds = ds.take(_positive_int(steps, "steps", "the number of batches to predict."))
+        if self._predict_fn is None:
+            self._predict_fn = tf.function(self.model.predict_step)
+        outs = [self._predict_fn(batch) for batch in ds]
+        if not outs:
+            raise ValueError("predict: x yielded no batch.")
+        return tf.nest.map_structure(lambda *t: np.concatenate([np.asarray(a) for a in t]),
+                                     *outs)
+
+    def train_on_batch(self, *args, **kwargs):
+        raise NotImplementedError(
+            "train_on_batch is not supported with parameter-server training: steps run as "
+            "closures on the workers. Use fit(dataset, steps_per_epoch=...) or "
+            "ClusterCoordinator.schedule.")
+
+    def test_on_batch(self, *args, **kwargs):
+        raise NotImplementedError(
+            "test_on_batch is not supported with parameter-server training: use "
+            "evaluate(dataset), which runs on the workers.")
+
+
+@tf.autograph.experimental.do_not_convert
+def _stateless_test_step(model, metric_vars, state, batch):
+    """``model.test_step(batch)`` with the metric variables read from and
+    written to ``state`` (a tuple of tensors) instead of the ps."""
+    with keras.StatelessScope(state_mapping=list(zip(metric_vars, state))) as scope:
+        model.test_step(batch)
+    return tuple(scope.get_current_value(v) for v in metric_vars)
+
+
+def _should_eval(epoch, freq):
+    if isinstance(freq, numbers.Integral):
+        return (epoch + 1) % freq == 0
+    return (epoch + 1) in freq
