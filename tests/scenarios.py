@@ -309,14 +309,15 @@ def shard_per_worker(num_workers=2, n=1000, batch=10, steps=100):
 
 @scenario(shares_cluster=True)
 def keras3_fit_fails():
-    """A Keras 3 model.fit under the strategy fails at once with our message."""
+    """A Keras 3 model created in the scope but compiled outside it never got
+    this strategy's fit: Keras 3's own fit fails at once with our message."""
     import time
     import keras  # Keras 3
     with _cluster(num_workers=1, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-            model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.compile(keras.optimizers.SGD(0.1), "mse")
         x = np.zeros((8, 4), np.float32)
         t0 = time.perf_counter()
         try:
@@ -1446,6 +1447,199 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
             out.append({"rows": rows, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
                         "table_bytes": rows * dim * 4})
     return {"runs": out}
+
+
+# -- Keras 3 model.fit / evaluate / predict (tf_asyncps/keras3) -------------------
+
+def _k3_regression(n=64, features=4, outputs=2, seed=0):
+    rng = np.random.RandomState(seed)
+    return (rng.randn(n, features).astype(np.float32),
+            rng.randn(n, outputs).astype(np.float32))
+
+
+def _k3_model(optimizer="sgd", lr=0.1, steps_per_execution=1, dropout=0.0, seed=0):
+    import keras
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, seed=seed))
+    layers.append(keras.layers.Dense(2))
+    model = keras.Sequential(layers, name="k3")
+    opt = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer](lr)
+    model.compile(opt, "mse", metrics=["mae"], steps_per_execution=steps_per_execution)
+    return model
+
+
+@scenario(shares_cluster=True)
+def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8, tmpdir=None):
+    """One worker, SGD, the same data order: Keras 3 fit under the strategy
+    against plain Keras 3 fit in this process; then evaluate, predict, save."""
+    import keras
+    x, y = _k3_regression()
+    with _cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        # Datasets made after connecting: before, they would live on /job:localhost.
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        val = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        with strategy.scope():
+            model = _k3_model(steps_per_execution=steps_per_execution)
+        w0 = model.get_weights()
+        hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                         validation_data=val)
+        ev = model.evaluate(val, return_dict=True, verbose=0)
+        pred = model.predict(x, batch_size=16, verbose=0)
+        path = os.path.join(tmpdir, "model.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        got_w = model.get_weights()
+        # The reference: plain Keras 3 in this process, no strategy.
+        ref = _k3_model()
+        ref.set_weights(w0)
+        ref_hist = ref.fit(train, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                           validation_data=val)
+        ref_ev = ref.evaluate(val, return_dict=True, verbose=0)
+        diff = lambda a, b: float(max(np.max(np.abs(np.asarray(p) - np.asarray(q)))
+                                      for p, q in zip(a, b)))
+        return {"history": hist.history, "ref_history": ref_hist.history,
+                "weights_diff": diff(got_w, ref.get_weights()),
+                "evaluate": ev, "ref_evaluate": ref_ev,
+                "predict_diff": float(np.max(np.abs(pred - ref.predict(x, verbose=0)))),
+                "predict_rows": int(pred.shape[0]),
+                "loaded_predict_diff": float(np.max(np.abs(loaded.predict(x, verbose=0) - pred))),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "stats": _stats(strategy)}
+
+
+@scenario(shares_cluster=True)
+def keras3_fit_counters(num_workers=4, optimizer="sgd", steps=200, batch=8):
+    """Several workers at once: iterations, the loss tracker's and the
+    metric's counts, and a Dropout's SeedGenerator state are exact."""
+    x, y = _k3_regression(n=256)
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+        with strategy.scope():
+            model = _k3_model(optimizer=optimizer, lr=0.01, dropout=0.1)
+        seed_gen = model.layers[1].seed_generator
+        seed0 = seed_gen.state.numpy().tolist()
+        hist = model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+        counts = {v.path: float(v.numpy()) for v in model.metrics_variables
+                  if v.path.endswith("count")}
+        return {"iterations": int(model.optimizer.iterations.numpy()),
+                "counts": counts, "seed_before": seed0,
+                "seed_after": seed_gen.state.numpy().tolist(),
+                "loss": hist.history["loss"],
+                "closures_per_worker": strategy.closures_done_per_worker(),
+                "stats": _stats(strategy)}
+
+
+@scenario(shares_cluster=True)
+def keras3_custom_loop(steps=12):
+    """A custom loop (coordinator.schedule) over a Keras 3 model's own layers
+    and optimizer, against the same loop in one process."""
+    import keras
+    x, y = _k3_regression()
+
+    def make():
+        model = _k3_model(optimizer="adam", lr=0.01)
+        return model, model.optimizer
+
+    def loss_of(model, xb, yb):
+        return tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+
+    with _cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        with strategy.scope():
+            model, opt = make()
+            opt.build(model.trainable_variables)
+        w0 = model.get_weights()
+        per_worker = iter(coord.create_per_worker_dataset(data))
+
+        @tf.function
+        def step(it):
+            xb, yb = next(it)
+
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = loss_of(model, xb, yb)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(replica, args=(xb, yb))
+
+        for _ in range(steps):
+            coord.schedule(step, args=(per_worker,))
+        coord.join()
+        ref, ref_opt = make()
+        ref.set_weights(w0)
+        for xb, yb in data.take(steps):
+            with tf.GradientTape() as tape:
+                loss = loss_of(ref, xb, yb)
+            ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables),
+                                        ref.trainable_variables))
+        return {"weights_diff": float(max(np.max(np.abs(a - b)) for a, b in
+                                          zip(model.get_weights(), ref.get_weights()))),
+                "iterations": int(opt.iterations.numpy()), "stats": _stats(strategy)}
+
+
+@scenario(shares_cluster=True)
+def keras3_fit_errors():
+    """Each misuse fails at once with its message, before any worker step."""
+    import time
+    import keras
+    x, y = _k3_regression()
+    out = {}
+
+    def attempt(name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = {"error": type(e).__name__, "message": str(e),
+                         "seconds": time.perf_counter() - t0}
+        else:
+            out[name] = {"error": None}
+
+    class PerBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    with _cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        outside = _k3_model()
+
+        def compile_outside_model_in_scope():
+            with strategy.scope():
+                outside.compile(keras.optimizers.SGD(0.1), "mse")
+        attempt("created_outside_scope", compile_outside_model_in_scope)
+        with strategy.scope():
+            model = _k3_model()
+        attempt("batch_callback", lambda: model.fit(
+            train, epochs=1, steps_per_epoch=4, callbacks=[PerBatch()], verbose=0))
+        attempt("batch_checkpoint", lambda: model.fit(
+            train, epochs=1, steps_per_epoch=4, verbose=0,
+            callbacks=[keras.callbacks.ModelCheckpoint("/nonexistent/m.keras", save_freq=2)]))
+        attempt("y_beside_dataset", lambda: model.fit(train, y, steps_per_epoch=4, verbose=0))
+        attempt("no_steps_per_epoch", lambda: model.fit(train, epochs=1, verbose=0))
+        attempt("arrays", lambda: model.fit(x, epochs=1, steps_per_epoch=4, verbose=0))
+        attempt("infinite_validation", lambda: model.fit(
+            train, epochs=1, steps_per_epoch=4, verbose=0, validation_data=train))
+        before = strategy.staleness_stats().global_step
+        real = keras.__version__
+        keras.__version__ = "3.99.0"
+        try:
+            attempt("unsupported_version", lambda: model.fit(train, epochs=1, steps_per_epoch=4,
+                                                            verbose=0))
+        finally:
+            keras.__version__ = real
+        global_step_before_runout = strategy.staleness_stats().global_step
+        finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 8 batches, no repeat
+        attempt("input_runs_out", lambda: model.fit(finite, epochs=1, steps_per_epoch=12,
+                                                    verbose=0))
+        return {"attempts": out, "global_step_before_runout": global_step_before_runout,
+                "global_step_after_misuse": before}
 
 
 def _reset_process_state(environ):

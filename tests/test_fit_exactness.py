@@ -55,15 +55,6 @@ def test_each_worker_reads_its_own_shard():
     assert by0.any() and by1.any()
 
 
-@pytest.mark.cluster
-def test_keras3_fit_fails_at_once_with_the_reason():
-    r = run_scenario("keras3_fit_fails", shared=(1, 1))
-    assert r["error"] == "NotImplementedError"
-    assert "tf_keras" in r["message"] and "Keras 3" in r["message"]
-    assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
-    assert r["global_step"] == 0  # failed before any step ran
-
-
 @pytest.mark.parametrize("policy", ["async", "staleness_aware"])
 @pytest.mark.cluster
 @pytest.mark.solo  # under -n 2 it twice saw no overlap of the two workers' steps at all

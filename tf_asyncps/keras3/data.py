@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["DatasetFn", "as_input", "train_iterator", "eval_datasets", "chief_dataset"]
+__all__ = ["DatasetFn", "as_input", "train_iterator", "eval_datasets", "check_eval_input",
+           "chief_dataset"]
 
 
 class DatasetFn:
@@ -105,6 +106,13 @@ def eval_datasets(inp, steps, coordinator, field="x"):
             coordinator, lambda: _take(inp(tf.distribute.InputContext(1, 0, 1)), steps))
     _check_finite(inp, steps, field)
     return tf_compat.per_worker_datasets(coordinator, _take(inp, steps))
+
+
+def check_eval_input(inp, steps, field):
+    """Raises at once (before any training) what ``eval_datasets`` would
+    raise after an epoch: an infinite dataset without ``steps``."""
+    ds = inp(tf.distribute.InputContext(1, 0, 1)) if isinstance(inp, DatasetFn) else inp
+    _check_finite(ds, steps, field)
 
 
 def chief_dataset(x, batch_size, field="x"):

@@ -210,6 +210,10 @@ class Keras3Trainer:
         val = None
         if validation_data is not None:
             val = self._eval_input(validation_data, None, None, "validation_data")
+            if validation_steps is not None:
+                validation_steps = _positive_int(validation_steps, "validation_steps",
+                                                 "the number of validation batches.")
+            data_lib.check_eval_input(val, validation_steps, "validation_data")
         cbs = callbacks_lib.check_callbacks(callbacks)
         if verbose not in (0, 1, 2, "auto"):
             raise ValueError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}.")
@@ -327,6 +331,7 @@ class Keras3Trainer:
         inp = self._eval_input(x, y, batch_size, "x", sample_weight)
         if steps is not None:
             steps = _positive_int(steps, "steps", "the number of batches to evaluate.")
+        data_lib.check_eval_input(inp, steps, "x")
         cb_list = keras.callbacks.CallbackList(
             callbacks_lib.check_callbacks(callbacks), add_history=False, add_progbar=False,
             model=self.model, verbose=verbose, epochs=1, steps=steps)

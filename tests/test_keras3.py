@@ -1,0 +1,80 @@
+"""Keras 3 model.fit / evaluate / predict on parameter servers (tf_asyncps/keras3).
+
+Plain Keras 3 models compiled inside the strategy's scope; each result is
+compared with plain Keras 3 in one process, or checked against an exact count.
+"""
+
+import pytest
+
+from conftest import run_scenario
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_one_worker_fit_equals_one_process_keras3(steps_per_execution, tmp_path):
+    r = run_scenario("keras3_fit_equals_one_process", shared=(1, 1),
+                     steps_per_execution=steps_per_execution, tmpdir=str(tmp_path))
+    # Same data order, SGD: the same weights and the same epoch logs.
+    assert r["weights_diff"] < 1e-5
+    for key, ref in r["ref_history"].items():
+        assert r["history"][key] == pytest.approx(ref, abs=1e-5), key
+    assert set(r["history"]) == {"loss", "mae", "val_loss", "val_mae"}
+    # Exact evaluation equals a one-process evaluate of the same weights.
+    for key, ref in r["ref_evaluate"].items():
+        assert r["evaluate"][key] == pytest.approx(ref, abs=1e-5), key
+    assert r["predict_rows"] == 64 and r["predict_diff"] < 1e-5
+    # keras.saving.load_model of the trained model predicts what the chief did.
+    assert r["loaded_predict_diff"] < 1e-6
+    assert r["iterations"] == 16 == r["stats"]["applied"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_four_workers_count_every_step_and_example(optimizer):
+    r = run_scenario("keras3_fit_counters", shared=(4, 1), optimizer=optimizer,
+                     steps=200, batch=8)
+    # Keras 3's assign_add is read-then-write: without the atomic counters
+    # these lose updates under 4 concurrent workers (DESIGN section 9).
+    assert r["iterations"] == 200 == r["stats"]["applied"]
+    assert r["counts"] == {"loss/count": 1600.0, "mean_absolute_error/count": 1600.0}
+    # One Dropout call per step: the seed state advanced exactly 200 times.
+    assert r["seed_after"][1] - r["seed_before"][1] == 200
+    assert sum(r["closures_per_worker"]) == 200
+    assert sum(1 for n in r["closures_per_worker"] if n > 0) >= 2
+
+
+def test_custom_loop_over_keras3_layers_and_optimizer_equals_one_process():
+    r = run_scenario("keras3_custom_loop", shared=(1, 1), steps=12)
+    assert r["weights_diff"] < 1e-5
+    assert r["iterations"] == 12 == r["stats"]["applied"]
+
+
+def test_keras3_misuse_fails_at_once_with_its_message():
+    r = run_scenario("keras3_fit_errors", shared=(1, 1))
+    a = r["attempts"]
+    for name, want, words in [
+            ("created_outside_scope", "ValueError", ["outside", "strategy.scope()"]),
+            ("batch_callback", "ValueError", ["PerBatch", "on_train_batch_end", "on_epoch_end"]),
+            ("batch_checkpoint", "ValueError", ["ModelCheckpoint", "save_freq='epoch'"]),
+            ("y_beside_dataset", "ValueError", ["y=", "from_tensor_slices"]),
+            ("no_steps_per_epoch", "ValueError", ["steps_per_epoch"]),
+            ("arrays", "TypeError", ["tf.data.Dataset", "DatasetFn"]),
+            ("infinite_validation", "ValueError", ["infinite", "validation_steps"]),
+            ("unsupported_version", "NotImplementedError", ["3.99.0", ">= 3.15", "< 3.16"]),
+            ("input_runs_out", "ValueError", ["repeat()"])]:
+        assert a[name]["error"] == want, (name, a[name])
+        for w in words:
+            assert w in a[name]["message"], (name, w, a[name]["message"])
+    for name in a:
+        if name != "input_runs_out":
+            assert a[name]["seconds"] < 10, name
+    assert r["global_step_after_misuse"] == 0  # nothing ran before the refusals
+    assert r["global_step_before_runout"] == 0
+
+
+def test_model_compiled_outside_the_scope_reaches_keras_own_fit_and_is_refused():
+    r = run_scenario("keras3_fit_fails", shared=(1, 1))
+    assert r["error"] == "NotImplementedError"
+    assert "compile the model inside" in r["message"]
+    assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
+    assert r["global_step"] == 0
