@@ -1642,6 +1642,67 @@ def keras3_fit_errors():
                 "global_step_after_misuse": before}
 
 
+@scenario(shares_cluster=True)
+def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10):
+    """Keras' epoch-level callbacks and StalenessLogger in one Keras 3 fit,
+    then BackupAndRestore resuming an interrupted fit."""
+    import glob
+    import keras
+    x, y = _k3_regression(n=128)
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        val = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        with strategy.scope():
+            model = _k3_model(lr=0.05)
+        logger = tf_asyncps.callbacks.StalenessLogger(print_fn=lambda s: None)
+        csv = os.path.join(tmpdir, "log.csv")
+        cbs = [keras.callbacks.ModelCheckpoint(os.path.join(tmpdir, "ckpt-{epoch}.keras")),
+               keras.callbacks.TensorBoard(os.path.join(tmpdir, "tb")),
+               keras.callbacks.EarlyStopping(monitor="val_loss", patience=100),
+               keras.callbacks.CSVLogger(csv), logger]
+        hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, validation_data=val,
+                         callbacks=cbs, verbose=0)
+        ckpt = keras.saving.load_model(os.path.join(tmpdir, f"ckpt-{epochs}.keras"))
+        with open(csv) as f:
+            csv_rows = f.read().strip().splitlines()
+
+        # An interrupted fit: BackupAndRestore saves epoch 0 and 1, then the
+        # fit dies; a new fit with the same backup resumes at epoch 2.
+        class Crash(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:
+                    raise RuntimeError("crash after epoch 1")
+
+        with strategy.scope():
+            resumed = _k3_model(lr=0.05)
+        backup = os.path.join(tmpdir, "backup")
+        crashed = None
+        try:
+            resumed.fit(train, epochs=4, steps_per_epoch=steps, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()])
+        except RuntimeError as e:
+            crashed = str(e)
+        iterations_at_crash = int(resumed.optimizer.iterations.numpy())
+        with strategy.scope():
+            again = _k3_model(lr=0.05)
+        h2 = again.fit(train, epochs=4, steps_per_epoch=steps, verbose=0,
+                       callbacks=[keras.callbacks.BackupAndRestore(backup)])
+        return {"history": hist.history,
+                "checkpoint_predict_diff": float(np.max(np.abs(
+                    ckpt.predict(x, verbose=0) - model.predict(x, verbose=0)))),
+                "checkpoints": sorted(os.path.basename(p) for p in
+                                      glob.glob(os.path.join(tmpdir, "ckpt-*.keras"))),
+                "tensorboard_files": len(glob.glob(os.path.join(tmpdir, "tb", "**", "events.*"),
+                                                   recursive=True)),
+                "csv_rows": csv_rows,
+                "logger_epochs": [{"steps": e["steps"], "applied": e["applied"]}
+                                  for e in logger.epochs],
+                "crashed": crashed, "iterations_at_crash": iterations_at_crash,
+                "resumed_epochs": h2.epoch, "resumed_iterations":
+                    int(again.optimizer.iterations.numpy())}
+
+
 def _reset_process_state(environ):
     """What one scenario may leave behind for the next one under ``serve``."""
     os.environ.clear()

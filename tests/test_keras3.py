@@ -78,3 +78,20 @@ def test_model_compiled_outside_the_scope_reaches_keras_own_fit_and_is_refused()
     assert "compile the model inside" in r["message"]
     assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
     assert r["global_step"] == 0
+
+
+def test_epoch_level_callbacks_run_and_backup_and_restore_resumes(tmp_path):
+    r = run_scenario("keras3_fit_callbacks", shared=(2, 1), tmpdir=str(tmp_path),
+                     epochs=3, steps=10)
+    assert len(r["history"]["loss"]) == 3 and len(r["history"]["val_loss"]) == 3
+    assert r["checkpoints"] == ["ckpt-1.keras", "ckpt-2.keras", "ckpt-3.keras"]
+    assert r["checkpoint_predict_diff"] < 1e-6  # the last checkpoint is the model
+    assert r["tensorboard_files"] >= 2  # train and validation writers
+    header, *rows = r["csv_rows"]
+    assert header.split(",") == ["epoch", "loss", "mae", "val_loss", "val_mae"]
+    assert [row.split(",")[0] for row in rows] == ["0", "1", "2"]
+    assert r["logger_epochs"] == [{"steps": 10, "applied": 10}] * 3
+    # Interrupted after epoch 1 (two epochs of 10 steps), resumed at epoch 2.
+    assert r["crashed"] == "crash after epoch 1" and r["iterations_at_crash"] == 20
+    assert r["resumed_epochs"] == [2, 3]
+    assert r["resumed_iterations"] == 40

