@@ -1703,6 +1703,21 @@ def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10):
                     int(again.optimizer.iterations.numpy())}
 
 
+@scenario(shares_cluster=True)
+def keras3_digits_job(policy="async", policy_args=None, locking=False, epochs=4,
+                      steps_per_epoch=100, optimizer="sgd", learning_rate=0.1):
+    """The digits main job (tf_asyncps.app.job.run) on Keras 3, 2 workers."""
+    from tf_asyncps.app import job
+    with _cluster(num_workers=2, num_ps=1) as c:
+        cfg = job.JobConfig(keras="3", policy=policy, policy_args=policy_args or {},
+                            locking=locking, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                            steps_per_execution=10, optimizer=optimizer,
+                            learning_rate=learning_rate)
+        m = job.run(cfg, resolver=c.resolver(), print_fn=lambda s: None)
+        return {k: m[k] for k in ("test_accuracy", "worker_steps", "staleness",
+                                  "optimizer_iterations", "keras", "policy")}
+
+
 def _reset_process_state(environ):
     """What one scenario may leave behind for the next one under ``serve``."""
     os.environ.clear()

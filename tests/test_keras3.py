@@ -95,3 +95,21 @@ def test_epoch_level_callbacks_run_and_backup_and_restore_resumes(tmp_path):
     assert r["crashed"] == "crash after epoch 1" and r["iterations_at_crash"] == 20
     assert r["resumed_epochs"] == [2, 3]
     assert r["resumed_iterations"] == 40
+
+
+@pytest.mark.parametrize("policy,args", [
+    ("async", {}), ("drop_stale", {"max_staleness": 2}), ("staleness_aware", {}),
+    ("ssp", {"max_staleness": 2}), ("dc_asgd", {"lambda_": 0.04}),
+    ("local_sgd", {"sync_every": 16}), ("sync_replicas", {"replicas_to_aggregate": 2})])
+def test_every_policy_trains_the_digits_job_on_keras3(policy, args):
+    r = run_scenario("keras3_digits_job", shared=(2, 1), policy=policy, policy_args=args,
+                     epochs=4, steps_per_epoch=100)
+    assert r["keras"].startswith("3.") and r["policy"] == policy
+    assert r["test_accuracy"] >= 0.90, r
+    s = r["staleness"]
+    assert r["worker_steps"] == 400
+    if policy == "local_sgd":  # applied counts exchanges, local_steps worker steps
+        assert s["local_steps"] == 400 and s["applied"] == s["global_step"]
+        assert 400 // 16 - 2 <= s["applied"] <= 400 // 16 + 2, s
+    else:
+        assert s["applied"] + s["dropped"] == 400, s

@@ -109,6 +109,12 @@ class JobConfig:
             if not keras_compat.version_supported(version):
                 from tf_asyncps.keras3.trainer import unsupported_version_message
                 raise ValueError(f"--keras=3: {unsupported_version_message(version)}")
+            if self.min_shard_bytes:
+                raise ValueError(
+                    f"--keras=3 with --min_shard_bytes={self.min_shard_bytes}: Keras 3 cannot "
+                    "train a partitioned variable (one tf.Variable handle per weight). Use "
+                    "--min_shard_bytes=0 (each table whole, tables spread over the ps tasks) "
+                    "or --keras=tf_keras for tables split across ps tasks.")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
