@@ -1511,15 +1511,19 @@ def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8, tmpd
 
 
 @scenario(shares_cluster=True)
-def keras3_fit_counters(num_workers=4, optimizer="sgd", steps=200, batch=8):
+def keras3_fit_counters(num_workers=4, optimizer="sgd", steps=200, batch=8, locking=False,
+                        policy="async"):
     """Several workers at once: iterations, the loss tracker's and the
     metric's counts, and a Dropout's SeedGenerator state are exact."""
     x, y = _k3_regression(n=256)
     with _cluster(num_workers=num_workers, num_ps=1) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
         with strategy.scope():
             model = _k3_model(optimizer=optimizer, lr=0.01, dropout=0.1)
+            if locking:
+                model.compile(tf_asyncps.optimizers.LockingOptimizer(model.optimizer, timeout_s=60),
+                              "mse", metrics=["mae"])
         seed_gen = model.layers[1].seed_generator
         seed0 = seed_gen.state.numpy().tolist()
         hist = model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
@@ -1716,6 +1720,58 @@ def keras3_digits_job(policy="async", policy_args=None, locking=False, epochs=4,
         m = job.run(cfg, resolver=c.resolver(), print_fn=lambda s: None)
         return {k: m[k] for k in ("test_accuracy", "worker_steps", "staleness",
                                   "optimizer_iterations", "keras", "policy")}
+
+
+@scenario(shares_cluster=True)
+def keras3_mixed_float16(num_workers=2, steps=60):
+    """Keras 3 fit under mixed_float16: compile wraps the optimizer in Keras 3's
+    LossScaleOptimizer, whose counters live on the ps."""
+    import keras
+    x, y = _k3_regression(n=256)
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        with strategy.scope():
+            model = _k3_model(lr=0.05)
+        opt = model.optimizer
+        hist = model.fit(train, epochs=2, steps_per_epoch=steps // 2, verbose=0)
+        return {"optimizer": type(opt).__name__,
+                "iterations": int(opt.iterations.numpy()),
+                "step_counter": int(opt.step_counter.numpy()),
+                "dynamic_scale": float(opt.dynamic_scale.numpy()),
+                "weight_dtypes": sorted({str(v.dtype) for v in model.trainable_variables}),
+                "loss": hist.history["loss"], "stats": _stats(strategy)}
+
+
+@scenario
+def keras3_replicas_fit(replicas=2, optimizer="sgd", epochs=2, steps_per_epoch=10, batch=8):
+    """Keras 3 fit with ``replicas`` replicas on one worker (the K-GPU worker
+    path on CPU devices) against one-process Keras 3 training on batches of
+    replicas * batch examples in the same order."""
+    import keras
+    _fake_multi_replica_workers(replicas)
+    servers, resolver = _in_process_cluster(1, cpus_per_worker=replicas)
+    x, y = _k3_regression(n=steps_per_epoch * batch * replicas)
+    strategy = tf_asyncps.AsyncParameterServerStrategy(resolver)
+
+    def dataset_fn(ctx):  # each replica takes its own batch, in turn
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+
+    with strategy.scope():
+        model = _k3_model(optimizer=optimizer, lr=0.05)
+    w0 = model.get_weights()
+    model.fit(tf_asyncps.keras3.DatasetFn(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    ref = _k3_model(optimizer=optimizer, lr=0.05)
+    ref.set_weights(w0)
+    ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * replicas).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    return {"replicas": strategy.num_replicas_in_sync,
+            "max_abs_diff": float(max(np.max(np.abs(a - b)) for a, b in
+                                      zip(model.get_weights(), ref.get_weights()))),
+            "moved": float(max(np.max(np.abs(a - b)) for a, b in zip(ref.get_weights(), w0))),
+            "iterations": int(model.optimizer.iterations.numpy()), "stats": _stats(strategy)}
 
 
 def _reset_process_state(environ):

@@ -113,3 +113,26 @@ def test_every_policy_trains_the_digits_job_on_keras3(policy, args):
         assert 400 // 16 - 2 <= s["applied"] <= 400 // 16 + 2, s
     else:
         assert s["applied"] + s["dropped"] == 400, s
+
+
+def test_locking_optimizer_under_keras3_fit_counts_exactly():
+    r = run_scenario("keras3_fit_counters", shared=(4, 1), optimizer="adam", steps=120,
+                     batch=8, locking=True)
+    assert r["iterations"] == 120 == r["stats"]["applied"]
+    assert r["counts"]["loss/count"] == 960.0
+
+
+def test_mixed_float16_fit_uses_keras3_loss_scaling_on_the_ps():
+    r = run_scenario("keras3_mixed_float16", shared=(2, 1), steps=60)
+    assert r["optimizer"] == "LossScaleOptimizer"
+    assert r["iterations"] == 60 == r["stats"]["applied"]
+    assert r["weight_dtypes"] == ["float32"]  # variables stay float32
+    assert 1.0 <= r["dynamic_scale"] <= 2.0 ** 15 and r["step_counter"] >= 0
+    assert r["loss"][1] < r["loss"][0]
+
+
+def test_two_replicas_one_worker_equal_one_process_keras3():
+    r = run_scenario("keras3_replicas_fit", replicas=2, epochs=2, steps_per_epoch=10, batch=8)
+    assert r["replicas"] == 2 and r["moved"] > 0.01
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["iterations"] == 20 == r["stats"]["applied"]
