@@ -1774,6 +1774,62 @@ def keras3_replicas_fit(replicas=2, optimizer="sgd", epochs=2, steps_per_epoch=1
             "iterations": int(model.optimizer.iterations.numpy()), "stats": _stats(strategy)}
 
 
+@scenario(shares_cluster=True)
+def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdir=None):
+    """A Keras 3 Embedding + Dense model whose table and kernel are split over
+    ``num_ps`` ps tasks (FixedShardsPartitioner), one worker, against the
+    same model unpartitioned in one process."""
+    import keras
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 60, size=(steps * 8, 3)).astype("int32")
+    y = (ids[:, :1] % 3 == 0).astype("float32") * np.ones((1, 2), np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                  keras.layers.Embedding(60, 4, name="table"),
+                                  keras.layers.Flatten(), keras.layers.Dense(2, name="out")])
+        opt = {"sgd": keras.optimizers.SGD(0.5), "adam": keras.optimizers.Adam(0.05),
+               "adagrad": keras.optimizers.Adagrad(0.5)}[optimizer]
+        model.compile(opt, "mse", metrics=["mae"])
+        return model
+
+    with _cluster(num_workers=1, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+            .FixedShardsPartitioner(num_ps))
+        train = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
+        val = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
+        with strategy.scope():
+            model = make()
+        w0 = model.get_weights()
+        table = model.get_layer("table").embeddings
+        shard_tasks = [tf.DeviceSpec.from_string(s.device).task
+                       for s in tf_asyncps.keras3.trainable_shards(model)[:num_ps]]
+        hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, verbose=0)
+        ev = model.evaluate(val, return_dict=True, verbose=0)
+        pred = model.predict(ids, verbose=0)
+        path = os.path.join(tmpdir, "model.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path, compile=False)
+        ref = make()
+        ref.set_weights(w0)
+        ref_hist = ref.fit(train, epochs=epochs, steps_per_epoch=steps, verbose=0)
+        ref_ev = ref.evaluate(val, return_dict=True, verbose=0)
+        return {"shard_tasks": shard_tasks, "table_shape": list(table.shape),
+                "num_shards": len(tf_asyncps.keras3.trainable_shards(model)),
+                "weights_diff": float(max(np.max(np.abs(a - b)) for a, b in
+                                          zip(model.get_weights(), ref.get_weights()))),
+                "moved": float(max(np.max(np.abs(a - b)) for a, b in
+                                   zip(ref.get_weights(), w0))),
+                "history": hist.history, "ref_history": ref_hist.history,
+                "evaluate": ev, "ref_evaluate": ref_ev,
+                "loaded_predict_diff": float(np.max(np.abs(loaded.predict(ids, verbose=0)
+                                                           - pred))),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "stats": _stats(strategy)}
+
+
 def _reset_process_state(environ):
     """What one scenario may leave behind for the next one under ``serve``."""
     os.environ.clear()

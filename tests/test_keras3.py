@@ -136,3 +136,20 @@ def test_two_replicas_one_worker_equal_one_process_keras3():
     assert r["replicas"] == 2 and r["moved"] > 0.01
     assert r["max_abs_diff"] < 1e-5, r
     assert r["iterations"] == 20 == r["stats"]["applied"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_partitioned_table_and_kernel_over_three_ps_equal_one_process_keras3(optimizer,
+                                                                            tmp_path):
+    r = run_scenario("keras3_partitioned_fit", shared=(1, 3), num_ps=3, optimizer=optimizer,
+                     epochs=2, steps=10, tmpdir=str(tmp_path))
+    assert r["shard_tasks"] == [0, 1, 2] and r["table_shape"] == [60, 4]
+    assert r["num_shards"] == 3 + 3 + 2  # table, kernel in 3; the bias (2,) in 2 (its rows)
+    assert r["moved"] > 0.01
+    assert r["weights_diff"] < 1e-5, r
+    for key, ref in r["ref_history"].items():
+        assert r["history"][key] == pytest.approx(ref, abs=1e-5), key
+    for key, ref in r["ref_evaluate"].items():
+        assert r["evaluate"][key] == pytest.approx(ref, abs=1e-5), key
+    assert r["loaded_predict_diff"] < 1e-6
+    assert r["iterations"] == 20 == r["stats"]["applied"]

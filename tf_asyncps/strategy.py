@@ -49,16 +49,6 @@ KERAS3_FIT_MESSAGE = (
     "use tf_keras (`import tf_keras as keras`).")
 
 
-KERAS3_PARTITIONED_MESSAGE = (
-    "variable_partitioner split the Keras 3 variable {name!r} {shape} into {shards} "
-    "shards, but Keras 3 cannot train a partitioned variable (its train_step takes "
-    "one tf.Variable handle per weight; a ShardedVariable has none). Leave this "
-    "variable whole: a partitioner that returns 1 shard for it (e.g. "
-    "MinSizePartitioner with a larger min_shard_bytes; --min_shard_bytes=0 in the CLI), "
-    "or build the model with tf_keras, whose Embedding looks up partitioned tables "
-    "shard by shard.")
-
-
 class _WorkerInputContext(tf.distribute.InputContext):
     """InputContext with one input pipeline per worker.
 
@@ -144,10 +134,6 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             # update's value instead of raising.
             kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
         var = super()._create_variable(next_creator, **kwargs)
-        if tf_compat.shards(var) and keras_compat.called_from_keras3(depth=2, frames=10):
-            raise ValueError(KERAS3_PARTITIONED_MESSAGE.format(
-                name=kwargs.get("name"), shape=kwargs.get("shape") or var.shape,
-                shards=len(tf_compat.shards(var))))
         # Function-local variables (tf_keras's exact evaluation clones its
         # metrics with lifting off) live and die in one closure: not tracked.
         local = kwargs.get("experimental_enable_variable_lifting", True) is False

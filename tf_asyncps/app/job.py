@@ -109,12 +109,6 @@ class JobConfig:
             if not keras_compat.version_supported(version):
                 from tf_asyncps.keras3.trainer import unsupported_version_message
                 raise ValueError(f"--keras=3: {unsupported_version_message(version)}")
-            if self.min_shard_bytes:
-                raise ValueError(
-                    f"--keras=3 with --min_shard_bytes={self.min_shard_bytes}: Keras 3 cannot "
-                    "train a partitioned variable (one tf.Variable handle per weight). Use "
-                    "--min_shard_bytes=0 (each table whole, tables spread over the ps tasks) "
-                    "or --keras=tf_keras for tables split across ps tasks.")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
@@ -262,7 +256,8 @@ def _sharding(model) -> Dict[str, Any]:
     from tf_asyncps.compat import keras as keras_compat
     for layer in model.layers:
         for attr in ("embeddings", "kernel"):
-            parts = tf_compat.shards(keras_compat.backing_variable(getattr(layer, attr, None)))
+            var = getattr(layer, attr, None)
+            parts = tf_compat.shards(var) or (var is not None and keras_compat.sharded_value(var))
             if parts:
                 out[f"{layer.name}/{attr}"] = [
                     tf.DeviceSpec.from_string(p.device).task for p in parts]

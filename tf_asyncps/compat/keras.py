@@ -10,13 +10,15 @@ the stateless scope (worker-local metric state for exact evaluation), and
 read-then-write ``assign_add`` of Keras 3 variables (made atomic).
 """
 
+import contextlib
 import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
            "symbolic_build", "in_stateless_scope", "model_strategy", "seed_generators",
-           "initial_epoch", "optimizer_class", "is_keras3_model"]
+           "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
+           "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model"]
 
 TESTED_VERSIONS = ("3.15.1",)
 # Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
@@ -100,6 +102,108 @@ def initial_epoch(model):
     """The epoch ``BackupAndRestore.on_train_begin`` restored (Keras 3 sets
     ``model._initial_epoch``), else None."""
     return getattr(model, "_initial_epoch", None)
+
+
+def build_layers(model, element_spec) -> None:
+    """Builds an unbuilt model's layers from a dataset's element spec (the
+    first part of ``Trainer._symbolic_build``: ``compute_output_spec``)."""
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    import keras
+    from keras.src import backend
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
+    x = keras.tree.map_structure(
+        lambda v: None if v is None else backend.KerasTensor(
+            v.shape, backend.standardize_dtype(v.dtype)), x)
+    backend.compute_output_spec(model, x, training=False)
+
+
+def sharded_value(var):
+    """The shards (tf.Variables) of a Keras 3 variable whose value is a
+    ShardedVariable (variable_partitioner), else None."""
+    from tf_asyncps.compat import tensorflow as tf_compat
+    inner = getattr(var, "_value", None)
+    return tf_compat.shards(inner) if inner is not None else None
+
+
+def overrides_train_step(model) -> bool:
+    """Whether the model's class defines its own ``train_step``."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    return type(model).train_step is not TensorFlowTrainer.train_step
+
+
+def train_step_on(model, sources, targets):
+    """Keras 3.15's ``TensorFlowTrainer.train_step``, with gradients taken with
+    respect to ``sources`` (a partitioned weight's shards in place of the
+    weight, which has no single handle) and applied to ``targets``.
+
+    Returns a ``train_step(data)`` function returning the metrics' results.
+    """
+    import keras
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                       training=True)
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in keras.tree.flatten(x)
+                                            if i is not None))[0])
+            loss = model.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, sources)
+        model.optimizer.apply_gradients(zip(grads, targets))
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return train_step
+
+
+@contextlib.contextmanager
+def whole_values(variables):
+    """While saving: each partitioned Keras 3 variable's value is its whole
+    tensor (read once from the ps), since Keras' savers call ``np.asarray``
+    on the value and a ShardedVariable has no ``__array__``. Restored on
+    exit. Loading needs nothing: ``assign`` of a whole value works on a
+    ShardedVariable."""
+    import tensorflow as tf
+    swapped = []
+    try:
+        for v in variables:
+            if sharded_value(v):
+                swapped.append((v, v._value))
+                v._value = tf.convert_to_tensor(v._value)
+        yield
+    finally:
+        for v, value in swapped:
+            v._value = value
+
+
+def layers_of(model):
+    """Every layer of ``model``, nested ones included."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def lookup_shards_in_call(layer, sharded) -> bool:
+    """Makes a Keras 3 ``Embedding`` read only the rows it looks up from its
+    partitioned table (``tf.nn.embedding_lookup`` on the ShardedVariable, as
+    tf_keras's Embedding does), instead of converting the whole table to one
+    tensor per step. This layer instance only; False if it cannot
+    (mask_zero, LoRA or quantization change its call)."""
+    import tensorflow as tf
+    if getattr(layer, "mask_zero", False) or getattr(layer, "lora_enabled", False) or \
+            getattr(layer, "quantization_mode", None):
+        return False
+
+    def call(inputs):
+        if inputs.dtype not in (tf.int32, tf.int64):
+            inputs = tf.cast(inputs, tf.int32)
+        return tf.cast(tf.nn.embedding_lookup(sharded, inputs), layer.compute_dtype)
+
+    object.__setattr__(layer, "call", call)
+    return True
 
 
 def in_stateless_scope() -> bool:

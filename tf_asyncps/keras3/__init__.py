@@ -16,6 +16,6 @@ in ``callbacks.py``. Keras internals it needs are in ``tf_asyncps/compat/keras.p
 """
 
 from tf_asyncps.keras3.data import DatasetFn
-from tf_asyncps.keras3.trainer import Keras3Trainer, attach
+from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
-__all__ = ["DatasetFn", "Keras3Trainer", "attach"]
+__all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]

@@ -33,7 +33,8 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
-__all__ = ["Keras3Trainer", "attach", "unsupported_version_message", "SHARDS_PER_WORKER"]
+__all__ = ["Keras3Trainer", "attach", "trainable_shards", "unsupported_version_message",
+           "SHARDS_PER_WORKER"]
 
 # Exact evaluation's closures per worker (tf_keras's pss_evaluation_shards="auto").
 SHARDS_PER_WORKER = 5
@@ -71,8 +72,25 @@ def attach(model, strategy) -> None:
     for name, value in (("_asyncps_trainer", trainer), ("fit", trainer.fit),
                         ("evaluate", trainer.evaluate), ("predict", trainer.predict),
                         ("train_on_batch", trainer.train_on_batch),
-                        ("test_on_batch", trainer.test_on_batch)):
+                        ("test_on_batch", trainer.test_on_batch),
+                        ("save", trainer.save), ("save_weights", trainer.save_weights)):
         object.__setattr__(model, name, value)
+
+
+def trainable_shards(model):
+    """The model's trainable variables with each partitioned weight (a Keras 3
+    variable over a ShardedVariable) replaced by its shards, in order.
+
+    Keras 3 takes gradients with respect to one tf.Variable handle per weight
+    and a partitioned weight has none: a custom loop over a model with
+    ``variable_partitioner`` takes ``tape.gradient(loss, trainable_shards(model))``
+    and applies the optimizer to the same list (each shard's gradient is an
+    IndexedSlices for an Embedding table).
+    """
+    out = []
+    for v in model.trainable_variables:
+        out.extend(keras_compat.sharded_value(v) or [v])
+    return out
 
 
 def _to_python(v):
@@ -100,6 +118,7 @@ class Keras3Trainer:
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         self.num_workers = len(strategy.closures_done_per_worker())
         self._train_fn = None
+        self._step = None  # model.train_step, or its partitioned-weights form
         self._shard_fn = None
         self._predict_fn = None
 
@@ -114,8 +133,12 @@ class Keras3Trainer:
         """Builds layers, metrics and the optimizer on the chief (their
         variables go to the ps), then makes the concurrent counters exact."""
         model = self.model
+        spec = data_lib.element_spec(inp, self.num_workers)
         with self.strategy.scope():
-            keras_compat.symbolic_build(model, data_lib.element_spec(inp, self.num_workers))
+            keras_compat.build_layers(model, spec)
+            if self._step is None:
+                self._step = self._make_step()
+            keras_compat.symbolic_build(model, spec)
         for v in model.metrics_variables:
             keras_compat.make_assign_add_atomic(v)
         opt = model.optimizer
@@ -126,6 +149,35 @@ class Keras3Trainer:
                     keras_compat.make_assign_add_atomic(v)  # LossScaleOptimizer's
         for g in keras_compat.seed_generators(model):
             keras_compat.make_seed_generator_atomic(g)
+
+    def _make_step(self):
+        """``model.train_step``; with partitioned weights, the same step taking
+        gradients per shard (each shard is a tf.Variable on one ps task, as
+        in tf_keras), the optimizer built on the shards (slots beside them)
+        and each Embedding looking up only its rows."""
+        model = self.model
+        sources = trainable_shards(model)
+        if len(sources) == len(model.trainable_variables):
+            return model.train_step
+        if keras_compat.overrides_train_step(model):
+            raise ValueError(
+                f"{type(model).__name__} overrides train_step and has partitioned weights "
+                f"(variable_partitioner): Keras 3 cannot take a gradient with respect to a "
+                f"partitioned weight, so its train_step must use "
+                f"tf_asyncps.keras3.trainable_shards(model) for tape.gradient and "
+                f"apply_gradients; this trainer replaces only Keras' own train_step.")
+        if model.optimizer.built:
+            raise ValueError(
+                "The optimizer was built before fit on whole weights, but some weights are "
+                "partitioned: let fit build it (do not call optimizer.build), so that its "
+                "slots are made per shard, beside each shard.")
+        model.optimizer.build(sources)
+        for layer in keras_compat.layers_of(model):
+            table = getattr(layer, "embeddings", None) if isinstance(
+                layer, keras.layers.Embedding) else None
+            if table is not None and keras_compat.sharded_value(table):
+                keras_compat.lookup_shards_in_call(layer, table._value)
+        return keras_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):
         try:
@@ -142,12 +194,12 @@ class Keras3Trainer:
     # -- fit ------------------------------------------------------------------
     def _train_function(self):
         if self._train_fn is None:
-            model, strategy = self.model, self.strategy
+            step, strategy = self._step, self.strategy
 
             @tf.function
             def train_steps(iterator, n):
                 for _ in tf.range(n):
-                    strategy.run(model.train_step, args=(next(iterator),))
+                    strategy.run(step, args=(next(iterator),))
 
             self._train_fn = train_steps
         return self._train_fn
@@ -365,6 +417,18 @@ class Keras3Trainer:
             raise ValueError("predict: x yielded no batch.")
         return tf.nest.map_structure(lambda *t: np.concatenate([np.asarray(a) for a in t]),
                                      *outs)
+
+    # -- saving -----------------------------------------------------------
+    def save(self, filepath, *args, **kwargs):
+        """Keras 3 ``Model.save``; partitioned weights are saved whole (one
+        array each, loadable by an unpartitioned model in one process)."""
+        with keras_compat.whole_values(self.model.variables):
+            return type(self.model).save(self.model, filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Keras 3 ``Model.save_weights``; partitioned weights saved whole."""
+        with keras_compat.whole_values(self.model.variables):
+            return type(self.model).save_weights(self.model, filepath, *args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(
