@@ -153,3 +153,13 @@ def test_partitioned_table_and_kernel_over_three_ps_equal_one_process_keras3(opt
         assert r["evaluate"][key] == pytest.approx(ref, abs=1e-5), key
     assert r["loaded_predict_diff"] < 1e-6
     assert r["iterations"] == 20 == r["stats"]["applied"]
+
+
+def test_example_keras3_fit_runs():
+    import sys
+    from conftest import run_command
+    _, log = run_command([sys.executable, "examples/keras3_fit.py"], timeout=240)
+    line = [l for l in log.splitlines() if l.startswith("test accuracy")][-1]
+    assert float(line.split()[2].rstrip(";")) >= 0.85
+    assert "reloaded model predicts the same: True" in line
+    assert "applied 500 updates" in line

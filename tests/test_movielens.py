@@ -55,15 +55,19 @@ def test_partitioner_splits_tables_and_keeps_small_kernels_whole():
     assert rows([85, 64]) == [1, 1]     # 22 KB Dense kernel: whole
 
 
+@pytest.mark.parametrize("keras", ["tf_keras", "3"])
 @pytest.mark.cluster
 @pytest.mark.timeout(400)
-def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(tmp_path):
+def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(keras,
+                                                                                tmp_path):
     out = tmp_path / "run"
     run_command([sys.executable, "-m", "tf_asyncps", "launch",
                  "--flagfile=configs/movielens_async.flags", "--epochs=1",
-                 "--steps_per_epoch=96", f"--output_dir={out}"], timeout=360)
+                 "--steps_per_epoch=96", f"--keras={keras}", f"--output_dir={out}"],
+                timeout=360)
     m = json.loads((out / "metrics.json").read_text())
     assert m["num_ps"] == 2 and m["num_workers"] == 2 and m["policy"] == "async"
+    assert m["keras"].startswith("3." if keras == "3" else "2.")
     # Both tables split over both ps tasks; the Dense kernels stay whole.
     assert m["sharded_variables"] == {"embedding_0/embeddings": [0, 1],
                                       "embedding_1/embeddings": [0, 1]}
