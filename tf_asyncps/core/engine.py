@@ -266,12 +266,14 @@ class PolicyEngine:
 
     def _warn_dense_table_updates(self, optimizer, pairs) -> None:
         """Warns once per optimizer whose update of a large embedding table
-        touches every row each step (tf_keras SGD), naming the fix."""
+        touches every row each step (tf_keras SGD; Keras 3 optimizers other
+        than SGD without momentum), naming the fix."""
         if id(optimizer) in self._warned:
             return
         tables = [v.name for g, v in pairs if isinstance(g, tf.IndexedSlices)
                   and v.shape.rank and (v.shape[0] or 0) >= self.LARGE_TABLE_ROWS]
-        why = tf_keras_compat.dense_on_sparse_gradients(optimizer) if tables else None
+        why = (tf_keras_compat.dense_on_sparse_gradients(optimizer) or
+               keras_compat.dense_on_sparse_gradients(optimizer)) if tables else None
         if why:
             self._warned.add(id(optimizer))
             logging.warning("%s: %s; each step's cost grows with the table, not the "
