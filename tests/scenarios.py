@@ -1723,17 +1723,30 @@ def keras3_digits_job(policy="async", policy_args=None, locking=False, epochs=4,
 
 
 @scenario(shares_cluster=True)
-def keras3_mixed_float16(num_workers=2, steps=60):
+def keras3_mixed_float16(num_workers=2, steps=60, initial_scale=None, policy="async"):
     """Keras 3 fit under mixed_float16: compile wraps the optimizer in Keras 3's
-    LossScaleOptimizer, whose counters live on the ps."""
+    LossScaleOptimizer, whose counters live on the ps. ``initial_scale``
+    high enough overflows float16 in the first steps."""
     import keras
     x, y = _k3_regression(n=256)
     with _cluster(num_workers=num_workers, num_ps=1) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
         keras.mixed_precision.set_global_policy("mixed_float16")
+        seen = []
+        original_update = strategy.update_policy.update
+
+        def recording_update(grads, state, info):  # at trace time, on this chief
+            seen.extend(str(g.dtype.name) for g in grads if g is not None)
+            return original_update(grads, state, info)
+
+        strategy.update_policy.update = recording_update
         with strategy.scope():
             model = _k3_model(lr=0.05)
+            if initial_scale:
+                model.compile(keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.SGD(0.05), initial_scale=initial_scale), "mse",
+                    metrics=["mae"])
         opt = model.optimizer
         hist = model.fit(train, epochs=2, steps_per_epoch=steps // 2, verbose=0)
         return {"optimizer": type(opt).__name__,
@@ -1741,6 +1754,8 @@ def keras3_mixed_float16(num_workers=2, steps=60):
                 "step_counter": int(opt.step_counter.numpy()),
                 "dynamic_scale": float(opt.dynamic_scale.numpy()),
                 "weight_dtypes": sorted({str(v.dtype) for v in model.trainable_variables}),
+                "policy_grad_dtypes": sorted(set(seen)),
+                "finite_weights": all(bool(np.all(np.isfinite(w))) for w in model.get_weights()),
                 "loss": hist.history["loss"], "stats": _stats(strategy)}
 
 

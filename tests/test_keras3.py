@@ -127,8 +127,26 @@ def test_mixed_float16_fit_uses_keras3_loss_scaling_on_the_ps():
     assert r["optimizer"] == "LossScaleOptimizer"
     assert r["iterations"] == 60 == r["stats"]["applied"]
     assert r["weight_dtypes"] == ["float32"]  # variables stay float32
-    assert 1.0 <= r["dynamic_scale"] <= 2.0 ** 15 and r["step_counter"] >= 0
+    assert r["policy_grad_dtypes"] == ["float32"]  # the policy sees unscaled float32
+    # 60 finite steps, growth every 2000: the scale stays, the counter counts them.
+    assert r["dynamic_scale"] == 2.0 ** 15 and r["step_counter"] == 60
     assert r["loss"][1] < r["loss"][0]
+
+
+@pytest.mark.parametrize("policy", ["async", "sync_replicas"])
+def test_keras3_overflowing_steps_are_dropped_and_lower_the_scale(policy):
+    r = run_scenario("keras3_mixed_float16", shared=(2, 1), steps=60,
+                     initial_scale=2.0 ** 30, policy=policy)
+    s = r["stats"]
+    assert s["nonfinite"] >= 1, s
+    if policy == "async":
+        assert s["dropped"] == s["nonfinite"]
+    else:  # sync_replicas' max_staleness=0 also drops stale finite gradients
+        assert s["dropped"] >= s["nonfinite"]
+    assert s["applied"] + s["dropped"] == 60
+    assert r["iterations"] == s["applied"]  # iterations count applied updates only
+    assert r["dynamic_scale"] == 2.0 ** 30 / 2 ** s["nonfinite"]  # one halving per overflow
+    assert r["finite_weights"]
 
 
 def test_two_replicas_one_worker_equal_one_process_keras3():

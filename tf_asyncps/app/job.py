@@ -456,10 +456,10 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
 
 def _loss_scale(optimizer):
     """The current dynamic loss scale (float), or None without loss scaling."""
-    if mixed_precision.loss_scale_optimizer(optimizer):
-        return float(optimizer.loss_scale.numpy())  # tf_keras
+    if not mixed_precision.loss_scale_optimizer(optimizer):
+        return None
     scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3's LossScaleOptimizer
-    return float(scale.numpy()) if scale is not None else None
+    return float((scale if scale is not None else optimizer.loss_scale).numpy())
 
 
 def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:

@@ -16,7 +16,8 @@ import sys
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
-           "symbolic_build", "in_stateless_scope", "dense_on_sparse_gradients", "model_strategy", "seed_generators",
+           "symbolic_build", "in_stateless_scope", "dense_on_sparse_gradients",
+           "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
            "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model"]
 
@@ -335,6 +336,38 @@ def dense_on_sparse_gradients(optimizer):
             f"use keras.optimizers.SGD without momentum, whose sparse update touches only "
             f"the rows of the batch, or a tf_keras model with tf_keras.optimizers.Adagrad "
             f"or legacy.SGD")
+
+
+def loss_scale_optimizer_class():
+    """``keras.optimizers.LossScaleOptimizer`` when Keras 3 is installed, else None."""
+    return optimizer_class() and __import__("keras").optimizers.LossScaleOptimizer
+
+
+def loss_scale(lso):
+    """A Keras 3 LossScaleOptimizer's current scale (float32 scalar tensor)."""
+    import tensorflow as tf
+    return tf.convert_to_tensor(lso.dynamic_scale)
+
+
+def update_loss_scale(lso, values):
+    """Ops that update a Keras 3 LossScaleOptimizer's scale for a step the
+    engine skipped, as its own ``apply`` would: non-finite ``values`` halve
+    the scale and reset the counter; finite ones count a good step (doubling
+    the scale every ``dynamic_growth_steps``)."""
+    import tensorflow as tf
+    counter, scale = lso.step_counter._value, lso.dynamic_scale._value
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+
+    def lower():
+        return tf.group(counter.assign(tf.zeros_like(counter)), scale.assign(scale * 0.5))
+
+    def good():
+        grow = tf.equal(counter, lso.dynamic_growth_steps - 1)
+        return tf.cond(grow, lambda: tf.group(counter.assign(tf.zeros_like(counter)),
+                                              scale.assign(scale * 2.0)),
+                       lambda: tf.group(counter.assign_add(tf.ones_like(counter))))
+
+    return [tf.cond(finite, good, lower)]
 
 
 def optimizer_class():

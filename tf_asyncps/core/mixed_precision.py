@@ -31,6 +31,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
+from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 
 __all__ = ["PRECISIONS", "resolve", "loss_scale_optimizer", "update_loss_scale",
@@ -65,8 +66,10 @@ def resolve(name: str, worker_gpus: int) -> str:
 
 
 def loss_scale_optimizer(optimizer):
-    """``optimizer`` if it is a tf_keras LossScaleOptimizer (either kind), else None."""
-    classes = tf_keras_compat.loss_scale_optimizer_classes()
+    """``optimizer`` if it is a LossScaleOptimizer (tf_keras's, either kind, or
+    Keras 3's), else None."""
+    classes = tuple(tf_keras_compat.loss_scale_optimizer_classes() or ()) + tuple(
+        c for c in [keras_compat.loss_scale_optimizer_class()] if c is not None)
     return optimizer if classes and isinstance(optimizer, classes) else None
 
 
@@ -84,6 +87,9 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
       A list of ops (empty for a fixed loss scale).
     """
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    k3 = keras_compat.loss_scale_optimizer_class()
+    if k3 is not None and isinstance(lso, k3):
+        return keras_compat.update_loss_scale(lso, values)
     return tf_keras_compat.update_loss_scale(lso, values)
 
 

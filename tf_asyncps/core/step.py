@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.core import grads as grads_lib
 
 __all__ = ["WorkerStep", "current_step", "install_optimizer_hooks"]
 
@@ -104,7 +105,7 @@ def _hook(original, adapt_args):
         step = current_step()
         if step is None:
             return original(self, *args, **kwargs)
-        grads_and_vars, rebuild = adapt_args(args, kwargs)
+        grads_and_vars, rebuild = adapt_args(self, args, kwargs)
 
         def run_original(gv):
             new_args, new_kwargs = rebuild(gv)
@@ -116,7 +117,7 @@ def _hook(original, adapt_args):
     return hooked
 
 
-def _gv_args(args, kwargs):
+def _gv_args(_, args, kwargs):
     """apply_gradients(grads_and_vars, *rest, **kwargs)."""
     if args:
         gv, rest = args[0], args[1:]
@@ -126,7 +127,7 @@ def _gv_args(args, kwargs):
     return gv, lambda new: ((list(new),) + tuple(rest), dict(kwargs))
 
 
-def _keras3_apply_args(args, kwargs):
+def _keras3_apply_args(_, args, kwargs):
     """Keras 3 apply(grads, trainable_variables=None)."""
     args = list(args)
     grads = args.pop(0) if args else kwargs.pop("grads")
@@ -142,6 +143,22 @@ def _keras3_apply_args(args, kwargs):
         return ([g for g, _ in new], [v for _, v in new]), {}
 
     return gv, rebuild
+
+
+def _keras3_lso_apply_args(lso, args, kwargs):
+    """Keras 3 LossScaleOptimizer.apply(grads, trainable_variables): it gets
+    *scaled* gradients and unscales them itself. The policy sees them
+    unscaled (as under tf_keras, whose LossScaleOptimizer gets unscaled
+    ones); what it returns is scaled again for the LossScaleOptimizer."""
+    gv, rebuild = _keras3_apply_args(None, args, kwargs)
+    scale = keras_compat.loss_scale(lso)
+    times = lambda g, f: None if g is None else grads_lib.scale(g, f)
+    unscaled = [(times(g, 1.0 / scale), v) for g, v in gv]
+
+    def rebuild_scaled(new):
+        return rebuild([(times(g, scale), v) for g, v in new])
+
+    return unscaled, rebuild_scaled
 
 
 _installed = False
@@ -174,6 +191,9 @@ def install_optimizer_hooks() -> None:
         keras3_optimizer = keras_compat.optimizer_class()
         if keras3_optimizer is not None:
             targets.append((keras3_optimizer, "apply", _keras3_apply_args))
+            # Keras 3's LossScaleOptimizer overrides apply: hook it too.
+            targets.append((keras_compat.loss_scale_optimizer_class(), "apply",
+                            _keras3_lso_apply_args))
         for cls, name, adapt in targets:
             original = getattr(cls, name)
             if not hasattr(original, "_asyncps_original"):
