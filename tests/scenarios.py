@@ -1665,8 +1665,12 @@ def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10):
                keras.callbacks.TensorBoard(os.path.join(tmpdir, "tb")),
                keras.callbacks.EarlyStopping(monitor="val_loss", patience=100),
                keras.callbacks.CSVLogger(csv), logger]
-        hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, validation_data=val,
-                         callbacks=cbs, verbose=0)
+        import contextlib
+        import io
+        console = io.StringIO()
+        with contextlib.redirect_stdout(console):  # verbose=1: one line per epoch
+            hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, validation_data=val,
+                             callbacks=cbs, verbose=1)
         ckpt = keras.saving.load_model(os.path.join(tmpdir, f"ckpt-{epochs}.keras"))
         with open(csv) as f:
             csv_rows = f.read().strip().splitlines()
@@ -1692,7 +1696,7 @@ def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10):
             again = _k3_model(lr=0.05)
         h2 = again.fit(train, epochs=4, steps_per_epoch=steps, verbose=0,
                        callbacks=[keras.callbacks.BackupAndRestore(backup)])
-        return {"history": hist.history,
+        return {"history": hist.history, "console": console.getvalue(),
                 "checkpoint_predict_diff": float(np.max(np.abs(
                     ckpt.predict(x, verbose=0) - model.predict(x, verbose=0)))),
                 "checkpoints": sorted(os.path.basename(p) for p in

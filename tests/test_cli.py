@@ -83,3 +83,13 @@ def test_digits_split_is_fixed():
 def test_model_and_dataset_names_match_the_cli_choices():
     from tf_asyncps.app import cli, datasets, models
     assert cli.MODELS == models.NAMES and cli.DATASETS == datasets.NAMES
+
+
+def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):
+    import keras
+    from tf_asyncps.app import job
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    with pytest.raises(ValueError, match=r"--keras=3: Keras 3\.99\.0 is outside .*>= 3\.15, < 3\.16"):
+        job.JobConfig(keras="3").validate()
+    with pytest.raises(ValueError, match=r"--keras='4' is unknown"):
+        job.JobConfig(keras="4").validate()

@@ -84,6 +84,10 @@ def test_epoch_level_callbacks_run_and_backup_and_restore_resumes(tmp_path):
     r = run_scenario("keras3_fit_callbacks", shared=(2, 1), tmpdir=str(tmp_path),
                      epochs=3, steps=10)
     assert len(r["history"]["loss"]) == 3 and len(r["history"]["val_loss"]) == 3
+    # verbose=1: one line per epoch, no per-batch bar (the live line needs a terminal).
+    lines = r["console"].splitlines()
+    assert [l.split(":")[0] for l in lines] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
+    assert all("val_loss=" in l and "steps/s)" in l for l in lines)
     assert r["checkpoints"] == ["ckpt-1.keras", "ckpt-2.keras", "ckpt-3.keras"]
     assert r["checkpoint_predict_diff"] < 1e-6  # the last checkpoint is the model
     assert r["tensorboard_files"] >= 2  # train and validation writers
