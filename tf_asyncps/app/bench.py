@@ -10,6 +10,15 @@ per process) on the same local cluster shape, model, data and settings:
 * the straggler pair: ``sync_replicas`` N-of-N and (N-1)-of-N (one backup
   worker) with one worker slowed by a fixed delay per step.
 
+Each configuration runs ``--bench_repeats`` times (default 3), interleaved
+(every configuration once, then every configuration again, ...) so that a
+drift of the machine's speed hits them alike. Steps/s, examples/s and
+updates/s are reported as the median and the min-max range over the
+repeats; a ratio (× vanilla, × single) is the ratio of the medians, with the
+range of the per-repeat ratios (repeat k of one run over repeat k of the
+other, run back to back). A target is "met" when that whole range clears it,
+"not met" when the whole range falls short, "unclear" when it straddles.
+
 Every run trains the digits MLP with ``model.fit`` for ``--bench_steps``
 worker steps, evaluates test accuracy every ``--bench_eval_every`` steps
 (evaluation time excluded), and reports steps/s and examples/s after the
@@ -31,7 +40,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-__all__ = ["default_configs", "run_one", "run_all", "summarize", "write_outputs", "TARGETS"]
+__all__ = ["default_configs", "run_one", "run_all", "summarize", "write_outputs", "TARGETS",
+           "aggregate_repeats", "verdict", "spread"]
 
 #: Throughput ratios to vanilla PSS (same run) that the project aims for.
 TARGETS = {"async": 0.95, "drop_stale": 0.90, "staleness_aware": 0.90,
@@ -211,51 +221,143 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
 
 # -- orchestration ---------------------------------------------------------------
 def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
-            timeout_s: float = 300.0, say=print) -> List[Dict[str, Any]]:
-    """Runs each configuration in a child process, one after the other.
+            timeout_s: float = 300.0, say=print, repeats: int = 1) -> List[Dict[str, Any]]:
+    """Runs each configuration ``repeats`` times in child processes, one after
+    the other, interleaved: repeat 1 of every run, then repeat 2, ...
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``
     (its process group is killed) and the others still run.
 
     Returns:
-      One dict per run: the run's settings plus :func:`run_one`'s result.
+      One dict per run (:func:`aggregate_repeats`): the run's settings, the
+      medians and ranges, and ``repeats``: each repeat's :func:`run_one` result.
     """
-    results = []
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--bench_repeats must be an integer >= 1, got {repeats!r}.")
+    per_run = {i: [] for i in range(len(runs))}
     t_start = time.perf_counter()
-    for i, run in enumerate(runs):
-        where = (f"{run['num_workers']} worker(s)" if run["num_workers"]
-                 else "one process, no strategy")
-        say(f"[{i + 1}/{len(runs)}] {run['name']}: {where}, "
-            f"{run['spe']} steps per closure"
-            + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
-               if run.get("straggler") else "") + " ...")
-        t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "tf_asyncps.app.bench", json.dumps(run), json.dumps(settings)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout_s)
-            error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            error = f"timed out after {timeout_s:g} s"
-        result = None
-        for line in (output or "").splitlines():
-            if line.startswith("BENCH_RESULT: "):
-                result = json.loads(line[len("BENCH_RESULT: "):])
-        entry = dict(run)
-        if result is None:
-            tail = "\n".join((output or "").splitlines()[-8:])
-            entry["error"] = (error or "no result") + (f"\n{tail}" if tail else "")
-            say(f"    FAILED ({error or 'no result'}); last output:\n{tail}")
-        else:
-            entry.update(result)
-            say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
-                f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
-                f"{time.perf_counter() - t_start:.0f} s so far)")
-        results.append(entry)
-    return results
+    total = len(runs) * repeats
+    k = 0
+    for rep in range(repeats):
+        for i, run in enumerate(runs):
+            k += 1
+            where = (f"{run['num_workers']} worker(s)" if run["num_workers"]
+                     else "one process, no strategy")
+            say(f"[{k}/{total}] {run['name']}"
+                + (f" (repeat {rep + 1}/{repeats})" if repeats > 1 else "")
+                + f": {where}, {run['spe']} steps per closure"
+                + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
+                   if run.get("straggler") else "") + " ...")
+            t0 = time.perf_counter()
+            result, error = _run_child(run, settings, timeout_s)
+            if result is None:
+                say(f"    FAILED ({error.splitlines()[0]}); last output:\n"
+                    + "\n".join(error.splitlines()[1:]))
+                per_run[i].append({"error": error})
+            else:
+                per_run[i].append(result)
+                say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
+                    f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
+                    f"{time.perf_counter() - t_start:.0f} s so far)")
+    return [aggregate_repeats(run, per_run[i]) for i, run in enumerate(runs)]
+
+
+def _run_child(run, settings, timeout_s):
+    """One repeat of ``run`` in its own process: (result, None) or (None, error)."""
+    cmd = [sys.executable, "-m", "tf_asyncps.app.bench", json.dumps(run), json.dumps(settings)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        error = f"timed out after {timeout_s:g} s"
+    for line in (output or "").splitlines():
+        if line.startswith("BENCH_RESULT: "):
+            return json.loads(line[len("BENCH_RESULT: "):]), None
+    tail = "\n".join((output or "").splitlines()[-8:])
+    return None, (error or "no result") + (f"\n{tail}" if tail else "")
+
+
+#: Per-repeat numbers reported as a median and a [min, max] range.
+SPREAD_KEYS = ("steps_per_sec", "examples_per_sec", "updates_per_sec", "test_accuracy",
+               "steps_to_target", "seconds_to_target")
+
+
+def spread(values) -> Optional[Dict[str, float]]:
+    """``{"median", "min", "max"}`` of the numbers in ``values`` (None
+    entries skipped), or None if there are none."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    median = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return {"median": median, "min": xs[0], "max": xs[-1]}
+
+
+def aggregate_repeats(run: Dict[str, Any], repeats: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One run's entry from its repeats (each a :func:`run_one` result or
+    ``{"error": ...}``).
+
+    The entry has the run's settings; ``repeats`` (every repeat as measured);
+    for each of ``SPREAD_KEYS`` the median under the key itself and
+    ``KEY_range`` = [min, max]; the median repeat's ``segments`` and
+    ``staleness``. If every repeat failed, ``error`` (the first one's).
+    A target not reached in some repeats: ``steps_to_target`` is the median
+    of those that reached it and ``target_reached`` counts them.
+    """
+    entry = dict(run)
+    entry["repeats"] = repeats
+    ok = [r for r in repeats if "error" not in r]
+    entry["failed_repeats"] = len(repeats) - len(ok)
+    if not ok:
+        entry["error"] = repeats[0]["error"] if repeats else "no repeat ran"
+        return entry
+    for key in SPREAD_KEYS:
+        sp = spread(r.get(key) for r in ok)
+        entry[key] = None if sp is None else sp["median"]
+        entry[f"{key}_range"] = None if sp is None else [sp["min"], sp["max"]]
+    entry["target_reached"] = sum(1 for r in ok if r.get("steps_to_target") is not None)
+    # The repeat whose steps/s is the median (the lower middle one for an
+    # even count) supplies the segments and the staleness counters.
+    middle = sorted(ok, key=lambda r: r["steps_per_sec"])[(len(ok) - 1) // 2]
+    entry["segments"] = middle["segments"]
+    entry["staleness"] = middle.get("staleness")
+    return entry
+
+
+def _paired_ratios(a, b, key="steps_per_sec"):
+    """Per-repeat ratios a[k] / b[k] (repeats that both completed)."""
+    out = []
+    for x, y in zip(a.get("repeats") or [a], b.get("repeats") or [b]):
+        if "error" in x or "error" in y or not y.get(key) or x.get(key) is None:
+            continue
+        out.append(x[key] / y[key])
+    return out
+
+
+def ratio(a, b, key="steps_per_sec"):
+    """(median(a) / median(b), [min, max] of the paired per-repeat ratios)."""
+    if not b.get(key) or a.get(key) is None:
+        return None, None
+    paired = _paired_ratios(a, b, key)
+    rng = [min(paired), max(paired)] if paired else None
+    return a[key] / b[key], rng
+
+
+def verdict(value, value_range, target) -> str:
+    """"met" when the whole range clears ``target``, "not met" when all of
+    it falls short, "unclear" when it straddles; "no data" without a value."""
+    if value is None:
+        return "no data"
+    lo, hi = value_range or (value, value)
+    if lo >= target:
+        return "met"
+    if hi < target:
+        return "not met"
+    return "unclear"
 
 
 def _by_name(results):
@@ -263,38 +365,41 @@ def _by_name(results):
 
 
 def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Adds ratios and target checks; returns the bench.json document."""
+    """Adds ratios (of medians, with ranges) and target checks; returns the
+    bench.json document."""
     ok = _by_name(results)
-    single = ok.get("single", {}).get("steps_per_sec")
-    vanilla = ok.get("vanilla", {}).get("steps_per_sec")
+    single, vanilla = ok.get("single"), ok.get("vanilla")
     for r in results:
         if "error" in r:
             continue
-        r["x_vanilla"] = r["steps_per_sec"] / vanilla if vanilla else None
-        r["x_single"] = r["steps_per_sec"] / single if single else None
+        for name, base in (("x_vanilla", vanilla), ("x_single", single)):
+            r[name], r[f"{name}_range"] = ratio(r, base) if base else (None, None)
     checks = []
 
-    def check(what, value, target):
-        checks.append({"check": what, "value": value, "target": target,
-                       "met": value is not None and value >= target})
+    def check(what, value, value_range, target):
+        v = verdict(value, value_range, target)
+        checks.append({"check": what, "value": value, "range": value_range,
+                       "target": target, "verdict": v, "met": v == "met"})
 
     for name, target in TARGETS.items():
         if name in ok and vanilla:
-            check(f"{name} throughput / vanilla PSS", ok[name]["x_vanilla"], target)
+            check(f"{name} throughput / vanilla PSS", ok[name]["x_vanilla"],
+                  ok[name]["x_vanilla_range"], target)
     if "local_sgd" in ok:
         ls = ok["local_sgd"]
         if single:
             check("local_sgd throughput / single process", ls["x_single"],
-                  LOCAL_SGD_TARGETS["x_single"])
+                  ls["x_single_range"], LOCAL_SGD_TARGETS["x_single"])
         if vanilla:
             check("local_sgd throughput / vanilla PSS", ls["x_vanilla"],
-                  LOCAL_SGD_TARGETS["x_vanilla"])
-        check("local_sgd test accuracy", ls["test_accuracy"], LOCAL_SGD_TARGETS["accuracy"])
+                  ls["x_vanilla_range"], LOCAL_SGD_TARGETS["x_vanilla"])
+        check("local_sgd test accuracy", ls["test_accuracy"], ls.get("test_accuracy_range"),
+              LOCAL_SGD_TARGETS["accuracy"])
     if "straggler_sync_all" in ok and "straggler_sync_backup" in ok:
-        a = ok["straggler_sync_all"]["updates_per_sec"]
-        b = ok["straggler_sync_backup"]["updates_per_sec"]
+        value, rng = ratio(ok["straggler_sync_backup"], ok["straggler_sync_all"],
+                           key="updates_per_sec")
         check("sync_replicas with a backup worker: applied updates/s vs N-of-N",
-              b / a if a else None, BACKUP_TARGET)
+              value, rng, BACKUP_TARGET)
     import tensorflow as tf
     return {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
@@ -307,12 +412,22 @@ def _fmt(v, spec=".2f"):
     return "–" if v is None else format(v, spec)
 
 
+def _fmt_range(v, rng, spec=".2f"):
+    """``median (min-max)``; just the value when the range is one point."""
+    if v is None:
+        return "–"
+    if not rng or rng[0] == rng[1]:
+        return format(v, spec)
+    return f"{format(v, spec)} ({format(rng[0], spec)}-{format(rng[1], spec)})"
+
+
 def markdown(bench: Dict[str, Any]) -> str:
     """The bench table (and target checks) as markdown."""
     s = bench["settings"]
     lines = [
         f"Digits MLP 64-128-10, SGD lr {s['learning_rate']}, batch {s['batch_size']} "
-        f"per worker step, {s['steps']} worker steps per run, 1 ps; "
+        f"per worker step, {s['steps']} worker steps per run, 1 ps, "
+        f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
         f"{bench['machine']['cpus']} CPUs, TensorFlow {bench['machine']['tensorflow']}, "
         f"{bench['machine']['platform']}.",
         "",
@@ -328,17 +443,22 @@ def markdown(bench: Dict[str, Any]) -> str:
             continue
         st = r.get("staleness") or {}
         lines.append(
-            f"| {r['name']} | {r['num_workers']} | {r['spe']} | {r['steps_per_sec']:.0f} | "
-            f"{r['examples_per_sec']:.0f} | {_fmt(r.get('x_vanilla'))} | "
-            f"{_fmt(r.get('x_single'))} | {_fmt(r.get('updates_per_sec'), '.0f')} | "
+            f"| {r['name']} | {r['num_workers']} | {r['spe']} | "
+            f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), '.0f')} | "
+            f"{r['examples_per_sec']:.0f} | "
+            f"{_fmt_range(r.get('x_vanilla'), r.get('x_vanilla_range'))} | "
+            f"{_fmt_range(r.get('x_single'), r.get('x_single_range'))} | "
+            f"{_fmt(r.get('updates_per_sec'), '.0f')} | "
             f"{_fmt(st.get('mean'))} | {st.get('max', '–')} | {st.get('dropped', '–')} | "
             f"{r['steps_to_target'] or 'not reached'} | {_fmt(r['seconds_to_target'], '.1f')} | "
             f"{r['test_accuracy']:.3f} |")
     if bench["checks"]:
-        lines += ["", "| target | measured | aim | met |", "|---|---|---|---|"]
+        lines += ["", "| target | measured: median (range) | aim | verdict |",
+                  "|---|---|---|---|"]
         for c in bench["checks"]:
-            lines.append(f"| {c['check']} | {_fmt(c['value'])} | >= {c['target']} | "
-                         f"{'yes' if c['met'] else '**no**'} |")
+            v = c["verdict"]
+            lines.append(f"| {c['check']} | {_fmt_range(c['value'], c.get('range'))} | "
+                         f">= {c['target']} | {v if v == 'met' else '**' + v + '**'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -358,9 +478,13 @@ def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:
     ok = [r for r in bench["results"] if "error" not in r]
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar([r["name"] for r in ok], [r["steps_per_sec"] for r in ok])
+    med = [r["steps_per_sec"] for r in ok]
+    rng = [r.get("steps_per_sec_range") or [m, m] for r, m in zip(ok, med)]
+    ax.bar([r["name"] for r in ok], med,
+           yerr=[[m - lo for m, (lo, _) in zip(med, rng)],
+                 [hi - m for m, (_, hi) in zip(med, rng)]], capsize=4)
     ax.set_ylabel("worker steps / s")
-    ax.set_title("Throughput (after the first segment)")
+    ax.set_title("Throughput after the first segment: median, min-max over repeats")
     ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     fig.savefig(paths[2], dpi=100)

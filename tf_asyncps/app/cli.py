@@ -134,6 +134,8 @@ flags.DEFINE_integer("bench_straggler_workers", 4, "bench: workers N of the sync
                      "N-of-N vs (N-1)-of-N straggler pair.", lower_bound=2)
 flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms) of the "
                    "slowed worker in the straggler pair.", lower_bound=0.0)
+flags.DEFINE_integer("bench_repeats", 3, "bench: times each run is repeated (interleaved); "
+                     "figures are medians with their min-max range.", lower_bound=1)
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
                    "and reported as failed.", lower_bound=1.0)
 
@@ -389,11 +391,12 @@ def cmd_bench(argv):
     settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
                 "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
                 "eval_every": FLAGS.bench_eval_every,
-                "target_accuracy": FLAGS.bench_target_accuracy}
-    print(f"tf-asyncps bench: {len(runs)} runs, {FLAGS.bench_steps} worker steps each; "
-          f"results in {out}/", flush=True)
+                "target_accuracy": FLAGS.bench_target_accuracy,
+                "repeats": FLAGS.bench_repeats}
+    print(f"tf-asyncps bench: {len(runs)} runs x {FLAGS.bench_repeats} repeats (interleaved), "
+          f"{FLAGS.bench_steps} worker steps each; results in {out}/", flush=True)
     results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
-                            say=lambda s: print(s, flush=True))
+                            say=lambda s: print(s, flush=True), repeats=FLAGS.bench_repeats)
     doc = bench.summarize(results, settings)
     paths = bench.write_outputs(doc, out)
     print(bench.markdown(doc), flush=True)
