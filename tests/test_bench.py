@@ -28,6 +28,14 @@ def test_default_runs_cover_every_policy_and_the_baselines():
     assert runs["straggler_sync_all"]["policy_args"] == {"replicas_to_aggregate": 5,
                                                          "total_num_replicas": 5}
     assert runs["straggler_sync_backup"]["policy_args"]["replicas_to_aggregate"] == 4
+    # The 1M-parameter model: the baselines, async and local_sgd again.
+    assert [n for n in names if n.endswith("@1m")] == [
+        "single@1m", "vanilla@1m", "async@1m", "local_sgd@1m"]
+    assert runs["local_sgd@1m"]["model"] == "mlp_1m" and runs["local_sgd"]["model"] == "mlp"
+    assert runs["local_sgd@1m"]["spe"] == 8
+    assert bench.MODELS["mlp_1m"] == (1024, 1024)
+    assert not any(r["name"].endswith("@1m")
+                   for r in bench.default_configs(num_workers=2, large_model=False))
 
 
 def test_unknown_run_name_is_rejected():
@@ -100,19 +108,28 @@ def test_summary_ratios_and_target_checks(tmp_path):
                _entry("local_sgd", [2400.0, 2300.0, 2500.0], acc=0.91),
                _entry("straggler_sync_all", [50.0, 50.0, 50.0], updates=10.0),
                _entry("straggler_sync_backup", [50.0, 50.0, 50.0], updates=25.0),
-               {"name": "dc_asgd", "num_workers": 2, "spe": 16, "error": "timed out"}]
+               {"name": "dc_asgd", "num_workers": 2, "spe": 16, "error": "timed out"},
+               dict(_entry("single@1m", [1000.0] * 3), model="mlp_1m"),
+               dict(_entry("vanilla@1m", [100.0] * 3), model="mlp_1m"),
+               dict(_entry("local_sgd@1m", [600.0, 650.0, 800.0]), model="mlp_1m")]
     doc = bench.summarize(results, settings)
     by = {r["name"]: r for r in doc["results"]}
     assert by["async"]["x_vanilla"] == pytest.approx(0.95)
     assert by["async"]["x_vanilla_range"] == pytest.approx([0.925, 0.975])
     assert by["local_sgd"]["x_single"] == pytest.approx(0.6)
     assert by["local_sgd"]["x_vanilla"] == pytest.approx(6.0)
+    # Each model's runs are compared with that model's baselines.
+    assert by["local_sgd@1m"]["x_vanilla"] == pytest.approx(6.5)
+    assert by["local_sgd@1m"]["x_single"] == pytest.approx(0.65)
     checks = {c["check"]: c for c in doc["checks"]}
     # async: median 0.95 meets 0.95, but its range reaches down to 0.925.
-    assert checks["async throughput / vanilla PSS"]["verdict"] == "unclear"
-    assert checks["drop_stale throughput / vanilla PSS"]["verdict"] == "unclear"
-    assert checks["local_sgd throughput / single process"]["verdict"] == "met"
-    assert checks["local_sgd throughput / vanilla PSS"]["verdict"] == "met"
+    assert checks["async throughput / vanilla PSS (mlp)"]["verdict"] == "unclear"
+    assert checks["drop_stale throughput / vanilla PSS (mlp)"]["verdict"] == "unclear"
+    assert checks["local_sgd throughput / single process (mlp)"]["verdict"] == "met"
+    assert checks["local_sgd throughput / vanilla PSS (mlp)"]["verdict"] == "met"
+    # 1M model: x single 0.6-0.8 around the 0.7 target; x vanilla 6-8 >= 3.
+    assert checks["local_sgd throughput / single process (mlp_1m)"]["verdict"] == "unclear"
+    assert checks["local_sgd throughput / vanilla PSS (mlp_1m)"]["verdict"] == "met"
     backup = [c for c in doc["checks"] if c["check"].startswith("sync_replicas")][0]
     assert backup["value"] == pytest.approx(2.5) and backup["verdict"] == "met"
     paths = bench.write_outputs(doc, str(tmp_path))
