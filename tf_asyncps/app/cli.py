@@ -238,6 +238,16 @@ def cmd_reference(argv):
 
 
 def cmd_launch(argv):
+    from tf_asyncps.app.console import NativeStderrFilter
+    # This process imports TensorFlow to check the flags; TensorFlow's C++
+    # start-up notices (written to fd 2 whatever TF_CPP_MIN_LOG_LEVEL says)
+    # stay off the console; any other output of the checks is shown after.
+    quiet = NativeStderrFilter()
+    with quiet:
+        return _launch(argv, quiet)
+
+
+def _launch(argv, quiet):
     from tf_asyncps import cluster
     from tf_asyncps.cluster import devices
     # GPU placement first: it needs neither TensorFlow nor CUDA.
@@ -275,12 +285,13 @@ def cmd_launch(argv):
         args.append(f"--backup_dir={backup}")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    quiet.release()  # the checks are done: fd 2 is the console again
     t0 = time.perf_counter()
     with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
                               worker_env=gpu_plan.worker_env) as c:
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
               f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
-              f"task logs in {c.log_dir}", flush=True)
+              f"task logs in {c.log_dir} (the chief's whole output: chief-0.log)", flush=True)
         cpu_at_start = c.cpu_seconds()  # TensorFlow's import and start-up, left out below
         if FLAGS.restart_failed_tasks:
             c.supervise(max_restarts=FLAGS.max_restarts)
@@ -340,10 +351,31 @@ def _report_task_cpu(cpu, rc) -> None:
 
 
 def _run_chief(c, args, env, deadline) -> int:
-    """Runs the chief (`train`) until it exits; returns its exit code."""
+    """Runs the chief (`train`) until it exits; returns its exit code.
+
+    Its output goes whole to ``logs/chief-0.log`` and filtered to the console
+    (app/console.py): TensorFlow's C++ start-up notices and gRPC error blocks
+    become one line per unreachable task.
+    """
+    import io
+    import threading
+    from tf_asyncps.app.console import ConsoleFilter
     from tf_asyncps.cluster.spawn import spawn
-    chief = spawn([sys.executable, "-m", "tf_asyncps", "train"] + args, env=env)
+    log_path = os.path.join(c.log_dir, "chief-0.log")
+    env = dict(env)
+    if sys.stdout.isatty():  # the chief's stderr is a pipe: keep its live progress line
+        env["TF_ASYNCPS_PROGRESS_LINE"] = "1"
+    chief = spawn([sys.executable, "-m", "tf_asyncps", "train"] + args, env=env,
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     c.write_state({"chief:0": chief.pid})
+    log = open(log_path, "a")
+    shown = os.path.relpath(log_path) if not os.path.isabs(FLAGS.output_dir or "/") else log_path
+    console = ConsoleFilter(sys.stdout, log, shown, restarts=FLAGS.restart_failed_tasks)
+    reader = threading.Thread(
+        target=console.pump, name="chief-output", daemon=True,
+        args=(io.TextIOWrapper(chief.stdout, encoding="utf-8", errors="replace",
+                               newline=""),))
+    reader.start()
     try:
         return chief.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -361,6 +393,8 @@ def _run_chief(c, args, env, deadline) -> int:
     finally:
         if chief.poll() is None:
             chief.kill()
+        reader.join(timeout=10)  # the rest of its output, up to EOF
+        log.close()
 
 
 def cmd_bench(argv):

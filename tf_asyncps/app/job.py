@@ -345,7 +345,9 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     tb_dir = os.path.join(cfg.output_dir, "tensorboard") if cfg.output_dir else None
     logger = callbacks_lib.StalenessLogger(log_dir=tb_dir, batch_size=cfg.batch_size,
                                            print_fn=say)
-    cbs = [callbacks_lib.ProgressLine(total), logger]
+    # Under launch the chief's stderr is a pipe to a terminal (app/console.py).
+    cbs = [callbacks_lib.ProgressLine(total, force=os.environ.get("TF_ASYNCPS_PROGRESS_LINE")
+                                      == "1"), logger]
     tracker = None
     if cfg.backup_dir:
         # Epoch checkpoints of the model and optimizer; a re-run resumes from

@@ -1,0 +1,146 @@
+"""The quiet console of `tf-asyncps launch` (tf_asyncps/app/console.py).
+
+TensorFlow's C++ runtime floods the chief's stderr when a worker dies (gRPC
+error blocks) and every process prints start-up notices; launch keeps all
+of it in logs/chief-0.log and shows one line per event.
+"""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, _env, stop_process, wait_dead
+from tf_asyncps.app import console
+
+# Lines as TensorFlow 2.21 writes them (from a chief whose worker:1 was SIGKILLed).
+STARTUP = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+    "I0000 00:00:1796147124.113111   22196 port.cc:153] oneDNN custom operations are on. "
+    "You may see slightly different numerical results\n",
+    "E0000 00:00:1796147125.628832   22196 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n",
+]
+BLOCK = [
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:1 "
+    "while calling /tensorflow.eager.EagerService/Enqueue:\n",
+    ':UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"failed to connect to '
+    'all addresses; last error: UNKNOWN: ipv4:127.0.0.1:40273: Connection refused"}\n',
+    "This could happen if the remote target has been disconnected from the client.\n",
+]
+COORDINATOR = ("E1201 17:45:54.561971 140529123395264 cluster_coordinator.py:949] Worker "
+               "/job:worker/replica:0/task:1 failed with UnavailableError():failed to connect\n")
+SHUTDOWN = [  # at exit: a function already gone (status 3), not a lost task
+    "E0000 00:00:1796144966.716580   12252 context.cc:911] Failed to remove function "
+    "remotely due to Tried to remove non-existent function '__inference_step_696'.\n",
+    "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while "
+    "calling /tensorflow.eager.EagerService/Enqueue:\n",
+    ':UNKNOWN:Error received from peer  {grpc_message:"Tried to remove non-existent '
+    'function", grpc_status:3}\n',
+]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_000_000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _filter(restarts=False):
+    out, log, clock = io.StringIO(), io.StringIO(), Clock()
+    return console.ConsoleFilter(out, log, "logs/chief-0.log", restarts, clock), out, log, clock
+
+
+def test_a_flood_becomes_one_line_and_the_log_keeps_every_line():
+    f, out, log, clock = _filter()
+    job = ["epoch 2/8: loss=0.42 accuracy=0.92\n", "\r  steps 210/800   55.1 steps/s  "]
+    lines = STARTUP + job + [COORDINATOR] + BLOCK * 77 + ["epoch 3/8: loss=0.25\n"] + SHUTDOWN
+    for line in lines:
+        f.feed(line)
+    assert log.getvalue() == "".join(lines)  # the whole text, in order
+    assert f.hidden == len(lines) - 3
+    assert len(f.events) == 1
+    event = f.events[0]
+    assert event.startswith("tf-asyncps: worker:1 unreachable since ")
+    assert "retried on the other workers" in event and "logs/chief-0.log" in event
+    # Job lines and the live progress update (a \r line) pass as they came.
+    assert out.getvalue() == job[0] + job[1] + event + "epoch 3/8: loss=0.25\n"
+
+
+def test_a_task_that_fails_again_later_gets_a_new_line_and_a_ps_says_the_chief_fails():
+    f, out, log, clock = _filter(restarts=True)
+    for line in BLOCK * 3:
+        f.feed(line)
+    clock.t += console.QUIET_S + 1
+    for line in BLOCK:
+        f.feed(line)
+    assert len(f.events) == 2 and "rejoins when it is restarted" in f.events[0]
+    for line in [b.replace("/job:worker/replica:0/task:1", "/job:ps/replica:0/task:0")
+                 for b in BLOCK]:
+        f.feed(line)
+    assert f.events[2].startswith("tf-asyncps: ps:0 unreachable")
+    assert "the chief fails" in f.events[2] and "latest checkpoint" in f.events[2]
+
+
+@pytest.mark.parametrize("line", [
+    "W1201 17:45:54.561971 1405 job.py:12] warning: a Python warning of this project\n",
+    "F0000 00:00:1796147125.628832   22196 gpu_device.cc:52] Check failed: a fatal error\n",
+    "Traceback (most recent call last):\n",
+    "tensorflow.python.framework.errors_impl.InvalidArgumentError: a real error\n"])
+def test_what_explains_a_real_error_is_shown(line):
+    f, out, log, _ = _filter()
+    f.feed(line)
+    assert out.getvalue() == line and f.hidden == 0
+
+
+def test_native_stderr_filter_replays_only_what_is_not_runtime_noise(capfd):
+    with console.NativeStderrFilter() as quiet:
+        os.write(2, "".join(STARTUP).encode())
+        os.write(2, b"warning: a real message\n")
+        print("a Python warning", file=sys.stderr, flush=True)
+        quiet.release()
+        os.write(2, b"after release\n")
+    err = capfd.readouterr().err
+    # (Under pytest, sys.stderr is not fd 2: its line may come first.)
+    assert sorted(err.splitlines()) == ["a Python warning", "after release",
+                                        "warning: a real message"]
+    assert err.endswith("after release\n")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_killed_worker_shows_one_line_and_the_full_text_stays_on_disk(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--flagfile=configs/digits_async.flags",
+         "--epochs=6", "--steps_per_execution=10", f"--output_dir={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
+        start_new_session=True)
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and line.startswith("epoch 2/"):
+                state = json.load(open(out / "logs" / "cluster.json"))
+                killed = state["tasks"]["worker:1"]["pid"]
+                os.kill(killed, signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, "".join(lines[-30:])
+    finally:
+        stop_process(proc)
+    assert killed is not None, "".join(lines)
+    text = "".join(lines)
+    # One event line for the lost worker; no runtime noise on the console.
+    assert sum("worker:1 unreachable since" in l for l in lines) == 1, text
+    assert not [l for l in lines if console.is_runtime_noise(l)], text
+    assert len(lines) <= 20, text  # cluster, job, 6 epochs, event, results
+    assert "test accuracy" in text
+    chief_log = (out / "logs" / "chief-0.log").read_text()
+    assert chief_log.count("Additional GRPC error information") >= 5
+    assert "epoch 6/6" in chief_log and "unreachable since" not in chief_log
+    wait_dead([killed], 5)

@@ -1,0 +1,170 @@
+"""What `tf-asyncps launch` shows of the chief's output, and what it only logs.
+
+TensorFlow's C++ runtime writes to the chief's stderr: start-up notices
+(oneDNN, cuInit, CPU features, absl's pre-init warning) in every process, and
+when a worker dies, gRPC error blocks (measured: 77 blocks, 330 lines for
+one SIGKILLed worker in an 8-epoch digits job). :class:`ConsoleFilter` keeps
+every line in the chief's log file and shows on the console the job's own
+lines, Python warnings and errors (tracebacks included), TensorFlow's fatal
+C++ lines, and one line per event in place of a C++ block: which task
+became unreachable, since when, and what happens next.
+"""
+
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Dict, Optional, TextIO
+
+__all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in"]
+
+# glog-style lines written by C++ (file.cc:123]); absl's Python logging uses
+# the same prefix with a .py file and is kept.
+_CPP_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+\.(cc|h|cpp):\d+\] ")
+_NOISE = (
+    re.compile(r"^WARNING: All log messages before absl::InitializeLog\(\) is called"),
+    re.compile(r"^To enable the following instructions: .*rebuild TensorFlow"),
+    re.compile(r"^Additional GRPC error information from remote target"),
+    re.compile(r"^:\w+:Error received from peer"),
+    re.compile(r"^This could happen if the remote target has been disconnected"),
+)
+# TensorFlow's coordinator logs each worker failure (Python, one line).
+_COORDINATOR_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ cluster_coordinator\.py:\d+\] ")
+_GRPC_FROM = re.compile(r"^Additional GRPC error information from remote target (\S+)")
+_TASK = re.compile(r"/job:(worker|ps)/replica:\d+/task:(\d+)")
+# What says a task cannot be reached: gRPC status 14 (UNAVAILABLE) and its
+# words; not, e.g., status 3 of a function already removed at shutdown.
+_UNREACHABLE = re.compile(r"(grpc_status:14|UnavailableError|failed to connect|"
+                          r"Connection refused|Connection reset|Socket closed)")
+#: Seconds during which one task's failure is reported once.
+QUIET_S = 60.0
+
+
+def is_runtime_noise(line: str) -> bool:
+    """Whether ``line`` is TensorFlow C++ runtime output that only the log
+    file keeps (not a fatal ``F`` line, not Python's)."""
+    s = line.rstrip("\r\n")
+    return bool(_CPP_LOG.match(s) or _COORDINATOR_LOG.match(s)) or \
+        any(p.match(s) for p in _NOISE)
+
+
+def task_in(line: str) -> Optional[str]:
+    """``"worker:1"`` for a line naming ``/job:worker/replica:0/task:1``, else None."""
+    m = _TASK.search(line)
+    return f"{m.group(1)}:{m.group(2)}" if m else None
+
+
+class ConsoleFilter:
+    """Copies a child's output to ``log`` whole and to ``console`` filtered.
+
+    Args:
+      console: where shown lines go (e.g. sys.stdout).
+      log: a text file that receives every line, unfiltered.
+      log_name: the log file's name for the event lines (e.g. "logs/chief-0.log").
+      restarts: whether failed tasks are restarted (``--restart_failed_tasks``),
+        which changes what an event line says happens next.
+      clock: seconds since the epoch (for "since HH:MM:SS").
+
+    Attributes:
+      hidden: lines kept out of the console (int).
+      events: the event lines shown, in order (list of str).
+    """
+
+    def __init__(self, console: TextIO, log: TextIO, log_name: str, restarts: bool = False,
+                 clock: Callable[[], float] = time.time):
+        self.console, self.log, self.log_name = console, log, log_name
+        self.restarts, self.clock = restarts, clock
+        self.hidden = 0
+        self.events = []
+        self._down: Dict[str, float] = {}  # task -> when its failure was last reported
+        self._block_task = None  # the task the current gRPC error block is about
+        self._lock = threading.Lock()
+
+    def _next(self, task: str) -> str:
+        if task.startswith("ps:"):
+            return ("the chief fails (a ps task holds variables); it is re-run from the "
+                    "latest checkpoint once the ps is back" if self.restarts else
+                    "the chief fails: a ps task holds variables (--restart_failed_tasks "
+                    "restarts it and re-runs the chief from the latest checkpoint)")
+        return ("its closures are retried on the other workers; it rejoins when it is "
+                "restarted" if self.restarts else
+                "its closures are retried on the other workers; it rejoins if it comes back")
+
+    def feed(self, line: str) -> None:
+        """Takes one line (with its ``\\n`` or ``\\r``) of the child's output."""
+        with self._lock:
+            self.log.write(line)
+            if not is_runtime_noise(line):
+                self._block_task = None
+                self.console.write(line)
+                self.console.flush()
+                return
+            self.hidden += 1
+            m = _GRPC_FROM.match(line)
+            if m:  # a block's first line names the task; its next line says why
+                self._block_task = task_in(m.group(1))
+                return
+            task = task_in(line) or self._block_task
+            if task and _UNREACHABLE.search(line):
+                self._report(task)
+
+    def _report(self, task: str) -> None:
+        now = self.clock()
+        if now - self._down.get(task, -QUIET_S) < QUIET_S:
+            return
+        self._down[task] = now
+        since = time.strftime("%H:%M:%S", time.localtime(now))
+        event = (f"tf-asyncps: {task} unreachable since {since}; {self._next(task)} "
+                 f"(TensorFlow's gRPC errors: {self.log_name})\n")
+        self.events.append(event)
+        self.console.write(event)
+        self.console.flush()
+
+    def pump(self, stream) -> None:
+        """Feeds every line of ``stream`` (a text stream opened with
+        ``newline=""``, so ``\\r`` progress updates pass as they come) until EOF."""
+        for line in iter(stream.readline, ""):
+            self.feed(line)
+        self.log.flush()
+
+
+class NativeStderrFilter:
+    """While active, this process's file descriptor 2 (where TensorFlow's C++
+    runtime writes, as Python's sys.stderr does) goes to a temporary file; on
+    ``release()`` (or exit, also on an exception) fd 2 is restored and what
+    was written is shown again without the runtime noise. For a bounded
+    stretch of work (importing TensorFlow, checking flags), not for a whole
+    job: nothing is shown until release.
+    """
+
+    def __init__(self):
+        self._saved = None
+        self._file = None
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def release(self) -> None:
+        if self._saved is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._saved = None
+        self._file.seek(0)
+        text = self._file.read().decode("utf-8", errors="replace")
+        self._file.close()
+        kept = [ln for ln in text.splitlines(keepends=True) if not is_runtime_noise(ln)]
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
