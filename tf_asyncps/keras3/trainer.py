@@ -156,9 +156,9 @@ class Keras3Trainer:
         in tf_keras), the optimizer built on the shards (slots beside them)
         and each Embedding looking up only its rows."""
         model = self.model
-        sources = trainable_shards(model)
-        if len(sources) == len(model.trainable_variables):
+        if not any(keras_compat.sharded_value(v) for v in model.trainable_variables):
             return model.train_step
+        sources = trainable_shards(model)
         if keras_compat.overrides_train_step(model):
             raise ValueError(
                 f"{type(model).__name__} overrides train_step and has partitioned weights "
