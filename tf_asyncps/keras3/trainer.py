@@ -410,6 +410,9 @@ class Keras3Trainer:
         ds = data_lib.chief_dataset(x, batch_size)
         if steps is not None:
             ds = ds.take(_positive_int(steps, "steps", "the number of batches to predict."))
+        elif ds.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ValueError("predict: x is an infinite dataset (it repeats) and no steps "
+                             "were given: pass steps= or drop the repeat().")
         if self._predict_fn is None:
             self._predict_fn = tf.function(self.model.predict_step)
         outs = [self._predict_fn(batch) for batch in ds]
