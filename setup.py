@@ -14,6 +14,9 @@ setup(
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "tf_keras>=2.21,<2.22",  # Keras 2: model.fit under PS training
+        # Keras 3 (TensorFlow's own dependency): tf_asyncps/keras3 runs on the
+        # release its internals were tested with (compat/keras.py).
+        "keras>=3.15,<3.16",
         "absl-py>=1.0",
         "numpy>=1.23",
         "portpicker>=1.5",

@@ -1630,6 +1630,24 @@ def keras3_fit_errors():
         attempt("arrays", lambda: model.fit(x, epochs=1, steps_per_epoch=4, verbose=0))
         attempt("infinite_validation", lambda: model.fit(
             train, epochs=1, steps_per_epoch=4, verbose=0, validation_data=train))
+        attempt("float_validation_freq", lambda: model.fit(
+            train, epochs=2, steps_per_epoch=4, verbose=0, validation_freq=2.5,
+            validation_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(8)))
+        attempt("lambda_batch_callback", lambda: model.fit(
+            train, epochs=1, steps_per_epoch=4, verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, l: None)]))
+
+        class MyCheckpoint(keras.callbacks.ModelCheckpoint):
+            def on_train_batch_end(self, batch, logs=None):
+                pass
+
+        attempt("builtin_subclass_batch_hook", lambda: model.fit(
+            train, epochs=1, steps_per_epoch=4, verbose=0,
+            callbacks=[MyCheckpoint("/nonexistent/m.keras")]))
+        attempt("inputs_only_dataset", lambda: model.fit(
+            tf.data.Dataset.from_tensor_slices(x).batch(8).repeat(), epochs=1,
+            steps_per_epoch=4, verbose=0))
+        attempt("predict_infinite", lambda: model.predict(train, verbose=0))
         before = strategy.staleness_stats().global_step
         real = keras.__version__
         keras.__version__ = "3.99.0"
@@ -1847,6 +1865,44 @@ def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdi
                                                            - pred))),
                 "iterations": int(model.optimizer.iterations.numpy()),
                 "stats": _stats(strategy)}
+
+
+@scenario(shares_cluster=True)
+def keras3_recompile_and_vector_metric(steps=10):
+    """compile again between fits (inside the scope) takes effect; a metric
+    with a vector result (Precision at 2 thresholds) is logged per epoch."""
+    import contextlib
+    import io
+    import keras
+    x, y = _k3_regression()
+    with _cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        with strategy.scope():
+            model = _k3_model(lr=0.1)
+        model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+        first_opt = model.optimizer
+        with strategy.scope():
+            model.compile(keras.optimizers.SGD(0.0), "mse", metrics=["mae", "mse"])
+        w0 = model.get_weights()
+        hist = model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+        moved = float(max(np.max(np.abs(a - b)) for a, b in zip(model.get_weights(), w0)))
+        second_iterations = int(model.optimizer.iterations.numpy())
+        binary = tf.data.Dataset.from_tensor_slices(
+            (x, (y > 0).astype("float32"))).batch(8).repeat()
+        with strategy.scope():
+            model.compile(keras.optimizers.SGD(0.01), "binary_crossentropy",
+                          metrics=[keras.metrics.Precision(thresholds=[0.3, 0.7])])
+        console = io.StringIO()
+        with contextlib.redirect_stdout(console):
+            vec = model.fit(binary, epochs=2, steps_per_epoch=steps, verbose=2,
+                            callbacks=[tf_asyncps.callbacks.StalenessLogger(
+                                print_fn=lambda s: print(s))])
+        return {"moved_with_lr0": moved, "first_iterations": int(first_opt.iterations.numpy()),
+                "second_iterations": second_iterations,
+                "second_logs": hist.history,
+                "vector_history": {k: np.asarray(v).tolist() for k, v in vec.history.items()},
+                "console": console.getvalue()}
 
 
 def _reset_process_state(environ):

@@ -61,7 +61,12 @@ def test_keras3_misuse_fails_at_once_with_its_message():
             ("arrays", "TypeError", ["tf.data.Dataset", "DatasetFn"]),
             ("infinite_validation", "ValueError", ["infinite", "validation_steps"]),
             ("unsupported_version", "NotImplementedError", ["3.99.0", ">= 3.15", "< 3.16"]),
-            ("input_runs_out", "ValueError", ["repeat()"])]:
+            ("input_runs_out", "ValueError", ["repeat()"]),
+            ("float_validation_freq", "ValueError", ["validation_freq", "2.5"]),
+            ("lambda_batch_callback", "ValueError", ["LambdaCallback", "on_train_batch_end"]),
+            ("builtin_subclass_batch_hook", "ValueError", ["MyCheckpoint", "on_train_batch_end"]),
+            ("inputs_only_dataset", "ValueError", ["(x, y)"]),
+            ("predict_infinite", "ValueError", ["infinite", "steps="])]:
         assert a[name]["error"] == want, (name, a[name])
         for w in words:
             assert w in a[name]["message"], (name, w, a[name]["message"])
@@ -185,3 +190,16 @@ def test_example_keras3_fit_runs():
     assert float(line.split()[2].rstrip(";")) >= 0.85
     assert "reloaded model predicts the same: True" in line
     assert "applied 500 updates" in line
+
+
+def test_compiling_again_takes_effect_and_vector_metrics_are_logged():
+    r = run_scenario("keras3_recompile_and_vector_metric", shared=(1, 1), steps=10)
+    # The second compile's SGD(0.0) trains, not the first optimizer.
+    assert r["moved_with_lr0"] == 0.0
+    assert r["first_iterations"] == 10 and r["second_iterations"] == 10
+    assert set(r["second_logs"]) == {"loss", "mae", "mse"} and r["second_logs"]["loss"][0] > 0
+    # Precision at 2 thresholds: a pair per epoch in the history and the lines.
+    assert [len(p) for p in r["vector_history"]["precision"]] == [2, 2]
+    lines = [l for l in r["console"].splitlines() if l.startswith("epoch ")]
+    assert len(lines) == 2 and "precision=[" in lines[0]  # StalenessLogger's line only
+    assert not [l for l in r["console"].splitlines() if l.startswith("Epoch ")]

@@ -13,7 +13,24 @@ from typing import Callable, Optional, TextIO
 import tensorflow as tf
 import tf_keras
 
-__all__ = ["StalenessLogger", "ProgressLine"]
+__all__ = ["StalenessLogger", "ProgressLine", "format_value"]
+
+
+def format_value(v) -> str:
+    """A log value for a console line: ``0.4121``; a vector metric (e.g.
+    Precision at several thresholds) as ``[0.5000, 0.7500]``."""
+    import numpy as np
+    a = np.asarray(v, dtype=float)
+    if a.ndim == 0:
+        return f"{float(a):.4f}"
+    return "[" + ", ".join(f"{x:.4f}" for x in a.ravel()) + "]"
+
+
+def _plain(v):
+    """A float for a scalar log value, else a list of floats (JSON-ready)."""
+    import numpy as np
+    a = np.asarray(v, dtype=float)
+    return float(a) if a.ndim == 0 else a.tolist()
 
 
 def _strategy_of(model):
@@ -113,10 +130,10 @@ class StalenessLogger(tf_keras.callbacks.Callback):
             "tau_max": nz[-1] if nz else 0,
             "tau_max_so_far": s.max, "applied": applied, "dropped": dropped,
         }
-        rec.update({k: float(v) for k, v in logs.items()})
+        rec.update({k: _plain(v) for k, v in logs.items()})
         self.epochs.append(rec)
         total = self.params.get("epochs", "?") if self.params else "?"
-        metrics = " ".join(f"{k}={float(v):.4f}" for k, v in logs.items())
+        metrics = " ".join(f"{k}={format_value(v)}" for k, v in logs.items())
         eps = (f" examples/s={rec['steps_per_sec'] * self.batch_size:.0f}"
                if self.batch_size else "")
         self.print_fn(
@@ -126,7 +143,12 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         if self._writer:
             with self._writer.as_default(step=epoch + 1):
                 for k, v in logs.items():
-                    tf.summary.scalar(f"epoch/{k}", float(v))
+                    v = _plain(v)
+                    if isinstance(v, list):  # a vector metric: one scalar per entry
+                        for i, x in enumerate(v):
+                            tf.summary.scalar(f"epoch/{k}/{i}", x)
+                    else:
+                        tf.summary.scalar(f"epoch/{k}", v)
                 tf.summary.scalar("staleness/mean", rec["tau_mean"])
                 tf.summary.scalar("staleness/max", rec["tau_max"])
                 tf.summary.scalar("staleness/applied", applied)

@@ -16,7 +16,7 @@ import sys
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
-           "symbolic_build", "in_stateless_scope", "dense_on_sparse_gradients",
+           "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
            "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model"]
@@ -84,6 +84,13 @@ def symbolic_build(model, element_spec) -> None:
     dataset's ``element_spec`` (``(x, y[, sample_weight])`` of TensorSpecs),
     without running a batch: Keras 3's ``Trainer._symbolic_build``."""
     model._symbolic_build(data_batch=element_spec)
+
+
+def compile_state(model):
+    """What a ``compile`` sets (ids of the optimizer, the compiled loss and
+    metrics, the loss tracker): a new compile changes it."""
+    return tuple(id(getattr(model, a, None)) for a in
+                 ("optimizer", "_compile_loss", "_compile_metrics", "_loss_tracker"))
 
 
 def model_strategy(model):

@@ -30,7 +30,8 @@ def _epoch_level_builtin(cb):
         return None
     if isinstance(cb, c.TensorBoard):
         if cb.update_freq != "epoch":
-            return f"update_freq={cb.update_freq!r} writes per batch; use update_freq='epoch'"
+            return (f"update_freq={cb.update_freq!r} ('batch' is 1) writes every N batches; "
+                    f"use update_freq='epoch'")
         if getattr(cb, "_profile_batch", 0) or getattr(cb, "_start_batch", 0):
             return "profile_batch profiles batches; use profile_batch=0"
         return None
@@ -45,14 +46,18 @@ def _epoch_level_builtin(cb):
     return NotImplemented
 
 
-def _overridden_batch_hooks(cb):
-    """Batch hooks ``cb``'s class defines itself (not inherited from a
-    Callback base class that does nothing in them)."""
+def _user_batch_hooks(cb):
+    """Batch hooks that ``cb`` defines itself: on the instance (e.g.
+    ``LambdaCallback(on_train_batch_end=...)``) or in a class of its own,
+    not inherited from Keras' (or tf_keras's) callbacks."""
     out = []
     for name in BATCH_HOOKS:
+        if callable(vars(cb).get(name)):
+            out.append(name)
+            continue
         for klass in type(cb).__mro__:
             if name in vars(klass):
-                if klass.__name__ != "Callback":
+                if not klass.__module__.startswith(("keras.", "tf_keras.")):
                     out.append(name)
                 break
     return out
@@ -74,10 +79,10 @@ def check_callbacks(callbacks):
         if not callable(getattr(cb, "set_model", None)):
             raise TypeError(f"callbacks[...] must be keras.callbacks.Callback objects, "
                             f"got {cb!r}.")
-        why = _epoch_level_builtin(cb)
+        hooks = _user_batch_hooks(cb)
+        why = f"it defines {', '.join(hooks)}" if hooks else _epoch_level_builtin(cb)
         if why is NotImplemented:
-            hooks = _overridden_batch_hooks(cb)
-            why = f"it defines {', '.join(hooks)}" if hooks else None
+            why = None
         if why is not None:
             raise ValueError(
                 f"Batch-level callbacks are not supported with parameter-server training "
@@ -108,7 +113,8 @@ class EpochLine(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         dt = max(time.perf_counter() - self._t0, 1e-9)
-        metrics = " ".join(f"{k}={float(v):.4f}" for k, v in (logs or {}).items())
+        from tf_asyncps.callbacks import format_value
+        metrics = " ".join(f"{k}={format_value(v)}" for k, v in (logs or {}).items())
         out = self.stream or sys.stdout
         out.write(f"Epoch {epoch + 1}/{self.epochs}: {metrics} ({dt:.1f} s, "
                   f"{self.steps_per_epoch / dt:.1f} steps/s)\n")

@@ -117,6 +117,12 @@ class Keras3Trainer:
         self.strategy = strategy
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         self.num_workers = len(strategy.closures_done_per_worker())
+        self._reset()
+
+    def _reset(self):
+        """Forgets the traced functions: they hold the compiled optimizer,
+        loss and metrics, which a new ``compile`` replaces."""
+        self._compiled = keras_compat.compile_state(self.model)
         self._train_fn = None
         self._step = None  # model.train_step, or its partitioned-weights form
         self._shard_fn = None
@@ -133,12 +139,25 @@ class Keras3Trainer:
         """Builds layers, metrics and the optimizer on the chief (their
         variables go to the ps), then makes the concurrent counters exact."""
         model = self.model
+        if keras_compat.compile_state(model) != self._compiled:
+            self._reset()  # compiled again since the last fit/evaluate/predict
         spec = data_lib.element_spec(inp, self.num_workers)
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3) or spec[1] is None:
+            raise ValueError(
+                f"The dataset yields {spec!r}; fit and evaluate need (x, y) or (x, y, "
+                f"sample_weight) per batch: Dataset.from_tensor_slices((x, y)).batch(n).")
         with self.strategy.scope():
             keras_compat.build_layers(model, spec)
             if self._step is None:
                 self._step = self._make_step()
             keras_compat.symbolic_build(model, spec)
+        local = [v.path for v in model.metrics_variables
+                 if "/job:ps/" not in (keras_compat.backing_variable(v).device or "")]
+        if local:
+            raise ValueError(
+                f"The metrics {local} live in this process, not on the ps tasks: the model "
+                f"was compiled outside strategy.scope(). Compile it inside "
+                f"`with strategy.scope():` (every worker updates them).")
         for v in model.metrics_variables:
             keras_compat.make_assign_add_atomic(v)
         opt = model.optimizer
@@ -257,8 +276,14 @@ class Keras3Trainer:
             "input (as tf_keras requires under ParameterServerStrategy).")
         if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 0:
             raise ValueError(f"epochs must be an int >= 0, got {epochs!r}.")
-        if isinstance(validation_freq, numbers.Integral):
-            _positive_int(validation_freq, "validation_freq", "validate every N epochs.")
+        if isinstance(validation_freq, (list, tuple)):
+            if not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) and e >= 1
+                       for e in validation_freq):
+                raise ValueError(f"validation_freq as a list must hold epoch numbers >= 1, "
+                                 f"got {validation_freq!r}.")
+        else:
+            _positive_int(validation_freq, "validation_freq",
+                          "validate every N epochs, or pass a list of epoch numbers.")
         val = None
         if validation_data is not None:
             val = self._eval_input(validation_data, None, None, "validation_data")
@@ -277,8 +302,9 @@ class Keras3Trainer:
         if verbose in (1, "auto"):
             from tf_asyncps.callbacks import ProgressLine
             extra.append(ProgressLine(total_steps=epochs * steps))
-        if verbose in (1, 2, "auto"):
-            extra.append(callbacks_lib.EpochLine(epochs, steps))
+        from tf_asyncps.callbacks import StalenessLogger
+        if verbose in (1, 2, "auto") and not any(isinstance(c, StalenessLogger) for c in cbs):
+            extra.append(callbacks_lib.EpochLine(epochs, steps))  # else it prints the line
         cb_list = keras.callbacks.CallbackList(
             cbs + extra, add_history=False, add_progbar=False, model=model,
             verbose=verbose, epochs=epochs, steps=steps)
@@ -413,6 +439,8 @@ class Keras3Trainer:
         elif ds.cardinality() == tf.data.INFINITE_CARDINALITY:
             raise ValueError("predict: x is an infinite dataset (it repeats) and no steps "
                              "were given: pass steps= or drop the repeat().")
+        if keras_compat.compile_state(self.model) != self._compiled:
+            self._reset()
         if self._predict_fn is None:
             self._predict_fn = tf.function(self.model.predict_step)
         outs = [self._predict_fn(batch) for batch in ds]
