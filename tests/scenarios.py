@@ -1677,7 +1677,7 @@ def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10):
         val = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         with strategy.scope():
             model = _k3_model(lr=0.05)
-        logger = tf_asyncps.callbacks.StalenessLogger(print_fn=lambda s: None)
+        logger = tf_asyncps.callbacks.StalenessLogger(print_fn=print)
         csv = os.path.join(tmpdir, "log.csv")
         cbs = [keras.callbacks.ModelCheckpoint(os.path.join(tmpdir, "ckpt-{epoch}.keras")),
                keras.callbacks.TensorBoard(os.path.join(tmpdir, "tb")),
@@ -1885,7 +1885,9 @@ def keras3_recompile_and_vector_metric(steps=10):
         with strategy.scope():
             model.compile(keras.optimizers.SGD(0.0), "mse", metrics=["mae", "mse"])
         w0 = model.get_weights()
-        hist = model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+        console2 = io.StringIO()
+        with contextlib.redirect_stdout(console2):  # verbose=2: the epoch line
+            hist = model.fit(train, epochs=1, steps_per_epoch=steps, verbose=2)
         moved = float(max(np.max(np.abs(a - b)) for a, b in zip(model.get_weights(), w0)))
         second_iterations = int(model.optimizer.iterations.numpy())
         binary = tf.data.Dataset.from_tensor_slices(
@@ -1900,7 +1902,7 @@ def keras3_recompile_and_vector_metric(steps=10):
                                 print_fn=lambda s: print(s))])
         return {"moved_with_lr0": moved, "first_iterations": int(first_opt.iterations.numpy()),
                 "second_iterations": second_iterations,
-                "second_logs": hist.history,
+                "second_logs": hist.history, "second_console": console2.getvalue(),
                 "vector_history": {k: np.asarray(v).tolist() for k, v in vec.history.items()},
                 "console": console.getvalue()}
 

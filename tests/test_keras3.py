@@ -89,10 +89,11 @@ def test_epoch_level_callbacks_run_and_backup_and_restore_resumes(tmp_path):
     r = run_scenario("keras3_fit_callbacks", shared=(2, 1), tmpdir=str(tmp_path),
                      epochs=3, steps=10)
     assert len(r["history"]["loss"]) == 3 and len(r["history"]["val_loss"]) == 3
-    # verbose=1: one line per epoch, no per-batch bar (the live line needs a terminal).
+    # verbose=1: one line per epoch and no per-batch bar (the live line needs a
+    # terminal); with a StalenessLogger in the list, its line is that line.
     lines = r["console"].splitlines()
-    assert [l.split(":")[0] for l in lines] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
-    assert all("val_loss=" in l and "steps/s)" in l for l in lines)
+    assert [l.split(":")[0] for l in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert all("val_loss=" in l and "tau_mean=" in l for l in lines)
     assert r["checkpoints"] == ["ckpt-1.keras", "ckpt-2.keras", "ckpt-3.keras"]
     assert r["checkpoint_predict_diff"] < 1e-6  # the last checkpoint is the model
     assert r["tensorboard_files"] >= 2  # train and validation writers
@@ -198,6 +199,8 @@ def test_compiling_again_takes_effect_and_vector_metrics_are_logged():
     assert r["moved_with_lr0"] == 0.0
     assert r["first_iterations"] == 10 and r["second_iterations"] == 10
     assert set(r["second_logs"]) == {"loss", "mae", "mse"} and r["second_logs"]["loss"][0] > 0
+    (line,) = r["second_console"].splitlines()  # verbose=2, no StalenessLogger
+    assert line.startswith("Epoch 1/1: loss=") and " mae=" in line and "steps/s)" in line
     # Precision at 2 thresholds: a pair per epoch in the history and the lines.
     assert [len(p) for p in r["vector_history"]["precision"]] == [2, 2]
     lines = [l for l in r["console"].splitlines() if l.startswith("epoch ")]

@@ -33,7 +33,10 @@ def test_sigstop_worker_for_5_s_then_continue(policy, args):
     assert s["applied"] + s["dropped"] == STEPS, s
     assert s["nonfinite"] == 0
     if policy == "sync_replicas":
-        assert s["global_step"] * 2 == s["applied"], s
+        # Every completed round holds 2 accepted gradients; one more may wait
+        # in the last round, unfinished when the schedule ends (a stale drop
+        # under load leaves it unpaired).
+        assert 0 <= s["applied"] - 2 * s["global_step"] <= 1, s
         # Each update needs both workers' gradients: at most the round that
         # was already complete lands while worker:1 is frozen.
         assert r["g_cont"] - r["g_stop"] <= 1, r
