@@ -619,10 +619,16 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
 
 
 @scenario(shares_cluster=True)
-def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000):
+def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000, attempts=3):
     """Worker 0 waits, between reading the model and applying, until another
     worker's update has landed (it polls the global step, at most
-    ``max_polls`` reads): each of its steps must then count tau >= 1."""
+    ``max_polls`` reads): each of its steps must then count tau >= 1.
+
+    That needs both workers to run closures at once; on a loaded machine the
+    coordinator has handed every closure to one worker. Such a round is
+    repeated (at most ``attempts`` rounds, counters reset in between); the
+    result is the last round's, with the closures each worker ran in it.
+    """
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -639,8 +645,17 @@ def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000):
                               lambda i: i + 1, [tf.constant(0, polls.dtype)])
             return tf.reduce_sum(w) + 0.0 * tf.cast(n, tf.float32)
 
-        _run_steps(coord, _step_fn(strategy, [w], opt, loss_fn), steps)
-        return {"stats": _stats(strategy)}
+        step = _step_fn(strategy, [w], opt, loss_fn)
+        for attempt in range(1, attempts + 1):
+            strategy.reset_staleness_stats()
+            g0 = int(g.numpy())
+            _run_steps(coord, step, steps)
+            closures = list(strategy.closures_done_per_worker())
+            if min(closures) > 0:
+                break
+        stats = _stats(strategy)
+        stats["global_step"] -= g0  # this round's updates
+        return {"stats": stats, "closures": closures, "attempts": attempt}
 
 
 @scenario(shares_cluster=True)

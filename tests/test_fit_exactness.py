@@ -63,4 +63,6 @@ def test_tau_counts_updates_that_land_during_a_slow_step(policy):
     r = run_scenario("tau_visible", shared=(2, 1), policy=policy, num_workers=2, steps=30)
     s = r["stats"]
     assert s["applied"] == s["global_step"] == 30
+    # Both workers ran closures in the round measured (repeated otherwise).
+    assert sum(r["closures"]) == 30 and min(r["closures"]) > 0, r
     assert sum(s["histogram"][1:]) > 0 and s["max"] >= 1 and s["mean"] > 0
