@@ -369,8 +369,7 @@ def _run_chief(c, args, env, deadline) -> int:
                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     c.write_state({"chief:0": chief.pid})
     log = open(log_path, "a")
-    shown = os.path.relpath(log_path) if not os.path.isabs(FLAGS.output_dir or "/") else log_path
-    console = ConsoleFilter(sys.stdout, log, shown, restarts=FLAGS.restart_failed_tasks)
+    console = ConsoleFilter(sys.stdout, log, log_path, restarts=FLAGS.restart_failed_tasks)
     reader = threading.Thread(
         target=console.pump, name="chief-output", daemon=True,
         args=(io.TextIOWrapper(chief.stdout, encoding="utf-8", errors="replace",

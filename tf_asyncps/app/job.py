@@ -104,11 +104,10 @@ class JobConfig:
             raise ValueError(f"--keras={self.keras!r} is unknown; choose one of "
                              f"{list(models.KERAS_CHOICES)}.")
         if self.keras == "3":
-            from tf_asyncps.compat import keras as keras_compat
-            version = keras_compat.version()
-            if not keras_compat.version_supported(version):
-                from tf_asyncps.keras3.trainer import unsupported_version_message
-                raise ValueError(f"--keras=3: {unsupported_version_message(version)}")
+            from tf_asyncps.keras3.trainer import unsupported_version
+            message = unsupported_version()
+            if message:
+                raise ValueError(f"--keras=3: {message}")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)

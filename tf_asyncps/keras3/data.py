@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["DatasetFn", "as_input", "train_iterator", "eval_datasets", "check_eval_input",
+__all__ = ["DatasetFn", "is_input", "as_input", "train_iterator", "eval_datasets", "check_eval_input",
            "chief_dataset"]
 
 
@@ -60,12 +60,19 @@ class DatasetFn:
         return f"DatasetFn({getattr(self.dataset_fn, '__name__', self.dataset_fn)!r})"
 
 
+def is_input(x) -> bool:
+    """Whether ``x`` is a dataset input: a Dataset, a DatasetFn or tf_keras's
+    DatasetCreator (anything else, e.g. arrays, is not)."""
+    return isinstance(x, (tf.data.Dataset, DatasetFn)) or \
+        (type(x).__name__ == "DatasetCreator" and callable(x))
+
+
 def as_input(x, field="x"):
     """``x`` as a Dataset or a DatasetFn; tf_keras's DatasetCreator becomes a
     DatasetFn. Raises TypeError naming ``field`` for anything else."""
     if isinstance(x, (tf.data.Dataset, DatasetFn)):
         return x
-    if type(x).__name__ == "DatasetCreator" and callable(x):
+    if is_input(x):  # a DatasetCreator
         return DatasetFn(x, getattr(x, "input_options", None))
     raise TypeError(
         f"{field} must be a batched tf.data.Dataset of (x, y) or (x, y, sample_weight), "
@@ -92,25 +99,19 @@ def train_iterator(inp, strategy, coordinator):
     return iter(coordinator.create_per_worker_dataset(inp))
 
 
-def eval_datasets(inp, steps, coordinator, field="x"):
+def eval_datasets(inp, steps, coordinator):
     """Each worker's copy of the whole evaluation dataset (``steps`` batches,
     or all of a finite dataset), as one value for ``coordinator.schedule``.
-
-    Raises:
-      ValueError: the dataset is infinite and ``steps`` is None.
-    """
+    Callers check the input first (:func:`check_eval_input`)."""
     if isinstance(inp, DatasetFn):
-        ds = inp(tf.distribute.InputContext(1, 0, 1))
-        _check_finite(ds, steps, field)
         return tf_compat.per_worker_datasets(
             coordinator, lambda: _take(inp(tf.distribute.InputContext(1, 0, 1)), steps))
-    _check_finite(inp, steps, field)
     return tf_compat.per_worker_datasets(coordinator, _take(inp, steps))
 
 
 def check_eval_input(inp, steps, field):
-    """Raises at once (before any training) what ``eval_datasets`` would
-    raise after an epoch: an infinite dataset without ``steps``."""
+    """Raises ValueError for an evaluation input that would never end (an
+    infinite dataset without ``steps``), before any step runs."""
     ds = inp(tf.distribute.InputContext(1, 0, 1)) if isinstance(inp, DatasetFn) else inp
     _check_finite(ds, steps, field)
 

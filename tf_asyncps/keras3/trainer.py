@@ -33,11 +33,18 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
-__all__ = ["Keras3Trainer", "attach", "trainable_shards", "unsupported_version_message",
+__all__ = ["Keras3Trainer", "attach", "trainable_shards", "unsupported_version",
+           "unsupported_version_message",
            "SHARDS_PER_WORKER"]
 
 # Exact evaluation's closures per worker (tf_keras's pss_evaluation_shards="auto").
 SHARDS_PER_WORKER = 5
+
+
+def unsupported_version():
+    """The message for an installed Keras outside the tested range, or None."""
+    v = keras_compat.version()
+    return None if keras_compat.version_supported(v) else unsupported_version_message(v)
 
 
 def unsupported_version_message(version) -> str:
@@ -131,9 +138,9 @@ class Keras3Trainer:
     # -- checks and build ---------------------------------------------------
     @staticmethod
     def _check_version():
-        v = keras_compat.version()
-        if not keras_compat.version_supported(v):
-            raise NotImplementedError(unsupported_version_message(v))
+        message = unsupported_version()
+        if message:
+            raise NotImplementedError(message)
 
     def _build(self, inp):
         """Builds layers, metrics and the optimizer on the chief (their
@@ -339,8 +346,7 @@ class Keras3Trainer:
 
     # -- evaluate -------------------------------------------------------------
     def _eval_input(self, x, y, batch_size, field, sample_weight=None):
-        if isinstance(x, (tf.data.Dataset, data_lib.DatasetFn)) or \
-                type(x).__name__ == "DatasetCreator":
+        if data_lib.is_input(x):
             if y is not None or sample_weight is not None:
                 raise ValueError(f"{field}: pass y and sample_weight inside the dataset, "
                                  f"not beside it.")
