@@ -243,23 +243,16 @@ def make_iterations_atomic(optimizer) -> None:
 
     Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
     a write, which loses increments when workers update at once (measured
-    133/200 with 2 workers). This swaps in the backing tf.Variable's atomic
-    ``assign_add`` for this one counter (``optimizer._iterations._value``).
-    tf_keras counters are already atomic; other objects are left alone.
+    133/200 with 2 workers). :func:`make_assign_add_atomic` on this one
+    counter (``optimizer._iterations``), and on a wrapper's inner optimizer's
+    (a LossScaleOptimizer counts its steps in ``inner_optimizer``). tf_keras
+    counters are already atomic; other objects are left alone.
     """
-    counter = getattr(optimizer, "_iterations", None)
-    backing = getattr(counter, "_value", None)
-    if counter is None or backing is None or getattr(counter, "_asyncps_atomic", False):
-        return
-    if not callable(getattr(backing, "assign_add", None)):
-        return
-    import tensorflow as tf
-
-    def assign_add(value):
-        return backing.assign_add(tf.cast(value, backing.dtype))
-
-    counter.assign_add = assign_add
-    counter._asyncps_atomic = True
+    while optimizer is not None:
+        counter = getattr(optimizer, "_iterations", None)
+        if counter is not None:
+            make_assign_add_atomic(counter)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 def make_assign_add_atomic(var) -> None:
