@@ -224,6 +224,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "solo: its assertion needs the cores to itself (a race it must "
         "see happen); the README's test command runs these after the -n 2 pass")
+    config.addinivalue_line(
+        "markers", "soak: a long fault-injection run (about 5 min); outside the README's "
+        "test command (20 min budget), run it with `python -m pytest -q -m soak`")
     # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 20

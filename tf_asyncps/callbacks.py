@@ -63,8 +63,10 @@ class StalenessLogger(tf_keras.callbacks.Callback):
 
     Attributes:
       epochs: list of per-epoch dicts (epoch, steps, seconds, steps_per_sec,
-        tau_mean and tau_max of the epoch, tau_max_so_far, applied, dropped
-        and the epoch's logs).
+        tau_mean and tau_max of the epoch, tau_max_so_far, applied, dropped,
+        closures_per_worker (closures each worker completed so far, by
+        worker index: a worker that stalls or rejoins shows here) and the
+        epoch's logs).
       polls: (unix time, global step, running τ mean) per background poll.
     """
 
@@ -129,6 +131,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
             # This epoch's largest tau (histogram bin; the last bin is ">=").
             "tau_max": nz[-1] if nz else 0,
             "tau_max_so_far": s.max, "applied": applied, "dropped": dropped,
+            "closures_per_worker": list(self._strategy.closures_done_per_worker()),
         }
         rec.update({k: _plain(v) for k, v in logs.items()})
         self.epochs.append(rec)

@@ -24,6 +24,7 @@ train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). Mixed precision:
 All flags: tf-asyncps --helpfull
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,6 +109,14 @@ flags.DEFINE_boolean("restart_failed_tasks", False,
                      "per task.")
 flags.DEFINE_integer("max_restarts", 3, "launch --restart_failed_tasks: restarts allowed "
                      "per task (chief re-runs included).", lower_bound=0)
+flags.DEFINE_enum("hosts", "local", ["local", "netns"],
+                  "launch: where the tasks run. local: every task on loopback; netns: "
+                  "each task (chief, ps, workers) on a host of its own, a Linux network "
+                  "namespace with an address in 198.18.0.0/24 on one virtual switch "
+                  "(needs root; removed when launch ends).")
+flags.DEFINE_float("host_bandwidth_mbit", 0.0,
+                   "launch --hosts=netns: each host's link rate in Mbit/s, each way "
+                   "(tc tbf); 0: unlimited.", lower_bound=0.0)
 
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
@@ -283,15 +292,28 @@ def _launch(argv, quiet):
             import tempfile
             backup = tempfile.mkdtemp(prefix="tf_asyncps_backup_")
         args.append(f"--backup_dir={backup}")
+    if FLAGS.host_bandwidth_mbit and FLAGS.hosts != "netns":
+        raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
+                         "--hosts=netns or drop it.")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     quiet.release()  # the checks are done: fd 2 is the console again
     t0 = time.perf_counter()
-    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
-                              worker_env=gpu_plan.worker_env) as c:
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if FLAGS.hosts == "netns":
+            names = (["chief:0"] + [f"ps:{i}" for i in range(FLAGS.num_ps)]
+                     + [f"worker:{i}" for i in range(FLAGS.num_workers)])
+            hosts = stack.enter_context(cluster.NetnsHosts(
+                names, rate_mbit=FLAGS.host_bandwidth_mbit or None))
+        c = stack.enter_context(cluster.LocalCluster(
+            FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
+            worker_env=gpu_plan.worker_env, hosts=hosts))
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
               f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
               f"task logs in {c.log_dir} (the chief's whole output: chief-0.log)", flush=True)
+        if hosts is not None:
+            print(f"tf-asyncps: one host (network namespace) per task: {hosts}", flush=True)
         cpu_at_start = c.cpu_seconds()  # TensorFlow's import and start-up, left out below
         if FLAGS.restart_failed_tasks:
             c.supervise(max_restarts=FLAGS.max_restarts)
@@ -365,10 +387,13 @@ def _run_chief(c, args, env, deadline) -> int:
     env = dict(env)
     if sys.stdout.isatty():  # the chief's stderr is a pipe: keep its live progress line
         env["TF_ASYNCPS_PROGRESS_LINE"] = "1"
-    chief = spawn([sys.executable, "-m", "tf_asyncps", "train"] + args, env=env,
+    cmd = [sys.executable, "-m", "tf_asyncps", "train"] + args
+    if c.hosts is not None:
+        cmd = c.hosts.exec_argv("chief:0", cmd)
+    chief = spawn(cmd, env=env,
                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     c.write_state({"chief:0": chief.pid})
-    log = open(log_path, "a")
+    log = open(log_path, "a", buffering=1)  # line-buffered: tail -f and tools see each line
     console = ConsoleFilter(sys.stdout, log, log_path, restarts=FLAGS.restart_failed_tasks)
     reader = threading.Thread(
         target=console.pump, name="chief-output", daemon=True,

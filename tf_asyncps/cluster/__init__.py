@@ -19,6 +19,9 @@ Modules, from the bottom up (each imports only those above it in this list):
 * :mod:`~tf_asyncps.cluster.devices`: which GPUs each task sees.
 * :mod:`~tf_asyncps.cluster.spawn`: child processes that die with this
   process (``spawn``, through the standalone ``deathsig_shim.py``).
+* :mod:`~tf_asyncps.cluster.netns`: several hosts on one Linux machine
+  (``NetnsHosts``: network namespaces with their own addresses and an
+  optional rate limit per link).
 * :mod:`~tf_asyncps.cluster.local`: ``LocalCluster``, a real cluster of local
   processes, and its supervisor.
 
@@ -29,6 +32,7 @@ from tf_asyncps.cluster.config import (
     ROLES, ClusterConfig, cluster_resolver, tf_config_from_env, validate_tf_config,
     warn_evaluators)
 from tf_asyncps.cluster.local import LocalCluster
+from tf_asyncps.cluster.netns import NetnsHosts
 from tf_asyncps.cluster.network import (
     check_own_address, exposed_addresses, host_is_local, is_loopback, warn_if_exposed)
 from tf_asyncps.cluster.probe import (
@@ -42,5 +46,5 @@ __all__ = [
     "cluster_resolver", "server_config", "configure_local_context",
     "warn_evaluators", "warn_if_exposed", "exposed_addresses", "is_loopback",
     "host_is_local", "check_own_address",
-    "wait_for_tasks", "probe_grpc", "start_server", "LocalCluster", "ROLES",
+    "wait_for_tasks", "probe_grpc", "start_server", "LocalCluster", "NetnsHosts", "ROLES",
 ]

@@ -45,6 +45,11 @@ class LocalCluster:
         gives each worker its own ``CUDA_VISIBLE_DEVICES``; ps tasks never
         see a GPU.
       host: loopback address to bind.
+      hosts: a :class:`~tf_asyncps.cluster.netns.NetnsHosts` with a host per
+        task ("chief:0", "ps:i", "worker:i"): each task then runs on its own
+        host (network namespace) at that host's address, and the chief must
+        run there too (``hosts.exec_argv("chief:0", ...)``); ``host`` is then
+        unused. The caller owns ``hosts`` (closes it after :meth:`stop`).
 
     Raises:
       ValueError: bad sizes. TimeoutError / RuntimeError: a task did not start
@@ -55,7 +60,7 @@ class LocalCluster:
                  log_dir: Optional[str] = None, start_timeout_s: float = 90.0,
                  env: Optional[Dict[str, str]] = None,
                  worker_env: Optional[Dict[int, Dict[str, str]]] = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", hosts=None):
         for name, v in (("num_workers", num_workers), ("num_ps", num_ps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LocalCluster: {name} must be an int >= 1, got {v!r}.")
@@ -67,13 +72,21 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.env = dict(env or {})
         self.worker_env = {int(k): dict(v) for k, v in (worker_env or {}).items()}
-        ports = [portpicker.pick_unused_port() for _ in range(1 + num_ps + num_workers)]
+        self.hosts = hosts
+        names = ["chief:0"] + self.task_names
+        if hosts is not None:
+            missing = [n for n in names if n not in hosts.names]
+            if missing:
+                raise ValueError(f"LocalCluster: hosts has no host for task(s) {missing}; "
+                                 f"make NetnsHosts({names!r}).")
+        ports = [portpicker.pick_unused_port() for _ in names]
         self._ports = ports
-        addr = lambda p: f"{host}:{p}"
+        where = {n: (host if hosts is None else hosts.address(n)) for n in names}
+        addrs = {n: f"{where[n]}:{p}" for n, p in zip(names, ports)}
         self.config = ClusterConfig({
-            "chief": [addr(ports[0])],
-            "ps": [addr(p) for p in ports[1:1 + num_ps]],
-            "worker": [addr(p) for p in ports[1 + num_ps:]],
+            "chief": [addrs["chief:0"]],
+            "ps": [addrs[f"ps:{i}"] for i in range(num_ps)],
+            "worker": [addrs[f"worker:{i}"] for i in range(num_workers)],
         }, task_type="chief", task_id=0)
         self.procs: Dict[str, subprocess.Popen] = {}
         self._logs = {}
@@ -145,7 +158,10 @@ class LocalCluster:
             env.update(self.worker_env.get(int(i), {}))
         log = open(self.log_path(name), "ab")
         self._logs[name] = log
-        p = spawn([sys.executable, "-m", "tf_asyncps", "server"], env=env,
+        cmd = [sys.executable, "-m", "tf_asyncps", "server"]
+        if self.hosts is not None:
+            cmd = self.hosts.exec_argv(name, cmd)
+        p = spawn(cmd, env=env,
                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = p
         return p
@@ -169,7 +185,7 @@ class LocalCluster:
 
     def write_state(self, extra_pids: Optional[Dict[str, int]] = None) -> None:
         """Writes :attr:`state_path` atomically: {"tasks": {name: {"address",
-        "pid"}}, "restarts": {name: n}}; ``extra_pids`` adds tasks started
+        "pid"[, "netns"]}}, "restarts": {name: n}}; ``extra_pids`` adds tasks started
         elsewhere (launch's chief). Tools and tests find pids to signal here."""
         from tf_asyncps.files import atomic_write_json
         with self._proc_lock:
@@ -181,6 +197,8 @@ class LocalCluster:
             for n, pid in pids.items():
                 job, i = n.split(":")
                 tasks[n] = {"address": self.config[job][int(i)], "pid": int(pid)}
+                if self.hosts is not None:
+                    tasks[n]["netns"] = self.hosts.namespace(n)
             try:
                 atomic_write_json(self.state_path, {"tasks": tasks,
                                                     "restarts": dict(self.restarts)})
@@ -192,9 +210,13 @@ class LocalCluster:
         for n in names:
             job, i = n.split(":")
             sub[job].append(self.config[job][int(i)])
+        # Probed from the chief's host: the others are only reachable there.
+        on_chief = (self.hosts.enter("chief:0") if self.hosts is not None
+                    else contextlib.nullcontext())
         try:
-            wait_for_tasks(sub, self.start_timeout_s,
-                           procs={n: self.procs[n] for n in names})
+            with on_chief:
+                wait_for_tasks(sub, self.start_timeout_s,
+                               procs={n: self.procs[n] for n in names})
         except (TimeoutError, RuntimeError) as e:
             tails = "\n".join(f"--- {n} ({self.log_path(n)}):\n{self.log_tail(n)}"
                               for n in names)
