@@ -11,9 +11,11 @@ import pytest
 
 from conftest import run_command, run_scenario, wait_dead
 from tf_asyncps.app import bench
+from tf_asyncps.cluster import netns
 from tf_asyncps.straggler import StopContCycler, slow_dataset_fn
 
 pytestmark = pytest.mark.timeout(300)
+NETNS_MISSING = netns.unavailable(rate=True)
 
 
 def test_default_runs_cover_every_policy_and_the_baselines():
@@ -143,6 +145,64 @@ def test_summary_ratios_and_target_checks(tmp_path):
     assert "0.95 (0.93-0.97)" in md and "**unclear**" in md
     assert "3 repeat(s) per run, interleaved" in md
     assert json.load(open(paths[0]))["results"][2]["x_vanilla"] == pytest.approx(0.95)
+
+
+def test_hosts_runs_and_their_targets():
+    runs = bench.hosts_configs(num_workers=2, sync_every=16)
+    assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
+                                         "local_sgd@1m"]
+    assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs)
+    with pytest.raises(ValueError, match="bench_hosts"):
+        bench.hosts_configs(only=["single"])
+    settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 320,
+                "eval_every": 64, "target_accuracy": 0.9, "repeats": 2, "hosts": True,
+                "bandwidth_mbit": 100.0}
+
+    def entry(name, rates, accs, sent):
+        reps = [dict(_result(name, r, acc=a), bytes_sent_per_step=sent,
+                     bytes_received_per_step=sent) for r, a in zip(rates, accs)]
+        return dict(bench.aggregate_repeats({"name": name, "num_workers": 2, "spe": 16},
+                                            reps), model="mlp_1m")
+
+    results = [entry("vanilla@1m", [2.0, 2.5], [0.93, 0.95], 4.6e6),
+               entry("local_sgd@1m", [14.0, 11.0], [0.935, 0.945], 2.9e5)]
+    doc = bench.summarize(results, settings)
+    checks = {c["check"]: c for c in doc["checks"]}
+    at = " (mlp_1m, 100 Mbit/s links)"
+    # 12.5 / 2.25 = 5.56 (median ratio); paired repeats 7.0 and 4.4 straddle 5.
+    c = checks["local_sgd throughput / vanilla PSS" + at]
+    assert c["value"] == pytest.approx(12.5 / 2.25) and c["verdict"] == "unclear"
+    # Accuracy: medians 0.94 - 0.94; per repeat +0.005 and -0.005: within 1 point.
+    c = checks["local_sgd test accuracy - vanilla PSS's" + at]
+    assert c["value"] == pytest.approx(0.0) and c["range"] == pytest.approx([-0.005, 0.005])
+    assert c["verdict"] == "met"
+    assert "local_sgd throughput / single process (mlp_1m)" not in checks
+    md = bench.markdown(doc)
+    assert "links limited to 100 Mbit/s each way" in md
+    assert "| 4600 | 4600 |" in md and "| 290 | 290 |" in md
+
+
+@pytest.mark.skipif(NETNS_MISSING is not None,
+                    reason=f"needs network namespaces and tc tbf: {NETNS_MISSING}")
+@pytest.mark.cluster
+def test_tiny_hosts_bench_counts_the_bytes_each_policy_sends(tmp_path):
+    out = tmp_path / "bench"
+    rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench",
+                              "--bench_hosts=netns", "--bench_bandwidth_mbit=400",
+                              "--bench_only=vanilla@1m,local_sgd@1m", "--bench_steps=64",
+                              "--bench_eval_every=32", "--bench_repeats=1",
+                              f"--output_dir={out}"], timeout=280)
+    by = {x["name"]: x for x in json.load(open(out / "bench.json"))["results"]}
+    params_bytes = 4 * 1_126_410
+    # vanilla: every worker step reads the model and sends a gradient of it;
+    # on the wire that is the model's bytes plus headers (< 10%).
+    for key in ("bytes_sent_per_step", "bytes_received_per_step"):
+        assert params_bytes <= by["vanilla@1m"][key] <= 1.1 * params_bytes, by["vanilla@1m"]
+    # local_sgd: each worker runs 16 of a segment's 32 steps as one closure
+    # (sync_every 16), pushing its delta once (an exchange) or twice (and the
+    # epoch-end flush): 1 or 2 models per worker per 32 steps.
+    ls = by["local_sgd@1m"]["bytes_sent_per_step"]
+    assert params_bytes * 2 / 32 <= ls <= 1.1 * params_bytes * 2 * 2 / 32, ls
 
 
 @pytest.mark.cluster

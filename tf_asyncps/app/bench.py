@@ -57,6 +57,12 @@ LOCAL_SGD_TARGETS = {"mlp": {"x_single": 0.35, "x_vanilla": 3.0},
                      "mlp_1m": {"x_single": 0.7, "x_vanilla": 3.0}, "accuracy": 0.90}
 #: Applied updates/s of (N-1)-of-N over N-of-N with one slowed worker.
 BACKUP_TARGET = 2.0
+#: ``--bench_hosts=netns``: the runs compared over rate-limited links, each
+#: task on a host (network namespace) of its own, on "mlp_1m".
+HOSTS_RUNS = ("vanilla", "async", "local_sgd", "sync_replicas")
+#: There: local_sgd's steps/s over vanilla PSS, and its test accuracy minus
+#: vanilla's (>= -0.01: within 1 point).
+HOSTS_TARGETS = {"x_vanilla": 5.0, "accuracy_vs_vanilla": -0.01}
 
 POLICY_ARGS = {"drop_stale": {"max_staleness": 2}, "ssp": {"max_staleness": 2},
                "staleness_aware": {}, "dc_asgd": {}, "async": {}}
@@ -120,6 +126,33 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
     return runs
 
 
+def hosts_configs(num_workers: int = 2, sync_every: int = 16,
+                  steps_per_execution: int = 16,
+                  only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """The runs of ``--bench_hosts=netns``: HOSTS_RUNS on "mlp_1m", named
+    NAME@1m, with ``num_workers`` workers and 1 ps, each task on its own host.
+
+    Raises:
+      ValueError: an unknown name in ``only``.
+    """
+    runs = [dict(r, name=f"{r['name']}@1m", model="mlp_1m", hosts=True)
+            for r in default_configs(num_workers, sync_every, steps_per_execution,
+                                     large_model=False) if r["name"] in HOSTS_RUNS]
+    if only:
+        names = [r["name"] for r in runs]
+        unknown = [o for o in only if o not in names]
+        if unknown:
+            raise ValueError(f"--bench_only: unknown run(s) {unknown} for --bench_hosts=netns; "
+                             f"choose from {names}.")
+        runs = [r for r in runs if r["name"] in only]
+    return runs
+
+
+def host_names(num_workers: int) -> List[str]:
+    """The hosts of a bench cluster: the chief, one ps, the workers."""
+    return ["chief:0", "ps:0"] + [f"worker:{i}" for i in range(num_workers)]
+
+
 # -- one run (in its own process) ---------------------------------------------
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     """Trains one configuration and measures it. Runs in a fresh process.
@@ -127,13 +160,18 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     Args:
       run: one of :func:`default_configs`.
       settings: batch_size, learning_rate, seed, steps, eval_every,
-        target_accuracy.
+        target_accuracy; with ``hosts`` (a ``NetnsHosts.spec()``), the
+        cluster runs on those hosts and this process must run on the
+        chief's (``run_all`` does that).
 
     Returns:
       A JSON-serialisable dict: ``segments`` (per evaluation: steps, seconds,
       test_accuracy, global_step), ``steps_per_sec``, ``examples_per_sec``,
       ``updates_per_sec``, ``steps_to_target``, ``seconds_to_target``,
-      ``test_accuracy``, ``staleness`` (StalenessStats.to_dict() or None).
+      ``test_accuracy``, ``staleness`` (StalenessStats.to_dict() or None);
+      on hosts also ``bytes_sent_per_step`` and ``bytes_received_per_step``:
+      the workers' link counters (bytes on the wire, headers included) over
+      the steps measured, per worker step.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
@@ -143,6 +181,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     from tf_asyncps.app import datasets
     from tf_asyncps.app import models
     from tf_asyncps import cluster as cluster_lib
+    from tf_asyncps.cluster.netns import NetnsHosts
     from tf_asyncps.optimizers import LockingOptimizer
     from tf_asyncps.strategy import AsyncParameterServerStrategy
 
@@ -170,7 +209,9 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         model = build()
         fit_data = ds_fn(tf.distribute.InputContext())
     else:
-        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"], num_ps=1).start()
+        hosts = NetnsHosts(spec=settings["hosts"]) if settings.get("hosts") else None
+        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"], num_ps=1,
+                                           hosts=hosts).start()
         if run["kind"] == "vanilla":
             config = cluster_lib.validate_tf_config(cluster.tf_config("chief", 0))
             cluster_lib.wait_for_tasks(config, 30.0)
@@ -193,6 +234,14 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         return None
 
     segments = []
+    workers = [f"worker:{i}" for i in range(run["num_workers"])]
+
+    def link_bytes():
+        if cluster is None or cluster.hosts is None:
+            return {}
+        c = [cluster.hosts.counters(w) for w in workers]
+        return {"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
+                "worker_rx_bytes": sum(x["rx_bytes"] for x in c)}
 
     class Probe(tf_keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -200,12 +249,14 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
 
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.perf_counter() - self.t0  # before evaluation
+            net = link_bytes()
             evaluator.set_weights(model.get_weights())
             # A direct call: evaluate() inside fit would take the PSS path.
             logits = evaluator(data.x_test, training=False).numpy()
             acc = float((logits.argmax(axis=1) == data.y_test).mean())
             segments.append({"steps": eval_every, "seconds": seconds,
-                             "test_accuracy": float(acc), "global_step": global_step()})
+                             "test_accuracy": float(acc), "global_step": global_step(),
+                             **net})
 
     n_segments = max(1, settings["steps"] // eval_every)
     try:
@@ -221,6 +272,11 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
            "examples_per_sec": steps * batch / secs, "updates_per_sec": None,
            "test_accuracy": segments[-1]["test_accuracy"],
            "steps_to_target": None, "seconds_to_target": None, "staleness": None}
+    if len(steady) < len(segments) and "worker_tx_bytes" in segments[0]:
+        # After the first segment (its bytes include the model's first reads).
+        for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
+                          ("worker_rx_bytes", "bytes_received_per_step")):
+            out[name] = (segments[-1][key] - segments[0][key]) / steps
     if len(steady) < len(segments) and steady[0]["global_step"] is not None:
         out["updates_per_sec"] = (segments[-1]["global_step"] -
                                   segments[0]["global_step"]) / secs
@@ -238,9 +294,12 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
 
 # -- orchestration ---------------------------------------------------------------
 def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
-            timeout_s: float = 300.0, say=print, repeats: int = 1) -> List[Dict[str, Any]]:
+            timeout_s: float = 300.0, say=print, repeats: int = 1,
+            hosts=None) -> List[Dict[str, Any]]:
     """Runs each configuration ``repeats`` times in child processes, one after
     the other, interleaved: repeat 1 of every run, then repeat 2, ...
+    With ``hosts`` (a ``NetnsHosts`` holding :func:`host_names`), each child
+    runs on the chief's host and its cluster on the others.
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``
     (its process group is killed) and the others still run.
@@ -266,7 +325,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
                 + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
                    if run.get("straggler") else "") + " ...")
             t0 = time.perf_counter()
-            result, error = _run_child(run, settings, timeout_s)
+            result, error = _run_child(run, settings, timeout_s, hosts)
             if result is None:
                 say(f"    FAILED ({error.splitlines()[0]}); last output:\n"
                     + "\n".join(error.splitlines()[1:]))
@@ -279,9 +338,13 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     return [aggregate_repeats(run, per_run[i]) for i, run in enumerate(runs)]
 
 
-def _run_child(run, settings, timeout_s):
+def _run_child(run, settings, timeout_s, hosts=None):
     """One repeat of ``run`` in its own process: (result, None) or (None, error)."""
+    if hosts is not None:
+        settings = dict(settings, hosts=hosts.spec())
     cmd = [sys.executable, "-m", "tf_asyncps.app.bench", json.dumps(run), json.dumps(settings)]
+    if hosts is not None:
+        cmd = hosts.exec_argv("chief:0", cmd)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -300,7 +363,8 @@ def _run_child(run, settings, timeout_s):
 
 #: Per-repeat numbers reported as a median and a [min, max] range.
 SPREAD_KEYS = ("steps_per_sec", "examples_per_sec", "updates_per_sec", "test_accuracy",
-               "steps_to_target", "seconds_to_target")
+               "steps_to_target", "seconds_to_target", "bytes_sent_per_step",
+               "bytes_received_per_step")
 
 
 def spread(values) -> Optional[Dict[str, float]]:
@@ -411,7 +475,21 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
                 check(f"{name} throughput / vanilla PSS{label}", r["x_vanilla"],
                       r["x_vanilla_range"], target)
         ls = ok.get("local_sgd" + sfx)
-        if ls:
+        if ls and settings.get("bandwidth_mbit"):
+            at = f" ({model}, {settings['bandwidth_mbit']:g} Mbit/s links)"
+            if ls.get("x_vanilla") is not None:
+                check(f"local_sgd throughput / vanilla PSS{at}", ls["x_vanilla"],
+                      ls["x_vanilla_range"], HOSTS_TARGETS["x_vanilla"])
+            van = ok.get("vanilla" + sfx)
+            if van:
+                diffs = [a - b for a, b in zip(
+                    [x.get("test_accuracy") for x in ls["repeats"] if "error" not in x],
+                    [x.get("test_accuracy") for x in van["repeats"] if "error" not in x])]
+                check(f"local_sgd test accuracy - vanilla PSS's{at}",
+                      ls["test_accuracy"] - van["test_accuracy"],
+                      [min(diffs), max(diffs)] if diffs else None,
+                      HOSTS_TARGETS["accuracy_vs_vanilla"])
+        elif ls:
             for key, what in (("x_single", "single process"), ("x_vanilla", "vanilla PSS")):
                 if ls.get(key) is not None:
                     check(f"local_sgd throughput / {what}{label}", ls[key],
@@ -444,21 +522,34 @@ def _fmt_range(v, rng, spec=".2f"):
     return f"{format(v, spec)} ({format(rng[0], spec)}-{format(rng[1], spec)})"
 
 
+def _kb(r, key):
+    v, rng = r.get(key), r.get(f"{key}_range")
+    return _fmt_range(v / 1e3 if v is not None else None,
+                      [x / 1e3 for x in rng] if rng else None, ".0f")
+
+
 def markdown(bench: Dict[str, Any]) -> str:
     """The bench table (and target checks) as markdown."""
     s = bench["settings"]
+    net = any(r.get("bytes_sent_per_step") is not None for r in bench["results"])
+    where = (f"each task on a host of its own (Linux network namespace), links limited "
+             f"to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf); "
+             if s.get("bandwidth_mbit") else
+             "each task on a host of its own (Linux network namespace); "
+             if s.get("hosts") else "")
     lines = [
         f"Digits MLP 64-128-10 (runs NAME@1m: 64-1024-1024-10, 1.1M parameters), "
         f"SGD lr {s['learning_rate']}, batch {s['batch_size']} "
-        f"per worker step, {s['steps']} worker steps per run, 1 ps, "
+        f"per worker step, {s['steps']} worker steps per run, 1 ps, {where}"
         f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
         f"{bench['machine']['cpus']} CPUs, TensorFlow {bench['machine']['tensorflow']}, "
         f"{bench['machine']['platform']}.",
         "",
         "| run | workers | steps/closure | steps/s | examples/s | × vanilla | × single | "
         "updates/s | τ mean | τ max | dropped | steps to "
-        f"{s['target_accuracy']:.0%} | s to {s['target_accuracy']:.0%} | test acc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"{s['target_accuracy']:.0%} | s to {s['target_accuracy']:.0%} | test acc |"
+        + (" KB sent / worker step | KB received / worker step |" if net else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if net else ""),
     ]
     for r in bench["results"]:
         if "error" in r:
@@ -475,7 +566,9 @@ def markdown(bench: Dict[str, Any]) -> str:
             f"{_fmt(r.get('updates_per_sec'), '.0f')} | "
             f"{_fmt(st.get('mean'))} | {st.get('max', '–')} | {st.get('dropped', '–')} | "
             f"{r['steps_to_target'] or 'not reached'} | {_fmt(r['seconds_to_target'], '.1f')} | "
-            f"{r['test_accuracy']:.3f} |")
+            f"{r['test_accuracy']:.3f} |"
+            + (f" {_kb(r, 'bytes_sent_per_step')} | {_kb(r, 'bytes_received_per_step')} |"
+               if net else ""))
     if bench["checks"]:
         lines += ["", "| target | measured: median (range) | aim | verdict |",
                   "|---|---|---|---|"]

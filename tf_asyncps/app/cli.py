@@ -145,6 +145,14 @@ flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms
                    "slowed worker in the straggler pair.", lower_bound=0.0)
 flags.DEFINE_integer("bench_repeats", 3, "bench: times each run is repeated (interleaved); "
                      "figures are medians with their min-max range.", lower_bound=1)
+flags.DEFINE_enum("bench_hosts", "local", ["local", "netns"],
+                  "bench: local: every task on loopback (all runs); netns: each task on "
+                  "a host of its own (a Linux network namespace, needs root) with links "
+                  "of --bench_bandwidth_mbit, comparing vanilla, async, local_sgd and "
+                  "sync_replicas on the 1.1M-parameter MLP (defaults then: "
+                  "--bench_steps=320 --bench_eval_every=64).")
+flags.DEFINE_float("bench_bandwidth_mbit", 100.0, "bench --bench_hosts=netns: each host's "
+                   "link rate in Mbit/s, each way (tc tbf); 0: unlimited.", lower_bound=0.0)
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
                    "and reported as failed.", lower_bound=1.0)
 
@@ -423,11 +431,26 @@ def _run_chief(c, args, env, deadline) -> int:
 
 def cmd_bench(argv):
     from tf_asyncps.app import bench
-    runs = bench.default_configs(
-        num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
-        steps_per_execution=FLAGS.bench_steps_per_execution,
-        straggler_workers=FLAGS.bench_straggler_workers,
-        straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None)
+    netns = FLAGS.bench_hosts == "netns"
+    if FLAGS["bench_bandwidth_mbit"].present and not netns:
+        raise ValueError("--bench_bandwidth_mbit limits the links of --bench_hosts=netns; add "
+                         "--bench_hosts=netns or drop it.")
+    if netns:
+        runs = bench.hosts_configs(
+            num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
+            steps_per_execution=FLAGS.bench_steps_per_execution,
+            only=FLAGS.bench_only or None)
+        # Bandwidth-bound steps are slow: shorter runs unless asked.
+        if not FLAGS["bench_steps"].present:
+            FLAGS.bench_steps = 320
+        if not FLAGS["bench_eval_every"].present:
+            FLAGS.bench_eval_every = 64
+    else:
+        runs = bench.default_configs(
+            num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
+            steps_per_execution=FLAGS.bench_steps_per_execution,
+            straggler_workers=FLAGS.bench_straggler_workers,
+            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None)
     for r in runs:
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
@@ -453,8 +476,18 @@ def cmd_bench(argv):
                 "repeats": FLAGS.bench_repeats}
     print(f"tf-asyncps bench: {len(runs)} runs x {FLAGS.bench_repeats} repeats (interleaved), "
           f"{FLAGS.bench_steps} worker steps each; results in {out}/", flush=True)
-    results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
-                            say=lambda s: print(s, flush=True), repeats=FLAGS.bench_repeats)
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if netns:
+            from tf_asyncps.cluster import NetnsHosts
+            settings["hosts"] = True
+            settings["bandwidth_mbit"] = FLAGS.bench_bandwidth_mbit or None
+            hosts = stack.enter_context(NetnsHosts(bench.host_names(FLAGS.num_workers),
+                                                   rate_mbit=settings["bandwidth_mbit"]))
+            print(f"tf-asyncps bench: hosts {hosts}", flush=True)
+        results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
+                                say=lambda s: print(s, flush=True),
+                                repeats=FLAGS.bench_repeats, hosts=hosts)
     doc = bench.summarize(results, settings)
     paths = bench.write_outputs(doc, out)
     print(bench.markdown(doc), flush=True)
