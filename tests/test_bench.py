@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import run_command, run_scenario, wait_dead
-from tf_asyncps.app import bench
+from tf_asyncps.app import bench, bench_report
 from tf_asyncps.cluster import netns
 from tf_asyncps.straggler import StopContCycler, slow_dataset_fn
 
@@ -83,7 +83,7 @@ def test_repeats_give_medians_and_min_max_ranges():
 def test_a_ratio_is_of_medians_with_the_range_of_paired_repeats():
     a = _entry("async", [300.0, 420.0, 380.0])
     v = _entry("vanilla", [400.0, 400.0, 500.0])
-    value, rng = bench.ratio(a, v)
+    value, rng = bench_report.ratio(a, v)
     assert value == pytest.approx(380.0 / 400.0)
     # Repeat k against repeat k (run back to back): 0.75, 1.05, 0.76.
     assert rng == pytest.approx([0.75, 1.05])
@@ -97,7 +97,7 @@ def test_a_ratio_is_of_medians_with_the_range_of_paired_repeats():
     (0.97, None, 0.95, "met"),                # one repeat: the value alone
     (None, None, 0.95, "no data")])
 def test_met_unclear_not_met_rule(value, rng, target, want):
-    assert bench.verdict(value, rng, target) == want
+    assert bench_report.verdict(value, rng, target) == want
 
 
 def test_summary_ratios_and_target_checks(tmp_path):
@@ -114,7 +114,7 @@ def test_summary_ratios_and_target_checks(tmp_path):
                dict(_entry("single@1m", [1000.0] * 3), model="mlp_1m"),
                dict(_entry("vanilla@1m", [100.0] * 3), model="mlp_1m"),
                dict(_entry("local_sgd@1m", [600.0, 650.0, 800.0]), model="mlp_1m")]
-    doc = bench.summarize(results, settings)
+    doc = bench_report.summarize(results, settings)
     by = {r["name"]: r for r in doc["results"]}
     assert by["async"]["x_vanilla"] == pytest.approx(0.95)
     assert by["async"]["x_vanilla_range"] == pytest.approx([0.925, 0.975])
@@ -134,7 +134,7 @@ def test_summary_ratios_and_target_checks(tmp_path):
     assert checks["local_sgd throughput / vanilla PSS (mlp_1m)"]["verdict"] == "met"
     backup = [c for c in doc["checks"] if c["check"].startswith("sync_replicas")][0]
     assert backup["value"] == pytest.approx(2.5) and backup["verdict"] == "met"
-    paths = bench.write_outputs(doc, str(tmp_path))
+    paths = bench_report.write_outputs(doc, str(tmp_path))
     assert [os.path.basename(p) for p in paths] == [
         "bench.json", "bench.md", "throughput.png", "accuracy.png", "staleness.png"]
     for p in paths[2:]:
@@ -148,9 +148,10 @@ def test_summary_ratios_and_target_checks(tmp_path):
 
 
 def test_hosts_runs_and_their_targets():
-    runs = bench.hosts_configs(num_workers=2, sync_every=16)
+    runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
                                          "local_sgd@1m"]
+    assert [r.get("steps") for r in runs] == [None, None, None, 1920]
     assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs)
     with pytest.raises(ValueError, match="bench_hosts"):
         bench.hosts_configs(only=["single"])
@@ -166,7 +167,7 @@ def test_hosts_runs_and_their_targets():
 
     results = [entry("vanilla@1m", [2.0, 2.5], [0.93, 0.95], 4.6e6),
                entry("local_sgd@1m", [14.0, 11.0], [0.935, 0.945], 2.9e5)]
-    doc = bench.summarize(results, settings)
+    doc = bench_report.summarize(results, settings)
     checks = {c["check"]: c for c in doc["checks"]}
     at = " (mlp_1m, 100 Mbit/s links)"
     # 12.5 / 2.25 = 5.56 (median ratio); paired repeats 7.0 and 4.4 straddle 5.
@@ -177,7 +178,7 @@ def test_hosts_runs_and_their_targets():
     assert c["value"] == pytest.approx(0.0) and c["range"] == pytest.approx([-0.005, 0.005])
     assert c["verdict"] == "met"
     assert "local_sgd throughput / single process (mlp_1m)" not in checks
-    md = bench.markdown(doc)
+    md = bench_report.markdown(doc)
     assert "links limited to 100 Mbit/s each way" in md
     assert "| 4600 | 4600 |" in md and "| 290 | 290 |" in md
 
@@ -190,6 +191,7 @@ def test_tiny_hosts_bench_counts_the_bytes_each_policy_sends(tmp_path):
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench",
                               "--bench_hosts=netns", "--bench_bandwidth_mbit=400",
                               "--bench_only=vanilla@1m,local_sgd@1m", "--bench_steps=64",
+                              "--bench_hosts_local_sgd_steps=64",
                               "--bench_eval_every=32", "--bench_repeats=1",
                               f"--output_dir={out}"], timeout=280)
     by = {x["name"]: x for x in json.load(open(out / "bench.json"))["results"]}

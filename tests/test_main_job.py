@@ -11,6 +11,7 @@ import portpicker
 import pytest
 
 from conftest import ROOT, _env, run_command, stop_process, wait_dead
+from tf_asyncps.app.console import is_runtime_noise
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -106,8 +107,9 @@ def test_job_by_hand_four_train_processes(tmp_path):
         env = _env()
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "chief",
                                                                     "index": 0}})
-        _, log = run_command([sys.executable, "-m", "tf_asyncps", "train"] + common,
-                             timeout=240, env=env)
+        env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # TensorFlow's C++ notices, for the filter
+        _, console = run_command([sys.executable, "-m", "tf_asyncps", "train",
+                                  "--console=quiet"] + common, timeout=240, env=env)
         for p in procs:
             assert p.poll() is None, "a server task exited during training"
     finally:
@@ -117,6 +119,14 @@ def test_job_by_hand_four_train_processes(tmp_path):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["worker_steps"] == 300 and m["num_workers"] == 2
     assert m["test_accuracy"] >= 0.85
+    # --console=quiet: TensorFlow's C++ lines only in the task's log, which
+    # has every line the console showed.
+    log = (tmp_path / "logs" / "chief-0.log").read_text().splitlines()
+    shown = [line for line in console.splitlines() if not line.startswith("tf-asyncps train:")]
+    assert not [line for line in shown if is_runtime_noise(line)], console
+    assert [line for line in log if is_runtime_noise(line)], log[:20]
+    assert [line for line in shown if line.startswith("epoch ")] == \
+        [line for line in log if line.startswith("epoch ")] and len(log) > len(shown)
 
 
 @pytest.mark.cluster

@@ -27,7 +27,6 @@ All flags: tf-asyncps --helpfull
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -118,6 +117,12 @@ flags.DEFINE_float("host_bandwidth_mbit", 0.0,
                    "launch --hosts=netns: each host's link rate in Mbit/s, each way "
                    "(tc tbf); 0: unlimited.", lower_bound=0.0)
 
+flags.DEFINE_enum("console", "auto", ["auto", "quiet", "full"],
+                  "train: quiet shows the job's lines, warnings and errors, and one line "
+                  "per unreachable task, and keeps TensorFlow's C++ runtime lines (start-up "
+                  "notices, gRPC error blocks) only in OUTPUT_DIR/logs/TYPE-INDEX.log; full "
+                  "prints everything; auto: quiet on a terminal, full otherwise (a log "
+                  "collector gets everything). launch is always quiet.")
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
     "train/server: start even if this task's own address in TF_CONFIG is not an "
@@ -151,6 +156,11 @@ flags.DEFINE_enum("bench_hosts", "local", ["local", "netns"],
                   "of --bench_bandwidth_mbit, comparing vanilla, async, local_sgd and "
                   "sync_replicas on the 1.1M-parameter MLP (defaults then: "
                   "--bench_steps=320 --bench_eval_every=64).")
+flags.DEFINE_integer("bench_hosts_local_sgd_steps", 1920, "bench --bench_hosts=netns: "
+                     "worker steps of the local_sgd run (0: --bench_steps). At equal steps "
+                     "local_sgd lags (a worker sees the others' updates once per window), so "
+                     "its accuracy is compared after a longer run; it still takes less time "
+                     "than vanilla's.", lower_bound=0)
 flags.DEFINE_float("bench_bandwidth_mbit", 100.0, "bench --bench_hosts=netns: each host's "
                    "link rate in Mbit/s, each way (tc tbf); 0: unlimited.", lower_bound=0.0)
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
@@ -233,9 +243,38 @@ def cmd_server(argv):
     _serve(config)
 
 
+def _quiet_console() -> bool:
+    return FLAGS.console == "quiet" or (FLAGS.console == "auto" and sys.stdout.isatty())
+
+
+def _train_filtered(config) -> None:
+    """`train` with a quiet console: this process runs the task as a child
+    (``--console=full``) and shows its output through the console filter;
+    the whole output goes to OUTPUT_DIR/logs/TYPE-INDEX.log (a temp dir
+    without --output_dir). Exits with the child's status."""
+    from tf_asyncps.app.console import run_filtered
+    name = f"{config.task_type}-{config.task_id}"
+    if FLAGS.output_dir:
+        log_dir = os.path.join(FLAGS.output_dir, "logs")
+    else:
+        import tempfile
+        log_dir = tempfile.mkdtemp(prefix="tf_asyncps_logs_")
+    log_path = os.path.join(log_dir, f"{name}.log")
+    print(f"tf-asyncps train: {config.task_type}:{config.task_id}; TensorFlow's runtime "
+          f"lines go to {log_path} (--console=full shows them here)", flush=True)
+    args = [a for a in sys.argv[1:] if a != "train"]
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # The child checks TF_CONFIG's addresses itself (its warnings shown once).
+    rc = run_filtered([sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"],
+                      dict(os.environ), log_path, who="train")
+    sys.exit(rc if rc >= 0 else 128 - rc)
+
+
 def cmd_train(argv):
     from tf_asyncps import cluster
     config = cluster.tf_config_from_env()
+    if _quiet_console():
+        return _train_filtered(config)
     _startup_checks(config)
     _apply_gpus_flag()
     if config.task_type in ("ps", "worker"):
@@ -387,46 +426,14 @@ def _run_chief(c, args, env, deadline) -> int:
     (app/console.py): TensorFlow's C++ start-up notices and gRPC error blocks
     become one line per unreachable task.
     """
-    import io
-    import threading
-    from tf_asyncps.app.console import ConsoleFilter
-    from tf_asyncps.cluster.spawn import spawn
-    log_path = os.path.join(c.log_dir, "chief-0.log")
-    env = dict(env)
-    if sys.stdout.isatty():  # the chief's stderr is a pipe: keep its live progress line
-        env["TF_ASYNCPS_PROGRESS_LINE"] = "1"
-    cmd = [sys.executable, "-m", "tf_asyncps", "train"] + args
+    from tf_asyncps.app.console import run_filtered
+    cmd = [sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"]
     if c.hosts is not None:
         cmd = c.hosts.exec_argv("chief:0", cmd)
-    chief = spawn(cmd, env=env,
-                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    c.write_state({"chief:0": chief.pid})
-    log = open(log_path, "a", buffering=1)  # line-buffered: tail -f and tools see each line
-    console = ConsoleFilter(sys.stdout, log, log_path, restarts=FLAGS.restart_failed_tasks)
-    reader = threading.Thread(
-        target=console.pump, name="chief-output", daemon=True,
-        args=(io.TextIOWrapper(chief.stdout, encoding="utf-8", errors="replace",
-                               newline=""),))
-    reader.start()
-    try:
-        return chief.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        chief.kill()
-        chief.wait()
-        raise SystemExit(f"tf-asyncps launch: the job ran past --timeout_s="
-                         f"{FLAGS.timeout_s:.0f} s and was stopped.")
-    except KeyboardInterrupt:
-        chief.terminate()
-        try:
-            chief.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            chief.kill()
-        raise SystemExit("tf-asyncps launch: interrupted; every process stopped.")
-    finally:
-        if chief.poll() is None:
-            chief.kill()
-        reader.join(timeout=10)  # the rest of its output, up to EOF
-        log.close()
+    return run_filtered(cmd, env, os.path.join(c.log_dir, "chief-0.log"),
+                        restarts=FLAGS.restart_failed_tasks,
+                        timeout_s=max(1.0, deadline - time.monotonic()),
+                        on_start=lambda p: c.write_state({"chief:0": p.pid}))
 
 
 def cmd_bench(argv):
@@ -439,7 +446,8 @@ def cmd_bench(argv):
         runs = bench.hosts_configs(
             num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
             steps_per_execution=FLAGS.bench_steps_per_execution,
-            only=FLAGS.bench_only or None)
+            only=FLAGS.bench_only or None,
+            local_sgd_steps=FLAGS.bench_hosts_local_sgd_steps or None)
         # Bandwidth-bound steps are slow: shorter runs unless asked.
         if not FLAGS["bench_steps"].present:
             FLAGS.bench_steps = 320
@@ -455,12 +463,13 @@ def cmd_bench(argv):
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
                              f"of the steps per closure of run {r['name']} ({r['spe']}).")
-    if FLAGS.bench_steps % FLAGS.bench_eval_every or \
-            FLAGS.bench_steps < 2 * FLAGS.bench_eval_every:
-        raise ValueError(
-            f"--bench_steps={FLAGS.bench_steps} must be a multiple of --bench_eval_every="
-            f"{FLAGS.bench_eval_every} and at least twice it (the first segment includes "
-            "tracing and is left out of steps/s).")
+    for flag, steps in [("bench_steps", FLAGS.bench_steps)] + [
+            ("bench_hosts_local_sgd_steps", r["steps"]) for r in runs if "steps" in r]:
+        if steps % FLAGS.bench_eval_every or steps < 2 * FLAGS.bench_eval_every:
+            raise ValueError(
+                f"--{flag}={steps} must be a multiple of --bench_eval_every="
+                f"{FLAGS.bench_eval_every} and at least twice it (the first segment includes "
+                "tracing and is left out of steps/s).")
     out = FLAGS.output_dir or os.path.join("runs", "bench")
     try:  # fail now, not after the runs
         os.makedirs(out, exist_ok=True)
@@ -476,6 +485,8 @@ def cmd_bench(argv):
                 "repeats": FLAGS.bench_repeats}
     print(f"tf-asyncps bench: {len(runs)} runs x {FLAGS.bench_repeats} repeats (interleaved), "
           f"{FLAGS.bench_steps} worker steps each; results in {out}/", flush=True)
+    # SIGTERM stops the bench like Ctrl-C: its hosts are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with contextlib.ExitStack() as stack:
         hosts = None
         if netns:
@@ -488,9 +499,10 @@ def cmd_bench(argv):
         results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
                                 say=lambda s: print(s, flush=True),
                                 repeats=FLAGS.bench_repeats, hosts=hosts)
-    doc = bench.summarize(results, settings)
-    paths = bench.write_outputs(doc, out)
-    print(bench.markdown(doc), flush=True)
+    from tf_asyncps.app import bench_report
+    doc = bench_report.summarize(results, settings)
+    paths = bench_report.write_outputs(doc, out)
+    print(bench_report.markdown(doc), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     failed = [r["name"] for r in results if "error" in r]
     if failed:

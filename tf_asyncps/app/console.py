@@ -10,15 +10,18 @@ C++ lines, and one line per event in place of a C++ block: which task
 became unreachable, since when, and what happens next.
 """
 
+import io
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import Callable, Dict, Optional, TextIO
 
-__all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in"]
+__all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in",
+           "run_filtered"]
 
 # glog-style lines written by C++ (file.cc:123]); absl's Python logging uses
 # the same prefix with a .py file and is kept.
@@ -168,3 +171,59 @@ class NativeStderrFilter:
     def __exit__(self, *exc):
         self.release()
         return False
+
+
+def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
+                 timeout_s: Optional[float] = None, on_start=None, who: str = "launch") -> int:
+    """Runs ``cmd`` to its end with its output through a :class:`ConsoleFilter`:
+    whole into ``log_path`` (appended, line-buffered), filtered to sys.stdout.
+
+    Args:
+      cmd: the command (started with ``cluster.spawn``: it dies with this process).
+      env: its environment.
+      log_path: the log file.
+      restarts: passed to :class:`ConsoleFilter`.
+      timeout_s: seconds before it is killed (None: no limit).
+      on_start: called with the ``Popen`` once it runs (e.g. to record its pid).
+      who: the command named in the messages below.
+
+    Returns:
+      Its exit code (negative: killed by that signal).
+
+    Raises:
+      SystemExit: past ``timeout_s`` or on Ctrl-C (KeyboardInterrupt), after
+        stopping it (SIGTERM, then SIGKILL after 10 s).
+    """
+    from tf_asyncps.cluster.spawn import spawn
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    if sys.stdout.isatty():  # its stderr is a pipe: keep its live progress line
+        env = dict(env, TF_ASYNCPS_PROGRESS_LINE="1")
+    child = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if on_start is not None:
+        on_start(child)
+    log = open(log_path, "a", buffering=1)  # line-buffered: tail -f and tools see each line
+    console = ConsoleFilter(sys.stdout, log, log_path, restarts=restarts)
+    reader = threading.Thread(
+        target=console.pump, name="child-output", daemon=True,
+        args=(io.TextIOWrapper(child.stdout, encoding="utf-8", errors="replace",
+                               newline=""),))
+    reader.start()
+    try:
+        return child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise SystemExit(f"tf-asyncps {who}: the job ran past --timeout_s="
+                         f"{timeout_s:.0f} s and was stopped.")
+    except KeyboardInterrupt:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        raise SystemExit(f"tf-asyncps {who}: interrupted; every process stopped.")
+    finally:
+        if child.poll() is None:
+            child.kill()
+        reader.join(timeout=10)  # the rest of its output, up to EOF
+        log.close()
