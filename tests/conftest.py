@@ -62,6 +62,20 @@ def run_command(args, timeout, env=None, check=True):
     return proc.returncode, out
 
 
+def poll_until(cond, proc, timeout_s, what):
+    """Polls ``cond()`` until it is truthy and returns it; fails the test if
+    ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[:4]} exited ({proc.returncode}) before {what}")
+        time.sleep(0.05)  # polling interval, not synchronisation
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie."""
     try:

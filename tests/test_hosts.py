@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _env, run_command, stop_process
+from conftest import ROOT, _env, poll_until, run_command, stop_process
 from tf_asyncps.cluster import netns
 from tf_asyncps.cluster.netns import NetnsHosts
 
@@ -209,18 +209,6 @@ def _epoch_lines(out):
         return 0
 
 
-def _until(cond, proc, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"launch exited ({proc.returncode}) before {what}")
-        time.sleep(0.05)  # polling interval, not synchronisation
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def _tasks(out):
     with open(os.path.join(out, "logs", "cluster.json")) as f:
         return json.load(f)["tasks"]
@@ -272,7 +260,7 @@ def test_a_worker_whose_link_goes_down_mid_fit_is_survived(tmp_path):
     out = str(tmp_path / "out")
     proc = _launch(out, "--epochs=12", "--steps_per_epoch=100")
     try:
-        _until(lambda: _epoch_lines(out) >= 2, proc, 150, "epoch 2")
+        poll_until(lambda: _epoch_lines(out) >= 2, proc, 150, "epoch 2")
         ns = _tasks(out)["worker:1"]["netns"]
         subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True, timeout=10)
         try:
@@ -312,7 +300,7 @@ def test_soak_random_worker_kills_and_link_drops(tmp_path):
                    "--restart_failed_tasks", "--max_restarts=20", "--timeout_s=800")
     faults = []
     try:
-        _until(lambda: _epoch_lines(out) >= 2, proc, 150, "epoch 2")
+        poll_until(lambda: _epoch_lines(out) >= 2, proc, 150, "epoch 2")
         while proc.poll() is None and _epoch_lines(out) < epochs - quiet_end:
             t_next = time.monotonic() + rng.uniform(15, 25)
             while proc.poll() is None and time.monotonic() < t_next:

@@ -11,11 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, _env, run_command, stop_process
+from conftest import ROOT, _env, poll_until, run_command, stop_process
 from tf_asyncps import recovery
 
 FLAGS = ["--num_workers=1", "--num_ps=1", "--epochs=8", "--steps_per_epoch=50",
@@ -25,19 +24,6 @@ FLAGS = ["--num_workers=1", "--num_ps=1", "--epochs=8", "--steps_per_epoch=50",
 def _launch_cmd(out, *extra):
     return [sys.executable, "-m", "tf_asyncps", "launch", *FLAGS,
             f"--output_dir={out}", *extra]
-
-
-def _until(cond, proc, timeout_s, what):
-    """Polls ``cond()`` until true; fails if ``proc`` exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"launch exited ({proc.returncode}) before {what}")
-        time.sleep(0.05)  # polling interval, not synchronisation
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _latest_checkpoint(out):
@@ -72,10 +58,10 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
     progress = os.path.join(out, "backup", recovery.PROGRESS_FILE)
     try:
         # 1. ps:0 dies after the first epoch checkpoint.
-        first = _until(lambda: _latest_checkpoint(out), proc, 120, "the first checkpoint")
+        first = poll_until(lambda: _latest_checkpoint(out), proc, 120, "the first checkpoint")
         _kill_task(out, "ps:0")
         # 2. The re-run chief resumed and wrote a newer checkpoint: kill it.
-        _until(lambda: (recovery.read_json(progress) or {}).get("chief_runs") == 2 and
+        poll_until(lambda: (recovery.read_json(progress) or {}).get("chief_runs") == 2 and
                _latest_checkpoint(out) not in (None, first),
                proc, 120, "the second chief run to checkpoint an epoch")
         _kill_task(out, "chief:0")

@@ -104,14 +104,19 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
     if large_model:
         runs += [dict(r, name=f"{r['name']}@1m", model="mlp_1m") for r in runs
                  if r["name"] in LARGE_MODEL_RUNS]
-    if only:
-        names = {r["name"] for r in runs}
-        unknown = [o for o in only if o not in names]
-        if unknown:
-            raise ValueError(f"--bench_only: unknown run(s) {unknown}; choose from "
-                             f"{sorted(names)}.")
-        runs = [r for r in runs if r["name"] in only]
-    return runs
+    return _only(runs, only)
+
+
+def _only(runs, only, mode=""):
+    """The runs named in ``only`` (all if empty); ValueError names unknown ones."""
+    if not only:
+        return runs
+    names = [r["name"] for r in runs]
+    unknown = [o for o in only if o not in names]
+    if unknown:
+        raise ValueError(f"--bench_only: unknown run(s) {unknown}{mode}; choose from "
+                         f"{sorted(names)}.")
+    return [r for r in runs if r["name"] in only]
 
 
 def hosts_configs(num_workers: int = 2, sync_every: int = 16,
@@ -135,14 +140,7 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
         for r in runs:
             if r.get("policy") == "local_sgd":
                 r["steps"] = local_sgd_steps
-    if only:
-        names = [r["name"] for r in runs]
-        unknown = [o for o in only if o not in names]
-        if unknown:
-            raise ValueError(f"--bench_only: unknown run(s) {unknown} for --bench_hosts=netns; "
-                             f"choose from {names}.")
-        runs = [r for r in runs if r["name"] in only]
-    return runs
+    return _only(runs, only, " for --bench_hosts=netns")
 
 
 def host_names(num_workers: int) -> List[str]:
