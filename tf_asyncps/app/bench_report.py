@@ -143,6 +143,11 @@ def _fmt_range(v, rng, spec=".2f"):
     return f"{format(v, spec)} ({format(rng[0], spec)}-{format(rng[1], spec)})"
 
 
+def _rate(v):
+    """Format of a rate: a decimal below 100 (bandwidth-bound runs: 2.2 steps/s)."""
+    return ".1f" if v is not None and v < 100 else ".0f"
+
+
 def _kb(r, key):
     v, rng = r.get(key), r.get(f"{key}_range")
     return _fmt_range(v / 1e3 if v is not None else None,
@@ -180,13 +185,14 @@ def markdown(bench: Dict[str, Any]) -> str:
                          f"{r['error'].splitlines()[0]} |" + " |" * 10)
             continue
         st = r.get("staleness") or {}
+        rate = _rate(r["steps_per_sec"])
         lines.append(
             f"| {r['name']} | {r['num_workers']} | {r['spe']} | "
-            f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), '.0f')} | "
+            f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), rate)} | "
             f"{r['examples_per_sec']:.0f} | "
             f"{_fmt_range(r.get('x_vanilla'), r.get('x_vanilla_range'))} | "
             f"{_fmt_range(r.get('x_single'), r.get('x_single_range'))} | "
-            f"{_fmt(r.get('updates_per_sec'), '.0f')} | "
+            f"{_fmt(r.get('updates_per_sec'), _rate(r.get('updates_per_sec')))} | "
             f"{_fmt(st.get('mean'))} | {st.get('max', '–')} | {st.get('dropped', '–')} | "
             f"{r['steps_to_target'] or 'not reached'} | {_fmt(r['seconds_to_target'], '.1f')} | "
             f"{r['test_accuracy']:.3f} |"

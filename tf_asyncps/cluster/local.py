@@ -22,7 +22,8 @@ class LocalCluster:
     """A real cluster of local processes: ``num_ps`` ps and ``num_workers`` workers.
 
     Each task is ``python -m tf_asyncps server`` with its own TF_CONFIG, on a
-    loopback port chosen by portpicker. A chief address is reserved for the
+    loopback port chosen by portpicker (with ``hosts``: ``tf-asyncps train``
+    on its own host's address). A chief address is reserved for the
     process that creates the strategy (this one, or a child you start with
     :meth:`tf_config`). Children die with this process, even when a thread
     that started them (the supervisor) has ended (:func:`spawn`), and
@@ -160,7 +161,8 @@ class LocalCluster:
         self._logs[name] = log
         cmd = [sys.executable, "-m", "tf_asyncps", "server"]
         if self.hosts is not None:
-            cmd = self.hosts.exec_argv(name, cmd)
+            # As on real hosts, where every task runs `train` (a ps/worker serves).
+            cmd = self.hosts.exec_argv(name, cmd[:-1] + ["train", "--console=full"])
         p = spawn(cmd, env=env,
                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = p
