@@ -178,6 +178,11 @@ def test_hosts_runs_and_their_targets():
     assert c["value"] == pytest.approx(0.0) and c["range"] == pytest.approx([-0.005, 0.005])
     assert c["verdict"] == "met"
     assert "local_sgd throughput / single process (mlp_1m)" not in checks
+    # A failed repeat drops its pair only: repeat 2 stays paired with repeat 2.
+    van = dict(results[0], repeats=[{"error": "timed out"}] + results[0]["repeats"][1:])
+    doc = bench_report.summarize([van, results[1]], settings)
+    c = {c["check"]: c for c in doc["checks"]}["local_sgd test accuracy - vanilla PSS's" + at]
+    assert c["range"] == pytest.approx([-0.005, -0.005])
     md = bench_report.markdown(doc)
     assert "links limited to 100 Mbit/s each way" in md
     assert "| 4600 | 4600 |" in md and "| 290 | 290 |" in md

@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-__all__ = ["default_configs", "hosts_configs", "host_names", "run_one", "run_all",
+__all__ = ["default_configs", "hosts_configs", "run_one", "run_all",
            "aggregate_repeats", "spread", "MODELS", "SPREAD_KEYS"]
 
 #: The bench models, both on the digits data: "mlp" (64-128-10, 9,610
@@ -141,11 +141,6 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
             if r.get("policy") == "local_sgd":
                 r["steps"] = local_sgd_steps
     return _only(runs, only, " for --bench_hosts=netns")
-
-
-def host_names(num_workers: int) -> List[str]:
-    """The hosts of a bench cluster: the chief, one ps, the workers."""
-    return ["chief:0", "ps:0"] + [f"worker:{i}" for i in range(num_workers)]
 
 
 # -- one run (in its own process) ---------------------------------------------
@@ -294,7 +289,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
             hosts=None) -> List[Dict[str, Any]]:
     """Runs each configuration ``repeats`` times in child processes, one after
     the other, interleaved: repeat 1 of every run, then repeat 2, ...
-    With ``hosts`` (a ``NetnsHosts`` holding :func:`host_names`), each child
+    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``), each child
     runs on the chief's host and its cluster on the others.
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``

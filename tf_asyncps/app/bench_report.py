@@ -30,23 +30,25 @@ BACKUP_TARGET = 2.0
 HOSTS_TARGETS = {"x_vanilla": 5.0, "accuracy_vs_vanilla": -0.01}
 
 
-def _paired_ratios(a, b, key="steps_per_sec"):
-    """Per-repeat ratios a[k] / b[k] (repeats that both completed)."""
+def _paired(a, b, key, combine):
+    """[min, max] of ``combine(a[k], b[k])`` over the repeats k that both
+    completed (repeat k of one run beside repeat k of the other; a pair
+    whose ``combine`` is None is skipped), or None if there is none."""
     out = []
     for x, y in zip(a.get("repeats") or [a], b.get("repeats") or [b]):
-        if "error" in x or "error" in y or not y.get(key) or x.get(key) is None:
+        if "error" in x or "error" in y or x.get(key) is None or y.get(key) is None:
             continue
-        out.append(x[key] / y[key])
-    return out
+        v = combine(x[key], y[key])
+        if v is not None:
+            out.append(v)
+    return [min(out), max(out)] if out else None
 
 
 def ratio(a, b, key="steps_per_sec"):
     """(median(a) / median(b), [min, max] of the paired per-repeat ratios)."""
     if not b.get(key) or a.get(key) is None:
         return None, None
-    paired = _paired_ratios(a, b, key)
-    rng = [min(paired), max(paired)] if paired else None
-    return a[key] / b[key], rng
+    return a[key] / b[key], _paired(a, b, key, lambda x, y: x / y if y else None)
 
 
 def verdict(value, value_range, target) -> str:
@@ -103,12 +105,9 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
                       ls["x_vanilla_range"], HOSTS_TARGETS["x_vanilla"])
             van = ok.get("vanilla" + sfx)
             if van:
-                diffs = [a - b for a, b in zip(
-                    [x.get("test_accuracy") for x in ls["repeats"] if "error" not in x],
-                    [x.get("test_accuracy") for x in van["repeats"] if "error" not in x])]
                 check(f"local_sgd test accuracy - vanilla PSS's{at}",
                       ls["test_accuracy"] - van["test_accuracy"],
-                      [min(diffs), max(diffs)] if diffs else None,
+                      _paired(ls, van, "test_accuracy", lambda x, y: x - y),
                       HOSTS_TARGETS["accuracy_vs_vanilla"])
         elif ls:
             for key, what in (("x_single", "single process"), ("x_vanilla", "vanilla PSS")):

@@ -243,6 +243,14 @@ def cmd_server(argv):
     _serve(config)
 
 
+def _sigterm_as_ctrl_c() -> None:
+    """SIGTERM (a scheduler, `kill`) stops this command like Ctrl-C: its
+    children and hosts are stopped and removed on the way out."""
+    def interrupt(*_):
+        raise KeyboardInterrupt()
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _quiet_console() -> bool:
     return FLAGS.console == "quiet" or (FLAGS.console == "auto" and sys.stdout.isatty())
 
@@ -263,7 +271,7 @@ def _train_filtered(config) -> None:
     print(f"tf-asyncps train: {config.task_type}:{config.task_id}; TensorFlow's runtime "
           f"lines go to {log_path} (--console=full shows them here)", flush=True)
     args = [a for a in sys.argv[1:] if a != "train"]
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _sigterm_as_ctrl_c()
     # The child checks TF_CONFIG's addresses itself (its warnings shown once).
     rc = run_filtered([sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"],
                       dict(os.environ), log_path, who="train")
@@ -343,16 +351,15 @@ def _launch(argv, quiet):
         raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
                          "--hosts=netns or drop it.")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _sigterm_as_ctrl_c()
     quiet.release()  # the checks are done: fd 2 is the console again
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         hosts = None
         if FLAGS.hosts == "netns":
-            names = (["chief:0"] + [f"ps:{i}" for i in range(FLAGS.num_ps)]
-                     + [f"worker:{i}" for i in range(FLAGS.num_workers)])
             hosts = stack.enter_context(cluster.NetnsHosts(
-                names, rate_mbit=FLAGS.host_bandwidth_mbit or None))
+                cluster.LocalCluster.host_names(FLAGS.num_workers, FLAGS.num_ps),
+                rate_mbit=FLAGS.host_bandwidth_mbit or None))
         c = stack.enter_context(cluster.LocalCluster(
             FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
             worker_env=gpu_plan.worker_env, hosts=hosts))
@@ -486,14 +493,14 @@ def cmd_bench(argv):
     print(f"tf-asyncps bench: {len(runs)} runs x {FLAGS.bench_repeats} repeats (interleaved), "
           f"{FLAGS.bench_steps} worker steps each; results in {out}/", flush=True)
     # SIGTERM stops the bench like Ctrl-C: its hosts are removed on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _sigterm_as_ctrl_c()
     with contextlib.ExitStack() as stack:
         hosts = None
         if netns:
-            from tf_asyncps.cluster import NetnsHosts
+            from tf_asyncps.cluster import LocalCluster, NetnsHosts
             settings["hosts"] = True
             settings["bandwidth_mbit"] = FLAGS.bench_bandwidth_mbit or None
-            hosts = stack.enter_context(NetnsHosts(bench.host_names(FLAGS.num_workers),
+            hosts = stack.enter_context(NetnsHosts(LocalCluster.host_names(FLAGS.num_workers, 1),
                                                    rate_mbit=settings["bandwidth_mbit"]))
             print(f"tf-asyncps bench: hosts {hosts}", flush=True)
         results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,

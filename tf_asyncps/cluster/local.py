@@ -74,7 +74,7 @@ class LocalCluster:
         self.env = dict(env or {})
         self.worker_env = {int(k): dict(v) for k, v in (worker_env or {}).items()}
         self.hosts = hosts
-        names = ["chief:0"] + self.task_names
+        names = self.host_names(num_workers, num_ps)
         if hosts is not None:
             missing = [n for n in names if n not in hosts.names]
             if missing:
@@ -100,10 +100,16 @@ class LocalCluster:
         self._extra_pids: Dict[str, int] = {}
 
     # -- addresses and configs ---------------------------------------------
+    @staticmethod
+    def host_names(num_workers: int, num_ps: int) -> List[str]:
+        """Every task of such a cluster, the chief first ("chief:0", "ps:i",
+        "worker:i"): the hosts a ``NetnsHosts`` for ``hosts=`` must have."""
+        return ["chief:0"] + [f"ps:{i}" for i in range(num_ps)] + [
+            f"worker:{i}" for i in range(num_workers)]
+
     @property
     def task_names(self) -> List[str]:
-        return [f"ps:{i}" for i in range(self.num_ps)] + [
-            f"worker:{i}" for i in range(self.num_workers)]
+        return self.host_names(self.num_workers, self.num_ps)[1:]
 
     def tf_config(self, task_type: str = "chief", task_id: int = 0) -> str:
         """TF_CONFIG JSON for one task of this cluster."""
