@@ -622,12 +622,15 @@ def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_aft
 def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000, attempts=3):
     """Worker 0 waits, between reading the model and applying, until another
     worker's update has landed (it polls the global step, at most
-    ``max_polls`` reads): each of its steps must then count tau >= 1.
+    ``max_polls`` reads), and reports whether it saw one land. A step that saw
+    one must count tau >= 1: g at its apply > g after its wait > g at its read.
 
     That needs both workers to run closures at once; on a loaded machine the
-    coordinator has handed every closure to one worker. Such a round is
-    repeated (at most ``attempts`` rounds, counters reset in between); the
-    result is the last round's, with the closures each worker ran in it.
+    coordinator may hand every closure to one worker, or worker 0's closures
+    may all start after worker 1 ran out of work. Such a round (no step saw an
+    update land) is repeated, at most ``attempts`` rounds with the counters
+    reset in between; the result is the last round's: its stats, the closures
+    each worker ran and ``saw_update``, the steps that saw an update land.
     """
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
@@ -637,25 +640,37 @@ def tau_visible(policy="async", num_workers=2, steps=30, max_polls=20000, attemp
             opt = tf_keras.optimizers.SGD(0.1)
         g = strategy.extended.engine.tracker.global_step
 
-        def loss_fn():
-            me = tf.distribute.coordinator.experimental_get_current_worker_index()
-            start = g.read_value()
-            polls = tf.where(tf.equal(me, 0), max_polls, 0)
-            n = tf.while_loop(lambda i: tf.logical_and(i < polls, g.read_value() <= start),
-                              lambda i: i + 1, [tf.constant(0, polls.dtype)])
-            return tf.reduce_sum(w) + 0.0 * tf.cast(n, tf.float32)
+        @tf.function
+        def step():
+            def replica_fn():
+                me = tf.distribute.coordinator.experimental_get_current_worker_index()
+                start = g.read_value()
+                polls = tf.where(tf.equal(me, 0), max_polls, 0)
+                with tf.GradientTape() as tape:
+                    n = tf.while_loop(
+                        lambda i: tf.logical_and(i < polls, g.read_value() <= start),
+                        lambda i: i + 1, [tf.constant(0, polls.dtype)])[0]
+                    loss = tf.reduce_sum(w) + 0.0 * tf.cast(n, tf.float32)
+                with tf.control_dependencies([n]):
+                    saw = tf.logical_and(tf.equal(me, 0), g.read_value() > start)
+                with tf.control_dependencies([saw]):
+                    opt.apply_gradients([(tape.gradient(loss, w), w)])
+                return tf.cast(saw, tf.int32)
+            return strategy.run(replica_fn)
 
-        step = _step_fn(strategy, [w], opt, loss_fn)
         for attempt in range(1, attempts + 1):
             strategy.reset_staleness_stats()
             g0 = int(g.numpy())
-            _run_steps(coord, step, steps)
+            saw = [coord.schedule(step) for _ in range(steps)]
+            coord.join()
+            saw_update = sum(int(v.fetch()) for v in saw)
             closures = list(strategy.closures_done_per_worker())
-            if min(closures) > 0:
+            if saw_update > 0:
                 break
         stats = _stats(strategy)
         stats["global_step"] -= g0  # this round's updates
-        return {"stats": stats, "closures": closures, "attempts": attempt}
+        return {"stats": stats, "closures": closures, "saw_update": saw_update,
+                "attempts": attempt}
 
 
 @scenario(shares_cluster=True)

@@ -59,10 +59,16 @@ def test_each_worker_reads_its_own_shard():
 @pytest.mark.cluster
 @pytest.mark.solo  # under -n 2 it twice saw no overlap of the two workers' steps at all
 def test_tau_counts_updates_that_land_during_a_slow_step(policy):
-    """Regression: tau was read at step start on both ends and always came out 0."""
+    """Regression: tau was read at step start on both ends and always came out 0.
+
+    Every step that saw another worker's update land between its read and its
+    apply has tau >= 1, so at least that many updates count tau >= 1.
+    """
     r = run_scenario("tau_visible", shared=(2, 1), policy=policy, num_workers=2, steps=30)
     s = r["stats"]
     assert s["applied"] == s["global_step"] == 30
-    # Both workers ran closures in the round measured (repeated otherwise).
-    assert sum(r["closures"]) == 30 and min(r["closures"]) > 0, r
-    assert sum(s["histogram"][1:]) > 0 and s["max"] >= 1 and s["mean"] > 0
+    assert sum(r["closures"]) == 30
+    # Some step saw an update land (the round is repeated otherwise).
+    assert r["saw_update"] >= 1, r
+    assert sum(s["histogram"][1:]) >= r["saw_update"], r
+    assert s["max"] >= 1 and s["mean"] > 0
