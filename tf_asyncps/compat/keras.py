@@ -15,7 +15,7 @@ import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "backing_variable",
-           "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
+           "make_iterations_atomic", "loss_scale_variable", "make_assign_add_atomic", "make_seed_generator_atomic",
            "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
@@ -347,6 +347,13 @@ def loss_scale(lso):
     """A Keras 3 LossScaleOptimizer's current scale (float32 scalar tensor)."""
     import tensorflow as tf
     return tf.convert_to_tensor(lso.dynamic_scale)
+
+
+def loss_scale_variable(lso):
+    """The tf.Variable holding a Keras 3 LossScaleOptimizer's scale (Keras 3's
+    ``dynamic_scale`` wraps it); None for a fixed scale."""
+    scale = getattr(lso, "dynamic_scale", None)
+    return None if scale is None else scale._value
 
 
 def update_loss_scale(lso, values):
