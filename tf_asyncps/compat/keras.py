@@ -15,7 +15,8 @@ import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "backing_variable",
-           "make_iterations_atomic", "loss_scale_variable", "make_assign_add_atomic", "make_seed_generator_atomic",
+           "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
+           "loss_scale_variable",
            "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
@@ -350,10 +351,8 @@ def loss_scale(lso):
 
 
 def loss_scale_variable(lso):
-    """The tf.Variable holding a Keras 3 LossScaleOptimizer's scale (Keras 3's
-    ``dynamic_scale`` wraps it); None for a fixed scale."""
-    scale = getattr(lso, "dynamic_scale", None)
-    return None if scale is None else scale._value
+    """The tf.Variable under a Keras 3 LossScaleOptimizer's ``dynamic_scale``."""
+    return lso.dynamic_scale._value
 
 
 def update_loss_scale(lso, values):

@@ -8,8 +8,7 @@ called.
 import functools
 from typing import Callable, List, Optional
 
-__all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "loss_scale_variable",
-           "update_loss_scale",
+__all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
            "dense_on_sparse_gradients"]
 
@@ -25,13 +24,6 @@ def loss_scale_optimizer_classes() -> tuple:
         return ()
     return tuple(getattr(lso_lib, n) for n in ("LossScaleOptimizerV3", "LossScaleOptimizer")
                  if hasattr(lso_lib, n))
-
-
-def loss_scale_variable(lso):
-    """The tf.Variable holding ``lso``'s dynamic loss scale; None when fixed."""
-    state = getattr(lso, "_loss_scale", None)
-    return getattr(state, "_current_loss_scale", None) if callable(
-        getattr(state, "update", None)) else None
 
 
 def update_loss_scale(lso, values) -> List:

@@ -78,10 +78,12 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
 
     Non-finite ``grads`` lower the scale (and reset the growth counter); finite
     ones count one good step, as ``LossScaleOptimizer.apply_gradients`` does.
-    The update is a read then a write of the scale (``scale.assign(scale *
-    0.5)``): it runs in a ``tf.CriticalSection`` beside the scale, so that two
-    workers' overflows halve it twice, not once (seen as 15 overflows and 14
-    halvings under Keras 3 with 2 workers).
+    Halving is a read then a write of the scale (``scale.assign(scale *
+    0.5)``). For Keras 3 it runs in a ``tf.CriticalSection`` beside the scale,
+    so that two workers' overflows halve it twice, not once (seen as 15
+    overflows and 14 halvings with 2 workers). tf_keras's update is its own,
+    distribution-aware code (a ``merge_call`` under K replicas, which a lock
+    around it would deadlock): there a ``LockingOptimizer`` serialises it.
 
     Args:
       lso: a tf_keras or Keras 3 LossScaleOptimizer.
@@ -92,19 +94,15 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
     """
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
     k3 = keras_compat.loss_scale_optimizer_class()
-    if k3 is not None and isinstance(lso, k3):
-        compat = keras_compat
-    else:
-        compat = tf_keras_compat
-    scale = compat.loss_scale_variable(lso)
-    if scale is None:
-        return []  # a fixed loss scale has nothing to update
+    if k3 is None or not isinstance(lso, k3):
+        return tf_keras_compat.update_loss_scale(lso, values)
 
     def update():
-        with tf.control_dependencies(compat.update_loss_scale(lso, values)):
+        with tf.control_dependencies(keras_compat.update_loss_scale(lso, values)):
             return tf.constant(True)
 
-    return [_scale_lock(lso, scale).execute(update, exclusive_resource_access=False)]
+    lock = _scale_lock(lso, keras_compat.loss_scale_variable(lso))
+    return [lock.execute(update, exclusive_resource_access=False)]
 
 
 def _scale_lock(lso, scale) -> tf.CriticalSection:
