@@ -153,3 +153,22 @@ def test_supervisor_restarted_task_outlives_supervision_and_dies_with_launcher(t
         if state.exists():
             pids += [t["pid"] for t in json.loads(state.read_text())["tasks"].values()]
         _cleanup(launcher, pids)
+
+
+
+def test_a_task_process_imports_tensorflow_without_keras():
+    """ps/worker processes import TensorFlow without Keras (1.2-1.9 s of CPU
+    each at start-up); TensorFlow works, and Keras still imports afterwards."""
+    code = (
+        "import json, sys\n"
+        "from tf_asyncps.compat import tensorflow as tf_compat\n"
+        "tf = tf_compat.import_for_serving()\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'keras', 'tf_keras'})\n"
+        "value = float(tf.function(lambda x: x * 2.0)(tf.constant(3.0)))\n"
+        "import tf_keras\n"
+        "print('RESULT', json.dumps({'loaded': loaded, 'value': value,\n"
+        "      'tf_keras': hasattr(tf_keras, 'Model')}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=90, env=_env()).stdout
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"loaded": [], "value": 6.0, "tf_keras": True}

@@ -209,7 +209,8 @@ def _apply_gpus_flag():
 
 def _serve(config):
     from tf_asyncps import cluster
-    import tensorflow as tf
+    from tf_asyncps.compat import tensorflow as tf_compat
+    tf = tf_compat.import_for_serving()  # a ps/worker task needs no Keras
     address = config[config.task_type][config.task_id]
     try:
         server = cluster.start_server(config)

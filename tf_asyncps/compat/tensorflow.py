@@ -14,6 +14,7 @@ for:
 * Variables: per-worker variables and raw resource-variable ops for the
   local copies of ``local_sgd`` (``tf_asyncps/core/local_copies.py``).
 * Graphs and eager context; tf.data's test-only sleep (straggler injection).
+* Start-up: importing TensorFlow without Keras in ps/worker task processes.
 """
 
 import sys
@@ -26,9 +27,37 @@ __all__ = [
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
     "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
+    "import_for_serving",
 ]
 
 TESTED_VERSIONS = ("2.21.0",)
+
+
+def import_for_serving():
+    """Imports TensorFlow for a process that only serves a ps/worker task.
+
+    TensorFlow 2.21's ``__init__`` imports Keras eagerly (``keras.src.optimizers``,
+    or ``tf_keras.src.optimizers`` under ``TF_USE_LEGACY_KERAS``, for SavedModel
+    registrations, b/196254385): 1.2-1.9 s of CPU per process, tf_keras pulling
+    in pandas and scipy. A ps/worker task runs the chief's graph functions and
+    never Keras's Python code, so Keras is hidden while TensorFlow imports
+    (TensorFlow catches the ImportError, as where Keras is not installed).
+    ``tf.keras`` is not usable in such a process. A TensorFlow already imported
+    is returned as it is.
+
+    Returns:
+      The ``tensorflow`` module.
+    """
+    if "tensorflow" not in sys.modules:
+        hidden = [m for m in ("keras", "tf_keras") if m not in sys.modules]
+        for m in hidden:
+            sys.modules[m] = None  # makes `import m` raise ImportError
+        try:
+            import tensorflow  # noqa: F401
+        finally:
+            for m in hidden:
+                sys.modules.pop(m, None)
+    return sys.modules["tensorflow"]
 
 
 def context_connected() -> bool:
