@@ -166,6 +166,7 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
     moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
     return {"max_abs_diff": max(diffs), "moved": max(moved),
             "iterations": int(model.optimizer.iterations.numpy()),
+            "steps_per_execution_device": model._steps_per_execution.device,
             "stats": _stats(strategy)}
 
 

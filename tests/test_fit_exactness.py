@@ -10,9 +10,13 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.cluster
 def test_one_worker_async_equals_single_process_training():
-    r = run_scenario("single_worker_fit", shared=(1, 1), epochs=2, steps_per_epoch=20)
+    # 3 steps per closure, 20 per epoch: each epoch ends with a 2-step closure.
+    r = run_scenario("single_worker_fit", shared=(1, 1), epochs=2, steps_per_epoch=20,
+                     steps_per_execution=3)
     assert r["moved"] > 1e-2  # training really changed the weights
     assert r["max_abs_diff"] < 1e-5
+    # fit reads it before every closure: it lives on the chief, not on a ps.
+    assert r["steps_per_execution_device"] == "/job:chief/replica:0/task:0/device:CPU:0"
     s = r["stats"]
     assert s["applied"] == 40 and s["global_step"] == 40 and s["dropped"] == 0
     # One worker alone always sees tau = 0.

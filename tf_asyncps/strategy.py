@@ -15,7 +15,9 @@ StrategyExtended hooks and hands the work to the policy engine
 * ``_reduce_to``/``_batch_reduce_to``: inside a K-replica step's one update
   the optimizer's all-reduce passes the already summed gradients through.
 * ``_distribute_datasets_from_function``: one input pipeline per worker.
-* ``_create_variable``: remembers the variables (read snapshots, local copies).
+* ``_create_variable``: remembers the variables (read snapshots, local copies),
+  and keeps tf_keras's ``steps_per_execution`` counter on the chief, where
+  ``fit`` reads it before every closure.
 
 The coordinator subclass starts the engine's watchdogs while closures run,
 stops them and pushes local copies when it drains, and turns a timed-out wait
@@ -33,6 +35,7 @@ from tf_asyncps import policies as policies_lib
 from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import faults, mixed_precision, replicas
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
@@ -40,6 +43,10 @@ from tf_asyncps.core.step import install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout
 
 __all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
+
+#: The coordinator's own device: ParameterServerStrategy connects this process
+#: to the cluster as job "chief", also when the cluster has no chief job.
+COORDINATOR_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 
 KERAS3_FIT_MESSAGE = (
     "This Keras 3 model's fit/evaluate/predict reached Keras 3's own loop, which "
@@ -124,6 +131,13 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         if model is not None:
             from tf_asyncps import keras3
             keras3.attach(model, self._container_strategy())
+        if tf_keras_compat.creating_steps_per_execution():
+            # tf_keras reads this counter on the coordinator twice per closure
+            # and never in a step: on a ps each read is a round trip, which
+            # took most of the chief's time under local_sgd (README,
+            # "Performance"). It lives on the chief.
+            with tf.device(COORDINATOR_DEVICE):
+                return next_creator(**kwargs)
         per_worker = kwargs.get("per_worker_variable", False)
         none = tf.VariableAggregation.NONE
         if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \

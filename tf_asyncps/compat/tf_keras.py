@@ -6,11 +6,12 @@ called.
 """
 
 import functools
+import sys
 from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
-           "dense_on_sparse_gradients"]
+           "dense_on_sparse_gradients", "creating_steps_per_execution"]
 
 TESTED_VERSIONS = ("2.21.0",)
 
@@ -100,3 +101,23 @@ def dense_on_sparse_gradients(optimizer) -> Optional[str]:
                 "tf_keras.optimizers.Adagrad, whose sparse updates touch only the rows "
                 "of the batch")
     return None
+
+
+def creating_steps_per_execution(frames: int = 12) -> bool:
+    """Whether tf_keras's ``Model._configure_steps_per_execution`` (run by
+    ``compile``) is creating its ``_steps_per_execution`` variable on this
+    thread. ``fit``/``evaluate`` read that variable on the coordinator before
+    every closure (``DataHandler.steps`` and the scheduled call's argument)
+    and never inside a step."""
+    training = sys.modules.get("tf_keras.src.engine.training")
+    if training is None:
+        return False
+    f = sys._getframe(1)
+    for _ in range(frames):
+        if f is None:
+            return False
+        if f.f_code.co_name == "_configure_steps_per_execution" and \
+                f.f_code.co_filename == training.__file__:
+            return True
+        f = f.f_back
+    return False
