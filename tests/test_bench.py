@@ -147,6 +147,42 @@ def test_summary_ratios_and_target_checks(tmp_path):
     assert json.load(open(paths[0]))["results"][2]["x_vanilla"] == pytest.approx(0.95)
 
 
+def test_scaling_runs_grow_workers_and_ps_tasks():
+    runs = bench.scaling_configs(steps_per_execution=8)
+    assert [r["name"] for r in runs] == ["single", "async@w1p1", "async@w2p1", "async@w4p1",
+                                         "async@w1p2", "async@w2p2", "async@w4p2"]
+    shapes = [(r["num_workers"], r["num_ps"]) for r in runs[1:]]
+    assert shapes == [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
+    assert all(r["spe"] == 8 and r["model"] == "mlp" for r in runs)
+    with pytest.raises(ValueError, match="bench_scaling"):
+        bench.scaling_configs(only=["async@w8p1"])
+
+
+def test_peak_memory_is_read_per_task_and_kept_as_the_highest_repeat():
+    me = bench.peak_rss_mb({"chief": os.getpid(), "ps:0": 2 ** 22 + 1})
+    assert me["chief"] > 10 and me["ps:0"] is None  # no such process: None, no error
+    repeats = [dict(_result("async@w2p1", 300.0), peak_rss_mb={
+        "chief": 900.0, "ps:0": 500.0, "worker:0": 600.0, "worker:1": 650.0}),
+        dict(_result("async@w2p1", 320.0), peak_rss_mb={
+            "chief": 950.0, "ps:0": 480.0, "worker:0": 700.0, "worker:1": None})]
+    e = bench.aggregate_repeats({"name": "async@w2p1", "num_workers": 2, "num_ps": 1,
+                                 "spe": 16, "scaling": True}, repeats)
+    assert e["peak_rss_mb"] == {"chief": 950.0, "ps:0": 500.0, "worker:0": 700.0,
+                                "worker:1": 650.0}
+    assert bench_report.peak_by_kind(e) == {"chief": 950.0, "ps": 500.0, "worker": 700.0}
+    base = bench.aggregate_repeats(
+        {"name": "async@w1p1", "num_workers": 1, "num_ps": 1, "spe": 16, "scaling": True},
+        [dict(_result("async@w1p1", 200.0), peak_rss_mb={"chief": 800.0, "ps:0": 400.0,
+                                                         "worker:0": 600.0})] * 2)
+    settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 160,
+                "eval_every": 160, "target_accuracy": 0.9, "repeats": 2,
+                "bench_wall_time_s": 754.0}
+    md = bench_report.markdown(bench_report.summarize([base, e], settings))
+    # steps/s 310 (300-320) against 200 at 1 worker, 1 ps: 1.55 (1.50-1.60).
+    assert "| async@w2p1 | 2 | 1 | 310 (300-320) | 1.55 (1.50-1.60) | 950 | 500 | 700 |" in md
+    assert "The bench ran 12.6 min (2 runs x 2 repeat(s))." in md
+
+
 def test_hosts_runs_and_their_targets():
     runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
@@ -309,6 +345,7 @@ def test_stop_cont_cycler_refuses_itself():
     (["--bench_steps=400", "--bench_eval_every=160"], "multiple"),
     (["--bench_steps=160", "--bench_eval_every=160"], "twice"),
     (["--output_dir=/proc/no-such-dir"], "output_dir"),
+    (["--bench_scaling", "--bench_hosts=netns"], "--bench_scaling runs on loopback"),
 ])
 def test_bench_rejects_bad_settings_before_running(args, match):
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench"] + args,

@@ -39,8 +39,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-__all__ = ["default_configs", "hosts_configs", "run_one", "run_all",
-           "aggregate_repeats", "spread", "MODELS", "SPREAD_KEYS"]
+__all__ = ["default_configs", "hosts_configs", "scaling_configs", "run_one", "run_all",
+           "aggregate_repeats", "spread", "peak_rss_mb", "MODELS", "SPREAD_KEYS",
+           "SCALING_SHAPES"]
 
 #: The bench models, both on the digits data: "mlp" (64-128-10, 9,610
 #: parameters: per-closure overhead dominates) and "mlp_1m" (64-1024-1024-10,
@@ -51,6 +52,9 @@ LARGE_MODEL_RUNS = ("single", "vanilla", "async", "local_sgd")
 #: ``--bench_hosts=netns``: the runs compared over rate-limited links, each
 #: task on a host (network namespace) of its own, on "mlp_1m".
 HOSTS_RUNS = ("vanilla", "async", "local_sgd", "sync_replicas")
+
+#: ``--bench_scaling``: (workers, ps tasks) of the async runs, named async@wWpP.
+SCALING_SHAPES = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2))
 
 POLICY_ARGS = {"drop_stale": {"max_staleness": 2}, "ssp": {"max_staleness": 2},
                "staleness_aware": {}, "dc_asgd": {}, "async": {}}
@@ -143,6 +147,39 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
     return _only(runs, only, " for --bench_hosts=netns")
 
 
+def scaling_configs(steps_per_execution: int = 16,
+                    only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """The runs of ``--bench_scaling``: ``async`` on the digits MLP for each
+    (workers, ps tasks) of SCALING_SHAPES, named async@wWpP, and the
+    single-process baseline.
+
+    Raises:
+      ValueError: an unknown name in ``only``.
+    """
+    runs = [{"name": "single", "kind": "single", "spe": steps_per_execution,
+             "num_workers": 0, "num_ps": 0}]
+    runs += [{"name": f"async@w{w}p{p}", "kind": "policy", "policy": "async",
+              "policy_args": {}, "spe": steps_per_execution, "num_workers": w, "num_ps": p,
+              "scaling": True} for w, p in SCALING_SHAPES]
+    for r in runs:
+        r.update(locking=False, model="mlp")
+    return _only(runs, only, " for --bench_scaling")
+
+
+def peak_rss_mb(pids: Dict[str, int]) -> Dict[str, Optional[float]]:
+    """Peak resident memory (VmHWM, MB) of each named process; None where it
+    cannot be read (a process gone, or no /proc)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+            out[name] = round(kb / 1024.0, 1)
+        except (OSError, StopIteration, ValueError):
+            out[name] = None
+    return out
+
+
 # -- one run (in its own process) ---------------------------------------------
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     """Trains one configuration and measures it. Runs in a fresh process.
@@ -201,8 +238,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         fit_data = ds_fn(tf.distribute.InputContext())
     else:
         hosts = NetnsHosts(spec=settings["hosts"]) if settings.get("hosts") else None
-        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"], num_ps=1,
-                                           hosts=hosts).start()
+        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"],
+                                           num_ps=run.get("num_ps", 1), hosts=hosts).start()
         if run["kind"] == "vanilla":
             config = cluster_lib.validate_tf_config(cluster.tf_config("chief", 0))
             cluster_lib.wait_for_tasks(config, 30.0)
@@ -250,9 +287,13 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
                              **net})
 
     n_segments = max(1, settings["steps"] // eval_every)
+    peak = {}
     try:
         model.fit(fit_data, epochs=n_segments, steps_per_epoch=eval_every, verbose=0,
                   callbacks=[Probe()])
+        # Before the cluster stops: each task's peak, and this process's.
+        peak = peak_rss_mb(dict(cluster.pids if cluster is not None else {},
+                                **{"chief" if cluster is not None else "single": os.getpid()}))
     finally:
         if cluster is not None:  # children also die with this process
             cluster.stop(defer_if_connected=True)
@@ -262,7 +303,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     out = {"segments": segments, "steps_per_sec": steps / secs,
            "examples_per_sec": steps * batch / secs, "updates_per_sec": None,
            "test_accuracy": segments[-1]["test_accuracy"],
-           "steps_to_target": None, "seconds_to_target": None, "staleness": None}
+           "steps_to_target": None, "seconds_to_target": None, "staleness": None,
+           "peak_rss_mb": peak}
     if len(steady) < len(segments) and "worker_tx_bytes" in segments[0]:
         # After the first segment (its bytes include the model's first reads).
         for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
@@ -376,7 +418,7 @@ def aggregate_repeats(run: Dict[str, Any], repeats: List[Dict[str, Any]]) -> Dic
     The entry has the run's settings; ``repeats`` (every repeat as measured);
     for each of ``SPREAD_KEYS`` the median under the key itself and
     ``KEY_range`` = [min, max]; the median repeat's ``segments`` and
-    ``staleness``. If every repeat failed, ``error`` (the first one's).
+    ``staleness``; ``peak_rss_mb`` per task, the highest over the repeats. If every repeat failed, ``error`` (the first one's).
     A target not reached in some repeats: ``steps_to_target`` is the median
     of those that reached it and ``target_reached`` counts them.
     """
@@ -394,6 +436,10 @@ def aggregate_repeats(run: Dict[str, Any], repeats: List[Dict[str, Any]]) -> Dic
     entry["target_reached"] = sum(1 for r in ok if r.get("steps_to_target") is not None)
     # The repeat whose steps/s is the median (the lower middle one for an
     # even count) supplies the segments and the staleness counters.
+    peaks = [r.get("peak_rss_mb") or {} for r in ok]
+    entry["peak_rss_mb"] = {  # per task: the highest over the repeats
+        k: max((p[k] for p in peaks if p.get(k) is not None), default=None)
+        for k in sorted({k for p in peaks for k in p})}
     middle = sorted(ok, key=lambda r: r["steps_per_sec"])[(len(ok) - 1) // 2]
     entry["segments"] = middle["segments"]
     entry["staleness"] = middle.get("staleness")

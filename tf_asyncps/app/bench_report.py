@@ -13,7 +13,8 @@ from typing import Any, Dict, List
 
 from tf_asyncps.app.bench import MODELS
 
-__all__ = ["summarize", "markdown", "write_outputs", "ratio", "verdict", "TARGETS",
+__all__ = ["summarize", "markdown", "write_outputs", "ratio", "verdict", "peak_by_kind",
+           "TARGETS",
            "LOCAL_SGD_TARGETS", "BACKUP_TARGET", "HOSTS_TARGETS"]
 
 #: Throughput ratios to vanilla PSS (same model) that the project aims for.
@@ -167,7 +168,9 @@ def markdown(bench: Dict[str, Any]) -> str:
     lines = [
         f"Digits MLP 64-128-10 (runs NAME@1m: 64-1024-1024-10, 1.1M parameters), "
         f"SGD lr {s['learning_rate']}, batch {s['batch_size']} "
-        f"per worker step, {s['steps']} worker steps per run{longer}, 1 ps, {where}"
+        f"per worker step, {s['steps']} worker steps per run{longer}, "
+        f"{'ps tasks as listed' if any(r.get('scaling') for r in bench['results']) else '1 ps'}"
+        f", {where}"
         f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
         f"{bench['machine']['cpus']} CPUs, TensorFlow {bench['machine']['tensorflow']}, "
         f"{bench['machine']['platform']}.",
@@ -197,6 +200,10 @@ def markdown(bench: Dict[str, Any]) -> str:
             f"{r['test_accuracy']:.3f} |"
             + (f" {_kb(r, 'bytes_sent_per_step')} | {_kb(r, 'bytes_received_per_step')} |"
                if net else ""))
+    lines += _memory_table(bench["results"])
+    if s.get("bench_wall_time_s") is not None:
+        lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
+                  f"({len(bench['results'])} runs x {s.get('repeats', 1)} repeat(s))."]
     if bench["checks"]:
         lines += ["", "| target | measured: median (range) | aim | verdict |",
                   "|---|---|---|---|"]
@@ -205,6 +212,44 @@ def markdown(bench: Dict[str, Any]) -> str:
             lines.append(f"| {c['check']} | {_fmt_range(c['value'], c.get('range'))} | "
                          f">= {c['target']} | {v if v == 'met' else '**' + v + '**'} |")
     return "\n".join(lines) + "\n"
+
+
+def peak_by_kind(r) -> Dict[str, Any]:
+    """A run's peak memory (MB, highest over the repeats) of the chief (or the
+    single process), and the highest of its ps tasks and of its workers."""
+    peak = r.get("peak_rss_mb") or {}
+
+    def top(prefix):
+        vals = [v for k, v in peak.items() if k.startswith(prefix) and v is not None]
+        return max(vals) if vals else None
+
+    return {"chief": peak.get("chief", peak.get("single")), "ps": top("ps:"),
+            "worker": top("worker:")}
+
+
+def _memory_table(results) -> List[str]:
+    """Peak memory per task; for --bench_scaling runs also workers, ps tasks
+    and steps/s relative to 1 worker and 1 ps."""
+    ok = [r for r in results if "error" not in r and r.get("peak_rss_mb")]
+    if not ok:
+        return []
+    scaling = any(r.get("scaling") for r in ok)
+    base = next((r for r in ok if r.get("num_workers") == 1 and r.get("num_ps") == 1), None)
+    head = ("| run | workers | ps | steps/s | × 1 worker, 1 ps | " if scaling else "| run | ")
+    lines = ["", "Peak memory per task (MB, VmHWM; the highest over the repeats):", "",
+             head + "chief (or single) MB | ps MB (max) | worker MB (max) |",
+             "|---" * (head.count("|") + 2) + "|"]
+    for r in ok:
+        m = peak_by_kind(r)
+        row = f"| {r['name']} | "
+        if scaling:
+            x, rng = ratio(r, base) if base else (None, None)
+            row += (f"{r['num_workers']} | {r.get('num_ps', 1)} | "
+                    f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), '.0f')} | "
+                    f"{_fmt_range(x, rng)} | ")
+        lines.append(row + f"{_fmt(m['chief'], '.0f')} | {_fmt(m['ps'], '.0f')} | "
+                           f"{_fmt(m['worker'], '.0f')} |")
+    return lines
 
 
 def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:

@@ -32,6 +32,9 @@ import time
 
 from absl import app, flags, logging
 
+from tf_asyncps.app.bench_cmd import cmd_bench
+from tf_asyncps.app.console import sigterm_as_ctrl_c
+
 FLAGS = flags.FLAGS
 COMMANDS = ("launch", "train", "server", "bench", "reference")
 
@@ -130,43 +133,6 @@ flags.DEFINE_boolean(
     "reach this one at an address it does not own.")
 
 
-# bench (see tf_asyncps/app/bench.py); it also uses --num_workers, --batch_size,
-# --learning_rate, --seed and --output_dir.
-flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
-                  "single,vanilla,async,local_sgd.")
-flags.DEFINE_integer("bench_steps", 1920, "bench: worker steps per run.", lower_bound=1)
-flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
-                     "checks (a multiple of the steps per closure).", lower_bound=1)
-flags.DEFINE_integer("bench_steps_per_execution", 16, "bench: worker steps per closure "
-                     "(fit's steps_per_execution) for every run but the straggler pair.",
-                     lower_bound=1)
-flags.DEFINE_integer("bench_sync_every", 16, "bench: local_sgd's sync_every (also its steps "
-                     "per closure).", lower_bound=1)
-flags.DEFINE_float("bench_target_accuracy", 0.90, "bench: test accuracy for the "
-                   "steps/seconds-to-target columns.", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("bench_straggler_workers", 4, "bench: workers N of the sync_replicas "
-                     "N-of-N vs (N-1)-of-N straggler pair.", lower_bound=2)
-flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms) of the "
-                   "slowed worker in the straggler pair.", lower_bound=0.0)
-flags.DEFINE_integer("bench_repeats", 3, "bench: times each run is repeated (interleaved); "
-                     "figures are medians with their min-max range.", lower_bound=1)
-flags.DEFINE_enum("bench_hosts", "local", ["local", "netns"],
-                  "bench: local: every task on loopback (all runs); netns: each task on "
-                  "a host of its own (a Linux network namespace, needs root) with links "
-                  "of --bench_bandwidth_mbit, comparing vanilla, async, local_sgd and "
-                  "sync_replicas on the 1.1M-parameter MLP (defaults then: "
-                  "--bench_steps=320 --bench_eval_every=64).")
-flags.DEFINE_integer("bench_hosts_local_sgd_steps", 1920, "bench --bench_hosts=netns: "
-                     "worker steps of the local_sgd run (0: --bench_steps). At equal steps "
-                     "local_sgd lags (a worker sees the others' updates once per window), so "
-                     "its accuracy is compared after a longer run; it still takes less time "
-                     "than vanilla's.", lower_bound=0)
-flags.DEFINE_float("bench_bandwidth_mbit", 100.0, "bench --bench_hosts=netns: each host's "
-                   "link rate in Mbit/s, each way (tc tbf); 0: unlimited.", lower_bound=0.0)
-flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
-                   "and reported as failed.", lower_bound=1.0)
-
-
 def _job_config():
     from tf_asyncps.app import job
     try:
@@ -244,14 +210,6 @@ def cmd_server(argv):
     _serve(config)
 
 
-def _sigterm_as_ctrl_c() -> None:
-    """SIGTERM (a scheduler, `kill`) stops this command like Ctrl-C: its
-    children and hosts are stopped and removed on the way out."""
-    def interrupt(*_):
-        raise KeyboardInterrupt()
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def _quiet_console() -> bool:
     return FLAGS.console == "quiet" or (FLAGS.console == "auto" and sys.stdout.isatty())
 
@@ -272,7 +230,7 @@ def _train_filtered(config) -> None:
     print(f"tf-asyncps train: {config.task_type}:{config.task_id}; TensorFlow's runtime "
           f"lines go to {log_path} (--console=full shows them here)", flush=True)
     args = [a for a in sys.argv[1:] if a != "train"]
-    _sigterm_as_ctrl_c()
+    sigterm_as_ctrl_c()
     # The child checks TF_CONFIG's addresses itself (its warnings shown once).
     rc = run_filtered([sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"],
                       dict(os.environ), log_path, who="train")
@@ -352,7 +310,7 @@ def _launch(argv, quiet):
         raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
                          "--hosts=netns or drop it.")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
-    _sigterm_as_ctrl_c()
+    sigterm_as_ctrl_c()
     quiet.release()  # the checks are done: fd 2 is the console again
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -442,79 +400,6 @@ def _run_chief(c, args, env, deadline) -> int:
                         restarts=FLAGS.restart_failed_tasks,
                         timeout_s=max(1.0, deadline - time.monotonic()),
                         on_start=lambda p: c.write_state({"chief:0": p.pid}))
-
-
-def cmd_bench(argv):
-    from tf_asyncps.app import bench
-    netns = FLAGS.bench_hosts == "netns"
-    if FLAGS["bench_bandwidth_mbit"].present and not netns:
-        raise ValueError("--bench_bandwidth_mbit limits the links of --bench_hosts=netns; add "
-                         "--bench_hosts=netns or drop it.")
-    if netns:
-        runs = bench.hosts_configs(
-            num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
-            steps_per_execution=FLAGS.bench_steps_per_execution,
-            only=FLAGS.bench_only or None,
-            local_sgd_steps=FLAGS.bench_hosts_local_sgd_steps or None)
-        # Bandwidth-bound steps are slow: shorter runs unless asked.
-        if not FLAGS["bench_steps"].present:
-            FLAGS.bench_steps = 320
-        if not FLAGS["bench_eval_every"].present:
-            FLAGS.bench_eval_every = 64
-    else:
-        runs = bench.default_configs(
-            num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
-            steps_per_execution=FLAGS.bench_steps_per_execution,
-            straggler_workers=FLAGS.bench_straggler_workers,
-            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None)
-    for r in runs:
-        if FLAGS.bench_eval_every % r["spe"]:
-            raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
-                             f"of the steps per closure of run {r['name']} ({r['spe']}).")
-    for flag, steps in [("bench_steps", FLAGS.bench_steps)] + [
-            ("bench_hosts_local_sgd_steps", r["steps"]) for r in runs if "steps" in r]:
-        if steps % FLAGS.bench_eval_every or steps < 2 * FLAGS.bench_eval_every:
-            raise ValueError(
-                f"--{flag}={steps} must be a multiple of --bench_eval_every="
-                f"{FLAGS.bench_eval_every} and at least twice it (the first segment includes "
-                "tracing and is left out of steps/s).")
-    out = FLAGS.output_dir or os.path.join("runs", "bench")
-    try:  # fail now, not after the runs
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, ".write_test"), "w"):
-            pass
-        os.remove(os.path.join(out, ".write_test"))
-    except OSError as e:
-        raise ValueError(f"--output_dir={out} is not a writable directory ({e.strerror}).")
-    settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
-                "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
-                "eval_every": FLAGS.bench_eval_every,
-                "target_accuracy": FLAGS.bench_target_accuracy,
-                "repeats": FLAGS.bench_repeats}
-    print(f"tf-asyncps bench: {len(runs)} runs x {FLAGS.bench_repeats} repeats (interleaved), "
-          f"{FLAGS.bench_steps} worker steps each; results in {out}/", flush=True)
-    # SIGTERM stops the bench like Ctrl-C: its hosts are removed on the way out.
-    _sigterm_as_ctrl_c()
-    with contextlib.ExitStack() as stack:
-        hosts = None
-        if netns:
-            from tf_asyncps.cluster import LocalCluster, NetnsHosts
-            settings["hosts"] = True
-            settings["bandwidth_mbit"] = FLAGS.bench_bandwidth_mbit or None
-            hosts = stack.enter_context(NetnsHosts(LocalCluster.host_names(FLAGS.num_workers, 1),
-                                                   rate_mbit=settings["bandwidth_mbit"]))
-            print(f"tf-asyncps bench: hosts {hosts}", flush=True)
-        results = bench.run_all(runs, settings, timeout_s=FLAGS.bench_run_timeout_s,
-                                say=lambda s: print(s, flush=True),
-                                repeats=FLAGS.bench_repeats, hosts=hosts)
-    from tf_asyncps.app import bench_report
-    doc = bench_report.summarize(results, settings)
-    paths = bench_report.write_outputs(doc, out)
-    print(bench_report.markdown(doc), flush=True)
-    print("wrote " + ", ".join(paths), flush=True)
-    failed = [r["name"] for r in results if "error" in r]
-    if failed:
-        raise RuntimeError(f"runs failed: {failed} (see {paths[1]}).")
 
 
 def main(argv):

@@ -13,6 +13,7 @@ became unreachable, since when, and what happens next.
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 from typing import Callable, Dict, Optional, TextIO
 
 __all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in",
-           "run_filtered"]
+           "run_filtered", "sigterm_as_ctrl_c"]
 
 # glog-style lines written by C++ (file.cc:123]); absl's Python logging uses
 # the same prefix with a .py file and is kept.
@@ -227,3 +228,11 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
             child.kill()
         reader.join(timeout=10)  # the rest of its output, up to EOF
         log.close()
+
+
+def sigterm_as_ctrl_c() -> None:
+    """SIGTERM (a scheduler, `kill`) stops this command like Ctrl-C: its
+    children and hosts are stopped and removed on the way out."""
+    def interrupt(*_):
+        raise KeyboardInterrupt()
+    signal.signal(signal.SIGTERM, interrupt)
