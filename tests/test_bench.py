@@ -183,6 +183,46 @@ def test_peak_memory_is_read_per_task_and_kept_as_the_highest_repeat():
     assert "The bench ran 12.6 min (2 runs x 2 repeat(s))." in md
 
 
+def test_runs_share_a_cluster_per_shape_except_policies_that_leave_waiters(monkeypatch):
+    import tf_asyncps.cluster
+
+    class Proc:
+        def __init__(self):
+            self.code = None
+
+        def poll(self):
+            return self.code
+
+    class FakeCluster:
+        def __init__(self, num_workers, num_ps, hosts=None):
+            self.shape, self.procs, self.stopped = (num_workers, num_ps), {"ps:0": Proc()}, False
+
+        def start(self):
+            return self
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(tf_asyncps.cluster, "LocalCluster", FakeCluster)
+    clusters = {}
+
+    def get(**run):
+        run = dict({"num_workers": 2}, **run)
+        return bench._cluster_for(run, clusters, None, fresh=bench._leaves_waiters(run))
+
+    a = get(policy="async")
+    assert get(kind="vanilla") is a and get(policy="local_sgd") is a  # shared
+    assert get(num_workers=4) is not a and not a.stopped  # another shape
+    s1 = get(policy="sync_replicas")
+    assert s1 is not a and a.stopped  # a cluster of its own
+    s2 = get(policy="ssp")
+    assert s2 is not s1 and s1.stopped
+    b = get(policy="async")  # a single-use cluster is not reused
+    assert b is not s2 and s2.stopped
+    b.procs["ps:0"].code = -9  # a task died: started again
+    assert get(policy="async") is not b and b.stopped
+
+
 def test_hosts_runs_and_their_targets():
     runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
@@ -270,6 +310,10 @@ def test_tiny_bench_run_writes_a_well_formed_bench_json(tmp_path):
         assert len(x["segments"]) == 2 and x["steps_per_sec"] > 0
         assert 0.0 <= x["test_accuracy"] <= 1.0
     assert by["single"]["staleness"] is None and by["single"]["x_single"] == 1.0
+    # Both async repeats ran on the same ps/worker processes (one cluster per shape).
+    pids = [r["task_pids"] for r in by["async"]["repeats"]]
+    assert pids[0] == pids[1] and sorted(pids[0]) == ["ps:0", "worker:0"]
+    assert all(v > 0 for v in by["async"]["peak_rss_mb"].values())
     s = by["async"]["staleness"]
     # One worker: every step applied once, tau always 0.
     assert s["applied"] == s["global_step"] == 32 and s["max"] == 0

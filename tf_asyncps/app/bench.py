@@ -64,7 +64,8 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
                     steps_per_execution: int = 16, straggler_workers: int = 4,
                     straggler_delay_ms: float = 100.0,
                     only: Optional[List[str]] = None,
-                    large_model: bool = True) -> List[Dict[str, Any]]:
+                    large_model: bool = True,
+                    straggler_steps: Optional[int] = None) -> List[Dict[str, Any]]:
     """The runs of one bench invocation (dicts, JSON-serialisable).
 
     Args:
@@ -79,6 +80,9 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
         and on the 1M-parameter model single@1m, vanilla@1m, async@1m,
         local_sgd@1m.
       large_model: add the LARGE_MODEL_RUNS on "mlp_1m".
+      straggler_steps: the straggler pair's run length in worker steps (its
+        ``"steps"``; None: the bench's). One step per closure with a slowed
+        worker makes its steps the slowest of the bench.
 
     Raises:
       ValueError: an unknown name in ``only``.
@@ -101,6 +105,8 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
                      "policy_args": {"replicas_to_aggregate": agg, "total_num_replicas": n},
                      "spe": 1, "num_workers": n, "slow_worker": 0,
                      "delay_ms": straggler_delay_ms, "straggler": True})
+        if straggler_steps is not None:
+            runs[-1]["steps"] = straggler_steps
     for r in runs:
         r.setdefault("num_workers", num_workers)
         r.setdefault("locking", False)
@@ -187,9 +193,11 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     Args:
       run: one of :func:`default_configs`.
       settings: batch_size, learning_rate, seed, steps, eval_every,
-        target_accuracy; with ``hosts`` (a ``NetnsHosts.spec()``), the
-        cluster runs on those hosts and this process must run on the
-        chief's (``run_all`` does that).
+        target_accuracy; for every run but "single", ``cluster``: the
+        ``tf_config`` of the chief of a running cluster of the run's shape and
+        the ``pids`` of its tasks (``run_all`` keeps one up per shape); with
+        ``hosts`` (a ``NetnsHosts.spec()``) that cluster runs on those hosts
+        and this process must run on the chief's (``run_all`` does that).
 
     Returns:
       A JSON-serialisable dict: ``segments`` (per evaluation: steps, seconds,
@@ -232,23 +240,26 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
                       steps_per_execution=spe)
         return model
 
-    strategy = cluster = None
+    strategy = hosts = None
+    task_pids = {}
     if run["kind"] == "single":
         model = build()
         fit_data = ds_fn(tf.distribute.InputContext())
     else:
+        # The ps/worker tasks the caller keeps up for runs of this shape (run_all).
+        shared = settings["cluster"]
+        task_pids = shared["pids"]
         hosts = NetnsHosts(spec=settings["hosts"]) if settings.get("hosts") else None
-        cluster = cluster_lib.LocalCluster(num_workers=run["num_workers"],
-                                           num_ps=run.get("num_ps", 1), hosts=hosts).start()
+        config = cluster_lib.validate_tf_config(shared["tf_config"])
         if run["kind"] == "vanilla":
-            config = cluster_lib.validate_tf_config(cluster.tf_config("chief", 0))
             cluster_lib.wait_for_tasks(config, 30.0)
             cluster_lib.configure_local_context(run["num_workers"])
-            strategy = tf.distribute.ParameterServerStrategy(cluster.resolver())
+            strategy = tf.distribute.ParameterServerStrategy(
+                cluster_lib.cluster_resolver(config))
         else:
             strategy = AsyncParameterServerStrategy(
-                cluster.resolver(), update_policy=policies.get(run["policy"],
-                                                               **run["policy_args"]))
+                cluster_lib.cluster_resolver(config), update_policy=policies.get(
+                    run["policy"], **run["policy_args"]))
         with strategy.scope():
             model = build()
         fit_data = tf_keras.utils.experimental.DatasetCreator(ds_fn)
@@ -265,9 +276,9 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     workers = [f"worker:{i}" for i in range(run["num_workers"])]
 
     def link_bytes():
-        if cluster is None or cluster.hosts is None:
+        if hosts is None:
             return {}
-        c = [cluster.hosts.counters(w) for w in workers]
+        c = [hosts.counters(w) for w in workers]
         return {"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
                 "worker_rx_bytes": sum(x["rx_bytes"] for x in c)}
 
@@ -287,16 +298,10 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
                              **net})
 
     n_segments = max(1, settings["steps"] // eval_every)
-    peak = {}
-    try:
-        model.fit(fit_data, epochs=n_segments, steps_per_epoch=eval_every, verbose=0,
-                  callbacks=[Probe()])
-        # Before the cluster stops: each task's peak, and this process's.
-        peak = peak_rss_mb(dict(cluster.pids if cluster is not None else {},
-                                **{"chief" if cluster is not None else "single": os.getpid()}))
-    finally:
-        if cluster is not None:  # children also die with this process
-            cluster.stop(defer_if_connected=True)
+    model.fit(fit_data, epochs=n_segments, steps_per_epoch=eval_every, verbose=0,
+              callbacks=[Probe()])
+    # Each task's peak since run_all reset it before this run, and this process's.
+    peak = peak_rss_mb(dict(task_pids, **{"chief" if task_pids else "single": os.getpid()}))
     steady = segments[1:] or segments
     secs = sum(s["seconds"] for s in steady)
     steps = sum(s["steps"] for s in steady)
@@ -304,7 +309,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
            "examples_per_sec": steps * batch / secs, "updates_per_sec": None,
            "test_accuracy": segments[-1]["test_accuracy"],
            "steps_to_target": None, "seconds_to_target": None, "staleness": None,
-           "peak_rss_mb": peak}
+           "peak_rss_mb": peak, "task_pids": task_pids}
     if len(steady) < len(segments) and "worker_tx_bytes" in segments[0]:
         # After the first segment (its bytes include the model's first reads).
         for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
@@ -331,8 +336,16 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
             hosts=None) -> List[Dict[str, Any]]:
     """Runs each configuration ``repeats`` times in child processes, one after
     the other, interleaved: repeat 1 of every run, then repeat 2, ...
-    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``), each child
-    runs on the chief's host and its cluster on the others.
+
+    Each child is a fresh chief process (new strategy, variables and
+    coordinator); the ps/worker tasks of each cluster shape (workers, ps
+    tasks) are started once and shared by the runs of that shape, as a
+    chief re-run reconnects to them (started again if a task died), except
+    for policies that may leave workers waiting (WAITING_POLICIES): each of
+    their runs has a cluster of its own. The tasks' peak memory is reset
+    before each run, so each run reports its own.
+    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``),
+    each task runs on its host and each child on the chief's.
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``
     (its process group is killed) and the others still run.
@@ -344,31 +357,83 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"--bench_repeats must be an integer >= 1, got {repeats!r}.")
     per_run = {i: [] for i in range(len(runs))}
+    clusters = {}
     t_start = time.perf_counter()
     total = len(runs) * repeats
     k = 0
-    for rep in range(repeats):
-        for i, run in enumerate(runs):
-            k += 1
-            where = (f"{run['num_workers']} worker(s)" if run["num_workers"]
-                     else "one process, no strategy")
-            say(f"[{k}/{total}] {run['name']}"
-                + (f" (repeat {rep + 1}/{repeats})" if repeats > 1 else "")
-                + f": {where}, {run['spe']} steps per closure"
-                + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
-                   if run.get("straggler") else "") + " ...")
-            t0 = time.perf_counter()
-            result, error = _run_child(run, settings, timeout_s, hosts)
-            if result is None:
-                say(f"    FAILED ({error.splitlines()[0]}); last output:\n"
-                    + "\n".join(error.splitlines()[1:]))
-                per_run[i].append({"error": error})
-            else:
-                per_run[i].append(result)
-                say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
-                    f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
-                    f"{time.perf_counter() - t_start:.0f} s so far)")
+    try:
+        for rep in range(repeats):
+            for i, run in enumerate(runs):
+                k += 1
+                where = (f"{run['num_workers']} worker(s)" if run["num_workers"]
+                         else "one process, no strategy")
+                say(f"[{k}/{total}] {run['name']}"
+                    + (f" (repeat {rep + 1}/{repeats})" if repeats > 1 else "")
+                    + f": {where}, {run['spe']} steps per closure"
+                    + (f", worker {run['slow_worker']} slowed by {run['delay_ms']:g} ms/step"
+                       if run.get("straggler") else "") + " ...")
+                t0 = time.perf_counter()
+                run_settings = settings
+                if run["num_workers"]:
+                    c = _cluster_for(run, clusters, hosts, fresh=_leaves_waiters(run))
+                    for pid in c.pids.values():
+                        _reset_peak(pid)
+                    run_settings = dict(settings, cluster={"tf_config": c.tf_config("chief", 0),
+                                                           "pids": c.pids})
+                result, error = _run_child(run, run_settings, timeout_s, hosts)
+                if result is None:
+                    say(f"    FAILED ({error.splitlines()[0]}); last output:\n"
+                        + "\n".join(error.splitlines()[1:]))
+                    per_run[i].append({"error": error})
+                else:
+                    per_run[i].append(result)
+                    say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
+                        f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
+                        f"{time.perf_counter() - t_start:.0f} s so far)")
+    finally:
+        for c, _ in clusters.values():
+            c.stop()
     return [aggregate_repeats(run, per_run[i]) for i, run in enumerate(runs)]
+
+
+#: Policies whose workers may still wait on the PS (a token, a clock) when
+#: fit returns: a worker left waiting by the last chief blocks the next one
+#: (seen: sync_replicas with a backup worker hung its second run), so each
+#: of their runs gets a cluster of its own, stopped after it.
+WAITING_POLICIES = ("ssp", "sync_replicas")
+
+
+def _leaves_waiters(run) -> bool:
+    return run.get("policy") in WAITING_POLICIES
+
+
+def _cluster_for(run, clusters, hosts, fresh=False):
+    """The LocalCluster for ``run``: the running one of its shape, started on
+    first use and again if one of its tasks has exited; with ``fresh`` a new
+    one, which no later run reuses. ``clusters``: shape -> (cluster, whether
+    it is single-use)."""
+    from tf_asyncps.cluster import LocalCluster
+    shape = (run["num_workers"], run.get("num_ps", 1))
+    c, single_use = clusters.get(shape, (None, False))
+    if c is not None and (fresh or single_use or
+                          any(p.poll() is not None for p in c.procs.values())):
+        c.stop()
+        c = None
+    if c is None:
+        c = LocalCluster(num_workers=shape[0], num_ps=shape[1], hosts=hosts).start()
+        clusters[shape] = (c, fresh)
+    return c
+
+
+def _reset_peak(pid: int) -> None:
+    """Resets a process's peak resident memory (VmHWM) to its current size
+    (Linux ``/proc/PID/clear_refs``, 5); where that is refused the peak
+    stays the process's own since its start."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _run_child(run, settings, timeout_s, hosts=None):

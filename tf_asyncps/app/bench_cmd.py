@@ -16,7 +16,7 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
                   "single,vanilla,async,local_sgd.")
-flags.DEFINE_integer("bench_steps", 1920, "bench: worker steps per run.", lower_bound=1)
+flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
 flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)
 flags.DEFINE_integer("bench_steps_per_execution", 16, "bench: worker steps per closure "
@@ -28,6 +28,9 @@ flags.DEFINE_float("bench_target_accuracy", 0.90, "bench: test accuracy for the 
                    "steps/seconds-to-target columns.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("bench_straggler_workers", 4, "bench: workers N of the sync_replicas "
                      "N-of-N vs (N-1)-of-N straggler pair.", lower_bound=2)
+flags.DEFINE_integer("bench_straggler_steps", 640, "bench: worker steps of each run of the "
+                     "straggler pair (0: --bench_steps); one step per closure with a slowed "
+                     "worker makes them the slowest runs.", lower_bound=0)
 flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms) of the "
                    "slowed worker in the straggler pair.", lower_bound=0.0)
 flags.DEFINE_integer("bench_repeats", 3, "bench: times each run is repeated (interleaved); "
@@ -81,13 +84,15 @@ def cmd_bench(argv):
             num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
             steps_per_execution=FLAGS.bench_steps_per_execution,
             straggler_workers=FLAGS.bench_straggler_workers,
-            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None)
+            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None,
+            straggler_steps=FLAGS.bench_straggler_steps or None)
     for r in runs:
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
                              f"of the steps per closure of run {r['name']} ({r['spe']}).")
     for flag, steps in [("bench_steps", FLAGS.bench_steps)] + [
-            ("bench_hosts_local_sgd_steps", r["steps"]) for r in runs if "steps" in r]:
+            ("bench_straggler_steps" if r.get("straggler") else "bench_hosts_local_sgd_steps",
+             r["steps"]) for r in runs if "steps" in r]:
         if steps % FLAGS.bench_eval_every or steps < 2 * FLAGS.bench_eval_every:
             raise ValueError(
                 f"--{flag}={steps} must be a multiple of --bench_eval_every="

@@ -122,10 +122,10 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
                            key="updates_per_sec")
         check("sync_replicas with a backup worker: applied updates/s vs N-of-N",
               value, rng, BACKUP_TARGET)
-    import tensorflow as tf
+    from importlib import metadata  # not TensorFlow itself: its import prints notices
     return {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "tensorflow": tf.__version__},
+                    "cpus": os.cpu_count(), "tensorflow": metadata.version("tensorflow")},
         "settings": settings, "results": results, "checks": checks,
     }
 

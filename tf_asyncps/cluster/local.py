@@ -155,10 +155,6 @@ class LocalCluster:
         env.update(self.env)
         env["TF_CONFIG"] = self.tf_config(job, int(i))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-        # `import tensorflow` eagerly imports Keras's optimizers: Keras 3's pull
-        # in scikit-learn (1.4 s of CPU per task). A server runs no Python
-        # Keras code, so it takes tf_keras's lighter ones.
-        env.setdefault("TF_USE_LEGACY_KERAS", "1")
         if job == "ps":
             env["CUDA_VISIBLE_DEVICES"] = ""
         if job == "worker":
