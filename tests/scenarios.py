@@ -170,6 +170,28 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
             "stats": _stats(strategy)}
 
 
+@scenario
+def fit_on_running_cluster(tf_config, policy, policy_args=None, epochs=2, steps_per_epoch=20):
+    """A chief on ps/worker tasks it did not start (and that outlive it), as
+    a re-run chief: model.fit of the small MLP; exact counters."""
+    x, y = _small_problem()
+    config = tf_asyncps.cluster.validate_tf_config(tf_config)
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        tf_asyncps.cluster.cluster_resolver(config),
+        update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    with strategy.scope():
+        model = _mlp()
+        model.compile(_optimizer("sgd", 0.1),
+                      tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    return {"stats": _stats(strategy), "iterations": int(model.optimizer.iterations.numpy())}
+
+
 @scenario(shares_cluster=True)
 def accounting_fit(num_workers=3, epochs=3, steps_per_epoch=40, batch=16):
     """Several workers under model.fit: exact counters."""

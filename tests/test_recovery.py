@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, poll_until, run_command, stop_process
+from conftest import ROOT, _env, poll_until, run_command, run_scenario, stop_process
 from tf_asyncps import recovery
+from tf_asyncps.cluster import LocalCluster
 
 FLAGS = ["--num_workers=1", "--num_ps=1", "--epochs=8", "--steps_per_epoch=50",
          "--steps_per_execution=10", "--hidden=64", "--seed=0", "--timeout_s=200"]
@@ -175,3 +176,20 @@ def test_lost_task_messages_and_exit_descriptions():
     assert cli._describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
     assert "a task of the cluster was lost" in cli._describe_exit(cli.EXIT_LOST_TASK)
     assert cli._describe_exit(1) == "exited with code 1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster
+def test_a_chief_rerun_on_tasks_that_outlived_the_last_chief_gets_its_own_locks():
+    """Regression: TensorFlow names eagerly created queues by a per-process
+    counter, so a second chief process on the same ps got the first one's
+    update lock (creating it blocked forever: drop_stale hung) and gate
+    queues (ssp). Each chief now makes its own; counters stay exact."""
+    with LocalCluster(num_workers=2, num_ps=1) as c:
+        for policy in ("drop_stale", "drop_stale", "ssp", "ssp"):
+            r = run_scenario("fit_on_running_cluster", timeout=90,
+                             tf_config=c.tf_config("chief", 0), policy=policy,
+                             policy_args={"max_staleness": 1})
+            s = r["stats"]
+            assert s["applied"] + s["dropped"] == 40, (policy, s)
+            assert s["global_step"] == s["applied"] == r["iterations"], (policy, s)

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_asyncps.core import placement
 from tf_asyncps.core.watchdog import Watchdog
 
 __all__ = ["WorkerGate", "GatedPolicy"]
@@ -50,8 +51,7 @@ class WorkerGate(Watchdog):
         self._describe = describe
         self._pending: Optional[Callable[[], bool]] = None
         with tf.init_scope(), tf.device(device):
-            self.queues = [tf.queue.FIFOQueue(1 << 30, [tf.int64], shapes=[[]],
-                                              name=f"{name}_tokens_worker_{w}")
+            self.queues = [placement.fifo_queue(1 << 30, f"{name}_tokens_worker_{w}")
                            for w in range(num_workers)]
             # [waiting per worker..., released flag per worker..., released reads]
             self._state = tf.Variable(tf.zeros([2 * num_workers + 1], tf.int64),

@@ -57,8 +57,7 @@ class PSLock(Watchdog):
         self.timeout_s = float(timeout_s)
         self.lock_name = name
         with tf.init_scope(), tf.device(device):
-            self._queue = tf.queue.FIFOQueue(1, [tf.int64], shapes=[[]],
-                                             name=f"asyncps_{name}")
+            self._queue = placement.fifo_queue(1, f"asyncps_{name}")
             self._queue.enqueue(tf.constant(0, tf.int64))
         with tf.init_scope(), (placement.beside(anchor) if anchor is not None
                                else tf.device(device)):

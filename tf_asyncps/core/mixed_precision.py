@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.core import placement
 
 __all__ = ["PRECISIONS", "resolve", "loss_scale_optimizer", "update_loss_scale",
            "allow_loss_scaling", "base_variable"]
@@ -110,7 +111,7 @@ def _scale_lock(lso, scale) -> tf.CriticalSection:
     lock = getattr(lso, "_asyncps_scale_lock", None)
     if lock is None:
         with tf.init_scope(), tf.device(scale.device):
-            lock = tf.CriticalSection(name="asyncps_loss_scale_lock")
+            lock = placement.critical_section("asyncps_loss_scale_lock")
         object.__setattr__(lso, "_asyncps_scale_lock", lock)  # not tracked
     return lock
 

@@ -1,4 +1,5 @@
-"""Where the engine's and the policies' own variables live.
+"""Where the engine's and the policies' own variables live, and what their
+locks and queues are named.
 
 Under ``ParameterServerStrategy`` a variable created in the strategy's scope
 is placed round-robin over the ps tasks (``tf.device`` is overridden) and
@@ -8,15 +9,27 @@ ps task of the variable it serves, whole, so that its update is local to that
 task; the update lock belongs beside the global step. Colocation gives both
 (TensorFlow never partitions a colocated variable), inside the strategy's
 scope and outside it.
+
+Names: a ps task can outlive the chief (a chief re-run by ``launch
+--restart_failed_tasks``, a chief pod restarted by Kubernetes, each bench
+run). TensorFlow 2.21 names an eagerly created ``tf.queue.FIFOQueue`` by a
+per-process counter (``ops.uid()``) and a ``tf.CriticalSection`` by its
+``name``, so a new chief process got the old chief's queues back on such a
+ps: an update lock whose token was already there, so that creating it blocked
+forever (seen: a second drop_stale chief on the same ps hung), or gate
+queues holding the last run's tokens. :func:`fifo_queue` and
+:func:`critical_section` give each one a name of its own (a UUID), as
+TensorFlow already does for eager variables.
 """
 
 import contextlib
+import uuid
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["beside"]
+__all__ = ["beside", "fifo_queue", "critical_section"]
 
 
 @contextlib.contextmanager
@@ -33,3 +46,23 @@ def beside(var):
         else:
             with tf.device(var.device):
                 yield
+
+
+def fifo_queue(capacity: int, name: str) -> tf.queue.QueueBase:
+    """A FIFO queue of int64 scalars on the current device, unique to this
+    call (see the module docstring): ``tf.queue.FIFOQueue``'s eager
+    ``shared_name`` would be a per-process counter.
+
+    Args:
+      capacity: most elements held (int > 0).
+      name: readable prefix of the queue's names.
+    """
+    ref = tf.raw_ops.FIFOQueueV2(component_types=[tf.int64], shapes=[[]], capacity=capacity,
+                                 shared_name=f"{name}_{uuid.uuid4().hex}", name=name)
+    return tf.queue.QueueBase([tf.int64], [tf.TensorShape([])], None, ref)
+
+
+def critical_section(name: str) -> tf.CriticalSection:
+    """A ``tf.CriticalSection`` on the current device, unique to this call
+    (its shared name would otherwise be ``name``: see the module docstring)."""
+    return tf.CriticalSection(name=name, shared_name=f"{name}_{uuid.uuid4().hex}")

@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_asyncps.core import placement
 from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy
@@ -70,7 +71,7 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
                                       name="ssp_clocks")
             self.max_spread = tf.Variable(tf.zeros([1], tf.int64), trainable=False,
                                           name="ssp_max_spread")
-            self._lock = tf.CriticalSection(name="ssp_clock_lock")
+            self._lock = placement.critical_section("ssp_clock_lock")
         self.gate = WorkerGate(
             num_workers, device, initial_tokens=self.max_staleness + 1,
             timeout_s=self.timeout_s, name="ssp",
