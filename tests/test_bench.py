@@ -183,7 +183,7 @@ def test_peak_memory_is_read_per_task_and_kept_as_the_highest_repeat():
     assert "The bench ran 12.6 min (2 runs x 2 repeat(s))." in md
 
 
-def test_runs_share_a_cluster_per_shape_except_policies_that_leave_waiters(monkeypatch):
+def test_runs_share_a_cluster_per_shape_until_a_task_dies(monkeypatch):
     import tf_asyncps.cluster
 
     class Proc:
@@ -207,20 +207,15 @@ def test_runs_share_a_cluster_per_shape_except_policies_that_leave_waiters(monke
     clusters = {}
 
     def get(**run):
-        run = dict({"num_workers": 2}, **run)
-        return bench._cluster_for(run, clusters, None, fresh=bench._leaves_waiters(run))
+        return bench._cluster_for(dict({"num_workers": 2}, **run), clusters, None)
 
     a = get(policy="async")
-    assert get(kind="vanilla") is a and get(policy="local_sgd") is a  # shared
-    assert get(num_workers=4) is not a and not a.stopped  # another shape
-    s1 = get(policy="sync_replicas")
-    assert s1 is not a and a.stopped  # a cluster of its own
-    s2 = get(policy="ssp")
-    assert s2 is not s1 and s1.stopped
-    b = get(policy="async")  # a single-use cluster is not reused
-    assert b is not s2 and s2.stopped
-    b.procs["ps:0"].code = -9  # a task died: started again
-    assert get(policy="async") is not b and b.stopped
+    assert get(kind="vanilla") is a and get(policy="sync_replicas") is a  # shared
+    b = get(num_workers=4)
+    assert b is not a and b.shape == (4, 1) and not a.stopped  # another shape
+    assert get(num_workers=2, num_ps=2).shape == (2, 2)
+    a.procs["ps:0"].code = -9  # a task died: started again
+    assert get(policy="async") is not a and a.stopped
 
 
 def test_hosts_runs_and_their_targets():

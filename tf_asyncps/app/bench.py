@@ -339,11 +339,9 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
 
     Each child is a fresh chief process (new strategy, variables and
     coordinator); the ps/worker tasks of each cluster shape (workers, ps
-    tasks) are started once and shared by the runs of that shape, as a
-    chief re-run reconnects to them (started again if a task died), except
-    for policies that may leave workers waiting (WAITING_POLICIES): each of
-    their runs has a cluster of its own. The tasks' peak memory is reset
-    before each run, so each run reports its own.
+    tasks) are started once and shared by every run of that shape, as a
+    chief re-run reconnects to them (started again if a task died). The
+    tasks' peak memory is reset before each run, so each run reports its own.
     With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``),
     each task runs on its host and each child on the chief's.
 
@@ -375,7 +373,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
                 t0 = time.perf_counter()
                 run_settings = settings
                 if run["num_workers"]:
-                    c = _cluster_for(run, clusters, hosts, fresh=_leaves_waiters(run))
+                    c = _cluster_for(run, clusters, hosts)
                     for pid in c.pids.values():
                         _reset_peak(pid)
                     run_settings = dict(settings, cluster={"tf_config": c.tf_config("chief", 0),
@@ -391,37 +389,23 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
                         f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
                         f"{time.perf_counter() - t_start:.0f} s so far)")
     finally:
-        for c, _ in clusters.values():
+        for c in clusters.values():
             c.stop()
     return [aggregate_repeats(run, per_run[i]) for i, run in enumerate(runs)]
 
 
-#: Policies whose workers may still wait on the PS (a token, a clock) when
-#: fit returns: a worker left waiting by the last chief blocks the next one
-#: (seen: sync_replicas with a backup worker hung its second run), so each
-#: of their runs gets a cluster of its own, stopped after it.
-WAITING_POLICIES = ("ssp", "sync_replicas")
-
-
-def _leaves_waiters(run) -> bool:
-    return run.get("policy") in WAITING_POLICIES
-
-
-def _cluster_for(run, clusters, hosts, fresh=False):
-    """The LocalCluster for ``run``: the running one of its shape, started on
-    first use and again if one of its tasks has exited; with ``fresh`` a new
-    one, which no later run reuses. ``clusters``: shape -> (cluster, whether
-    it is single-use)."""
+def _cluster_for(run, clusters, hosts):
+    """The running LocalCluster for ``run``'s shape (``clusters``: shape ->
+    cluster): started on first use, and again if one of its tasks exited."""
     from tf_asyncps.cluster import LocalCluster
     shape = (run["num_workers"], run.get("num_ps", 1))
-    c, single_use = clusters.get(shape, (None, False))
-    if c is not None and (fresh or single_use or
-                          any(p.poll() is not None for p in c.procs.values())):
+    c = clusters.get(shape)
+    if c is not None and any(p.poll() is not None for p in c.procs.values()):
         c.stop()
         c = None
     if c is None:
-        c = LocalCluster(num_workers=shape[0], num_ps=shape[1], hosts=hosts).start()
-        clusters[shape] = (c, fresh)
+        c = clusters[shape] = LocalCluster(num_workers=shape[0], num_ps=shape[1],
+                                           hosts=hosts).start()
     return c
 
 
