@@ -213,9 +213,13 @@ def test_runs_share_a_cluster_per_shape_until_a_task_dies(monkeypatch):
     assert get(kind="vanilla") is a and get(policy="sync_replicas") is a  # shared
     b = get(num_workers=4)
     assert b is not a and b.shape == (4, 1) and not a.stopped  # another shape
-    assert get(num_workers=2, num_ps=2).shape == (2, 2)
     a.procs["ps:0"].code = -9  # a task died: started again
-    assert get(policy="async") is not a and a.stopped
+    a2 = get(policy="async")
+    assert a2 is not a and a.stopped
+    # At most MAX_CLUSTERS (2) up: a third shape stops the least recently used.
+    c = get(num_workers=2, num_ps=2)
+    assert c.shape == (2, 2) and b.stopped and not a2.stopped
+    assert list(clusters) == [(2, 1), (2, 2)]
 
 
 def test_hosts_runs_and_their_targets():

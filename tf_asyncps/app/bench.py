@@ -394,18 +394,27 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     return [aggregate_repeats(run, per_run[i]) for i, run in enumerate(runs)]
 
 
+#: Clusters kept up at once (about 0.7 GB per task): --bench_scaling's six
+#: shapes would hold 23 tasks.
+MAX_CLUSTERS = 2
+
+
 def _cluster_for(run, clusters, hosts):
     """The running LocalCluster for ``run``'s shape (``clusters``: shape ->
-    cluster): started on first use, and again if one of its tasks exited."""
+    cluster, least recently used first): started on first use, and again if
+    one of its tasks exited; the least recently used one is stopped when
+    MAX_CLUSTERS are up."""
     from tf_asyncps.cluster import LocalCluster
     shape = (run["num_workers"], run.get("num_ps", 1))
-    c = clusters.get(shape)
+    c = clusters.pop(shape, None)
     if c is not None and any(p.poll() is not None for p in c.procs.values()):
         c.stop()
         c = None
     if c is None:
-        c = clusters[shape] = LocalCluster(num_workers=shape[0], num_ps=shape[1],
-                                           hosts=hosts).start()
+        while len(clusters) >= MAX_CLUSTERS:
+            clusters.pop(next(iter(clusters))).stop()
+        c = LocalCluster(num_workers=shape[0], num_ps=shape[1], hosts=hosts).start()
+    clusters[shape] = c  # now the most recently used
     return c
 
 
