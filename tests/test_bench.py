@@ -38,6 +38,13 @@ def test_default_runs_cover_every_policy_and_the_baselines():
     assert bench.MODELS["mlp_1m"] == (1024, 1024)
     assert not any(r["name"].endswith("@1m")
                    for r in bench.default_configs(num_workers=2, large_model=False))
+    # The slowest runs may be given runs of their own length.
+    steps = {r["name"]: r.get("steps") for r in bench.default_configs(
+        straggler_steps=640, large_model_steps=320)}
+    assert steps["straggler_sync_all"] == steps["straggler_sync_backup"] == 640
+    assert {n: v for n, v in steps.items() if n.endswith("@1m")} == {
+        "single@1m": 320, "vanilla@1m": 320, "async@1m": 320, "local_sgd@1m": 320}
+    assert steps["async"] is None and steps["local_sgd"] is None
 
 
 def test_unknown_run_name_is_rejected():
@@ -389,6 +396,8 @@ def test_stop_cont_cycler_refuses_itself():
     (["--bench_steps=160", "--bench_eval_every=160"], "twice"),
     (["--output_dir=/proc/no-such-dir"], "output_dir"),
     (["--bench_scaling", "--bench_hosts=netns"], "--bench_scaling runs on loopback"),
+    (["--bench_1m_steps=500"], "--bench_1m_steps=500 must be a multiple"),
+    (["--bench_straggler_steps=320"], "--bench_straggler_steps=320 must be a multiple"),
 ])
 def test_bench_rejects_bad_settings_before_running(args, match):
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench"] + args,

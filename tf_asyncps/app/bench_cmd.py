@@ -31,6 +31,8 @@ flags.DEFINE_integer("bench_straggler_workers", 4, "bench: workers N of the sync
 flags.DEFINE_integer("bench_straggler_steps", 640, "bench: worker steps of each run of the "
                      "straggler pair (0: --bench_steps); one step per closure with a slowed "
                      "worker makes them the slowest runs.", lower_bound=0)
+flags.DEFINE_integer("bench_1m_steps", 640, "bench: worker steps of each run on the "
+                     "1.1M-parameter model (NAME@1m; 0: --bench_steps).", lower_bound=0)
 flags.DEFINE_float("bench_straggler_delay_ms", 100.0, "bench: delay per step (ms) of the "
                    "slowed worker in the straggler pair.", lower_bound=0.0)
 flags.DEFINE_integer("bench_repeats", 3, "bench: times each run is repeated (interleaved); "
@@ -54,6 +56,13 @@ flags.DEFINE_boolean("bench_scaling", False, "bench: instead of the policy runs,
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
                    "and reported as failed.", lower_bound=1.0)
 
+
+
+def _steps_flag(run) -> str:
+    """The flag that set a run's own length."""
+    if run.get("straggler"):
+        return "bench_straggler_steps"
+    return "bench_hosts_local_sgd_steps" if run.get("hosts") else "bench_1m_steps"
 
 
 def cmd_bench(argv):
@@ -85,14 +94,14 @@ def cmd_bench(argv):
             steps_per_execution=FLAGS.bench_steps_per_execution,
             straggler_workers=FLAGS.bench_straggler_workers,
             straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None,
-            straggler_steps=FLAGS.bench_straggler_steps or None)
+            straggler_steps=FLAGS.bench_straggler_steps or None,
+            large_model_steps=FLAGS.bench_1m_steps or None)
     for r in runs:
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
                              f"of the steps per closure of run {r['name']} ({r['spe']}).")
     for flag, steps in [("bench_steps", FLAGS.bench_steps)] + [
-            ("bench_straggler_steps" if r.get("straggler") else "bench_hosts_local_sgd_steps",
-             r["steps"]) for r in runs if "steps" in r]:
+            (_steps_flag(r), r["steps"]) for r in runs if "steps" in r]:
         if steps % FLAGS.bench_eval_every or steps < 2 * FLAGS.bench_eval_every:
             raise ValueError(
                 f"--{flag}={steps} must be a multiple of --bench_eval_every="

@@ -236,7 +236,9 @@ def _memory_table(results) -> List[str]:
     scaling = any(r.get("scaling") for r in ok)
     base = next((r for r in ok if r.get("num_workers") == 1 and r.get("num_ps") == 1), None)
     head = ("| run | workers | ps | steps/s | × 1 worker, 1 ps | " if scaling else "| run | ")
-    lines = ["", "Peak memory per task (MB, VmHWM; the highest over the repeats):", "",
+    lines = ["", "Peak memory per task (MB, VmHWM; the highest over the repeats). The "
+             "ps and worker tasks of a shape serve all its runs, so their figures also "
+             "hold what earlier runs left there:", "",
              head + "chief (or single) MB | ps MB (max) | worker MB (max) |",
              "|---" * (head.count("|") + 2) + "|"]
     for r in ok:
