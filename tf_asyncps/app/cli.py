@@ -176,11 +176,10 @@ def _apply_gpus_flag():
 def _serve(config):
     from tf_asyncps import cluster
     from tf_asyncps.compat import tensorflow as tf_compat
-    tf = tf_compat.import_for_serving()  # a ps/worker task needs no Keras
     address = config[config.task_type][config.task_id]
     try:
         server = cluster.start_server(config)
-    except tf.errors.OpError as e:
+    except tf_compat.serving_runtime().OpError as e:
         raise RuntimeError(
             f"{config.task_type}:{config.task_id} could not serve at {address}: "
             f"{e.message.splitlines()[0]}. Is the port already in use (another task, "
@@ -284,6 +283,8 @@ def _launch(argv, quiet):
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),
         memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
+    from tf_asyncps.compat import tensorflow as tf_compat
+    tf_compat.import_without_keras()  # for the checks below; this process runs no Keras
     cfg = _job_config()  # bad flags fail here, before any process starts
     from tf_asyncps import policies
     policy = policies.get(cfg.policy, **cfg.policy_args)

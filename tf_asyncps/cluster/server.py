@@ -36,9 +36,9 @@ def server_config(num_workers: int, task_type: Optional[str] = None, num_gpus: i
     Raises:
       ValueError: bad logical-GPU settings in the environment.
     """
-    import tensorflow as tf
     from tf_asyncps.cluster import devices
-    config = tf.compat.v1.ConfigProto(
+    from tf_asyncps.compat import tensorflow as tf_compat
+    config = tf_compat.serving_runtime().ConfigProto(
         inter_op_parallelism_threads=inter_op_threads(num_workers))
     if task_type is not None:
         devices.configure_server_gpus(config, task_type, num_gpus, environ)
@@ -81,24 +81,25 @@ def start_server(config: ClusterConfig):
     Raises:
       ValueError: if the task is not a ps or worker.
     """
-    import tensorflow as tf
+    from tf_asyncps.compat import tensorflow as tf_compat
     if config.task_type not in ("ps", "worker"):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
     warn_evaluators(config)
     from tf_asyncps.cluster import devices
+    tf = tf_compat.serving_runtime()  # no TensorFlow API package: ~3 s less start-up
     num_gpus = 0
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.
         try:
-            tf.config.set_visible_devices([], "GPU")
+            tf.set_visible_devices([], "GPU")
         except (RuntimeError, ValueError):
             pass
     elif os.environ.get(devices.LOGICAL_GPUS, "").strip() not in ("", "0", "1"):
         # Enumerating GPUs does not create devices: the server creates them
         # below, from its ConfigProto.
-        num_gpus = len(tf.config.list_physical_devices("GPU"))
-    return tf.distribute.Server(
-        config.cluster_spec(), job_name=config.task_type,
+        num_gpus = len(tf.list_physical_devices("GPU"))
+    return tf.Server(
+        config.as_dict(), job_name=config.task_type,
         task_index=config.task_id, protocol="grpc",
         config=server_config(config.num_workers, config.task_type, num_gpus), start=True)

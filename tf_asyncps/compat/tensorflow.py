@@ -14,7 +14,9 @@ for:
 * Variables: per-worker variables and raw resource-variable ops for the
   local copies of ``local_sgd`` (``tf_asyncps/core/local_copies.py``).
 * Graphs and eager context; tf.data's test-only sleep (straggler injection).
-* Start-up: importing TensorFlow without Keras in ps/worker task processes.
+* Start-up: what a ps/worker task process needs of TensorFlow (its server),
+  imported without TensorFlow's public API package (:func:`serving_runtime`);
+  TensorFlow without its eager Keras import (:func:`import_without_keras`).
 """
 
 import sys
@@ -27,23 +29,23 @@ __all__ = [
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
     "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
-    "import_for_serving",
+    "import_without_keras", "serving_runtime",
 ]
 
 TESTED_VERSIONS = ("2.21.0",)
 
 
-def import_for_serving():
-    """Imports TensorFlow for a process that only serves a ps/worker task.
+def import_without_keras():
+    """Imports TensorFlow without the Keras import of its ``__init__``.
 
     TensorFlow 2.21's ``__init__`` imports Keras eagerly (``keras.src.optimizers``,
     or ``tf_keras.src.optimizers`` under ``TF_USE_LEGACY_KERAS``, for SavedModel
-    registrations, b/196254385): 1.2-1.9 s of CPU per process, tf_keras pulling
-    in pandas and scipy. A ps/worker task runs the chief's graph functions and
-    never Keras's Python code, so Keras is hidden while TensorFlow imports
-    (TensorFlow catches the ImportError, as where Keras is not installed).
-    ``tf.keras`` is not usable in such a process. A TensorFlow already imported
-    is returned as it is.
+    registrations, b/196254385): 1.2-1.9 s of CPU, Keras 3 pulling in pandas
+    and scipy. For a process that checks flags with TensorFlow (``launch``)
+    and may never run Keras: Keras is hidden while TensorFlow imports
+    (TensorFlow catches the ImportError, as where Keras is not installed) and
+    imports normally afterwards. A TensorFlow already imported is returned as
+    it is.
 
     Returns:
       The ``tensorflow`` module.
@@ -58,6 +60,49 @@ def import_for_serving():
             for m in hidden:
                 sys.modules.pop(m, None)
     return sys.modules["tensorflow"]
+
+
+def serving_runtime():
+    """The part of TensorFlow a ps/worker task process uses, imported lean.
+
+    A ps/worker task only starts a ``tf.distribute.Server`` and joins it; the
+    functions it runs come from the chief as graphs, executed by the C++
+    runtime. Importing ``tensorflow`` costs ~3.5 s of CPU (4.5 s wall here)
+    per process, most of it the generated public API (``tensorflow._api.v2``)
+    and Keras; the modules below cost ~0.6 s. Unless TensorFlow is already
+    imported, ``tensorflow``'s ``__init__`` is skipped while they import (a
+    bare package object stands in for it, then is removed, so a later
+    ``import tensorflow`` runs the real one). The C++ runtime, its kernels and
+    the gRPC server are the same shared library either way.
+
+    Tested with TensorFlow 2.21.0 (``tensorflow.python.training.server_lib``,
+    ``tensorflow.python.framework.config``/``errors``,
+    ``tensorflow.core.protobuf.config_pb2``).
+
+    Returns:
+      A namespace with ``Server`` (``tf.distribute.Server``), ``ConfigProto``
+      (``tf.compat.v1.ConfigProto``), ``OpError`` (``tf.errors.OpError``),
+      ``set_visible_devices`` and ``list_physical_devices`` (``tf.config``).
+    """
+    import types
+    stub = None
+    if "tensorflow" not in sys.modules:
+        import importlib.util
+        spec = importlib.util.find_spec("tensorflow")
+        stub = types.ModuleType("tensorflow")
+        stub.__spec__, stub.__path__ = spec, list(spec.submodule_search_locations)
+        sys.modules["tensorflow"] = stub
+    try:
+        from tensorflow.core.protobuf import config_pb2
+        from tensorflow.python.framework import config, errors
+        from tensorflow.python.training import server_lib
+    finally:
+        if stub is not None and sys.modules.get("tensorflow") is stub:
+            del sys.modules["tensorflow"]
+    return types.SimpleNamespace(
+        Server=server_lib.Server, ConfigProto=config_pb2.ConfigProto, OpError=errors.OpError,
+        set_visible_devices=config.set_visible_devices,
+        list_physical_devices=config.list_physical_devices)
 
 
 def context_connected() -> bool:
