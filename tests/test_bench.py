@@ -398,6 +398,10 @@ def test_stop_cont_cycler_refuses_itself():
     (["--bench_scaling", "--bench_hosts=netns"], "--bench_scaling runs on loopback"),
     (["--bench_1m_steps=500"], "--bench_1m_steps=500 must be a multiple"),
     (["--bench_straggler_steps=320"], "--bench_straggler_steps=320 must be a multiple"),
+    # The fix is named: the largest eval interval that 160 steps allow (every run
+    # has 16 steps per closure, the straggler pair 1).
+    (["--bench_only=single,async", "--bench_steps=160"], "e.g. --bench_eval_every=80."),
+    (["--output_dir=setup.py"], "--output_dir=setup.py is a file, not a directory"),
 ])
 def test_bench_rejects_bad_settings_before_running(args, match):
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench"] + args,

@@ -33,6 +33,9 @@ def _cli(*args, env=None):
     (["reference", "--dataset=digits", "--model=recommender"],
      ["--model=recommender goes with --dataset=movielens"]),
     (["launch", "--model=cnn"], ["--model", "recommender"]),
+    (["launch", "--output_dir=setup.py"], ["--output_dir=setup.py is a file"]),
+    (["launch", "--output_dir=/proc/no-such-dir"],
+     ["--output_dir=/proc/no-such-dir is not a writable directory"]),
 ])
 def test_bad_flags_fail_before_any_process_starts(args, words):
     t0 = time.perf_counter()
@@ -93,3 +96,17 @@ def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):
         job.JobConfig(keras="3").validate()
     with pytest.raises(ValueError, match=r"--keras='4' is unknown"):
         job.JobConfig(keras="4").validate()
+
+
+def test_an_interrupted_command_says_so_without_a_traceback(monkeypatch, capsys):
+    # Ctrl-C or SIGTERM (sigterm_as_ctrl_c) reaches main as KeyboardInterrupt once
+    # the command's context managers have stopped what it started.
+    from tf_asyncps.app import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(cli, "cmd_bench", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tf-asyncps", "bench"])
+    assert str(e.value.code) == "tf-asyncps bench: interrupted; every process it started is stopped."

@@ -65,6 +65,18 @@ def _steps_flag(run) -> str:
     return "bench_hosts_local_sgd_steps" if run.get("hosts") else "bench_1m_steps"
 
 
+def _eval_every_for(steps: int, runs) -> int:
+    """The largest --bench_eval_every that ``steps`` allows (a multiple of every
+    run's steps per closure that divides ``steps`` at least twice), else the
+    smallest multiple of those."""
+    import math
+    unit = math.lcm(*[r["spe"] for r in runs]) if runs else 1
+    for every in range(steps // 2 // unit * unit, 0, -unit):
+        if steps % every == 0:
+            return every
+    return unit
+
+
 def cmd_bench(argv):
     from tf_asyncps.app import bench
     netns = FLAGS.bench_hosts == "netns"
@@ -106,15 +118,12 @@ def cmd_bench(argv):
             raise ValueError(
                 f"--{flag}={steps} must be a multiple of --bench_eval_every="
                 f"{FLAGS.bench_eval_every} and at least twice it (the first segment includes "
-                "tracing and is left out of steps/s).")
+                "tracing and is left out of steps/s); e.g. "
+                f"--bench_eval_every={_eval_every_for(steps, runs)}.")
     out = FLAGS.output_dir or os.path.join("runs", "bench")
-    try:  # fail now, not after the runs
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, ".write_test"), "w"):
-            pass
-        os.remove(os.path.join(out, ".write_test"))
-    except OSError as e:
-        raise ValueError(f"--output_dir={out} is not a writable directory ({e.strerror}).")
+    from tf_asyncps import files
+    # Now, not after the runs:
+    files.check_writable_dir(out, "--output_dir", "bench.json, bench.md and the plots")
     settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
                 "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
                 "eval_every": FLAGS.bench_eval_every,

@@ -211,6 +211,9 @@ def markdown(bench: Dict[str, Any]) -> str:
             v = c["verdict"]
             lines.append(f"| {c['check']} | {_fmt_range(c['value'], c.get('range'))} | "
                          f">= {c['target']} | {v if v == 'met' else '**' + v + '**'} |")
+        lines += ["", "A target is met when the whole range of the per-repeat values clears "
+                  "the aim, not met when all of it falls short, and unclear when it "
+                  "straddles the aim."]
     return "\n".join(lines) + "\n"
 
 

@@ -420,6 +420,10 @@ def main(argv):
     except (ValueError, TimeoutError, RuntimeError) as e:
         # Configuration, connection and data errors: one clear message, no traceback.
         raise SystemExit(f"tf-asyncps {argv[1]}: error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the context managers stopped the children
+        owner = argv[1] in ("launch", "bench")
+        raise SystemExit(f"tf-asyncps {argv[1]}: interrupted"
+                         f"{'; every process it started is stopped' if owner else ''}.")
     except Exception as e:  # noqa: BLE001 - only a lost task is rewritten
         lost = _lost_task_message(e, FLAGS.backup_dir)
         if lost is None:

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
+from tf_asyncps import files
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies, recovery
 from tf_asyncps.app import datasets
@@ -99,7 +100,14 @@ class JobConfig:
             raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
                              f"variable_partitioner), got {self.min_shard_bytes!r}.")
         if self.backup_dir is not None:
-            _check_writable_dir(self.backup_dir, "--backup_dir")
+            if not isinstance(self.backup_dir, str) or not self.backup_dir.strip():
+                raise ValueError(f"--backup_dir must be a directory path, got "
+                                 f"{self.backup_dir!r}; leave the flag out for none (launch "
+                                 "--restart_failed_tasks then uses OUTPUT_DIR/backup).")
+            files.check_writable_dir(self.backup_dir, "--backup_dir", "checkpoints")
+        if self.output_dir:
+            files.check_writable_dir(self.output_dir, "--output_dir",
+                                     "metrics.json, logs and the SavedModel")
         if self.keras not in models.KERAS_CHOICES:
             raise ValueError(f"--keras={self.keras!r} is unknown; choose one of "
                              f"{list(models.KERAS_CHOICES)}.")
@@ -111,23 +119,6 @@ class JobConfig:
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
-
-
-def _check_writable_dir(path, flag: str) -> None:
-    """Raises ValueError unless ``path`` is (or can be made) a writable directory."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{flag} must be a directory path, got {path!r}; leave the flag "
-                         "out for none (launch --restart_failed_tasks then uses "
-                         "OUTPUT_DIR/backup).")
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"{flag}={path} is not a writable directory ({e.strerror}); "
-                         "checkpoints go there.") from None
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:
