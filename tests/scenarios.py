@@ -721,6 +721,38 @@ def fit_evaluate_fit(policy="sync_replicas", policy_args=None, num_workers=2, st
         return {"eval_loss": float(loss), "stats": _stats(strategy)}
 
 
+@scenario(shares_cluster=True)
+def fetch_drains(num_workers=2, loop_iterations=300_000):
+    """While the chief waits on a scheduled step's RemoteValue.fetch with
+    nothing else queued, the coordinator reports no queued closures (the
+    probe a gated policy's watchdog uses to release waiting workers, as at
+    join); before the fetch, while the program could still schedule, it does."""
+    import threading
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get("ssp", max_staleness=0))
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        @tf.function
+        def slow():  # a step that runs long enough to be waited on
+            return tf.while_loop(lambda i, x: i < loop_iterations,
+                                 lambda i, x: (i + 1, x + 1.0),
+                                 [tf.constant(0), tf.constant(0.0)])[1]
+
+        rv = coordinator.schedule(slow)
+        before = coordinator.has_queued_closures()
+        out = []
+        fetching = threading.Thread(target=lambda: out.append(float(rv.fetch())))
+        fetching.start()
+        probes = []
+        while fetching.is_alive():
+            probes.append(coordinator.has_queued_closures())
+            fetching.join(0.01)
+        coordinator.join()
+        return {"value": out, "before": before, "probes_while_fetching": len(probes),
+                "released_while_fetching": probes.count(False)}
+
+
 def _proc_state(pid):
     """The one-letter state in /proc/PID/stat ("T": stopped)."""
     with open(f"/proc/{pid}/stat") as f:

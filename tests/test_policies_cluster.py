@@ -127,3 +127,17 @@ def test_watchdogs_run_while_closures_run_and_stop_when_the_coordinator_drains()
         assert rnd["after"]["running"] == [False, False]
         assert rnd["after"]["threads"] == []
     assert r["stats"]["applied"] == 40 and r["w"] == [-20.0] * 3
+
+
+@pytest.mark.cluster
+def test_waiting_on_a_fetch_lets_gated_workers_be_released():
+    # TensorFlow's tutorial fetches a scheduled step's RemoteValue after its
+    # loop. A gated worker (ssp, sync_replicas) waiting for a worker with
+    # nothing to run is released only while the chief drains; RemoteValue.fetch
+    # did not count, so such a step waited until ssp's timeout_s (CI: the
+    # tutorial under ssp, 7 errors after a 120 s stall).
+    r = run_scenario("fetch_drains", shared=(2, 1))
+    assert r["value"] == [300000.0]
+    assert r["before"] is True  # still scheduling: never release
+    assert r["probes_while_fetching"] >= 1
+    assert r["released_while_fetching"] >= 1, r

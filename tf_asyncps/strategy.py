@@ -25,6 +25,7 @@ into a TimeoutError.
 """
 
 import dataclasses
+import weakref
 from typing import List, Union
 
 import tensorflow as tf
@@ -208,6 +209,14 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     def schedule(self, fn, args=None, kwargs=None):
         out = super().schedule(fn, args=args, kwargs=kwargs)
         self.engine.start_watchdogs()  # after the trace: it may create the lock
+        # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
+        # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
+        # one with nothing left to run must be released there too. A weak
+        # reference: the closure holds the RemoteValue weakly as well.
+        get = getattr(type(out), "get", None)
+        if get is not None and hasattr(out, "__dict__"):
+            ref = weakref.ref(out)
+            out.get = lambda: self._translate(get, ref())
         return out
 
     def _translate(self, call, *args, **kwargs):
