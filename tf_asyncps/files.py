@@ -41,20 +41,22 @@ def read_json(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def check_writable_dir(path: str, flag: str, holds: str) -> None:
+def check_writable_dir(path: str, flag: str, holds: str, if_empty: str = "") -> None:
     """Makes ``path`` a directory if needed and checks that files can be written there.
 
     Args:
       path: the directory.
       flag: the flag that named it (``"--output_dir"``), for the message.
       holds: what goes there (``"checkpoints"``), for the message.
+      if_empty: what to do instead of an empty path, added to that message.
 
     Raises:
       ValueError: ``path`` is empty, is a file, or is not a writable directory
         (the message names the flag and the reason).
     """
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{flag} must be a directory path, got {path!r}.")
+        raise ValueError(f"{flag} must be a directory path, got {path!r}"
+                         f"{'; ' + if_empty if if_empty else ''}.")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag}={path} is a file, not a directory; {holds} go there: "
                          "name a directory (it is made if missing).")

@@ -100,11 +100,10 @@ class JobConfig:
             raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
                              f"variable_partitioner), got {self.min_shard_bytes!r}.")
         if self.backup_dir is not None:
-            if not isinstance(self.backup_dir, str) or not self.backup_dir.strip():
-                raise ValueError(f"--backup_dir must be a directory path, got "
-                                 f"{self.backup_dir!r}; leave the flag out for none (launch "
-                                 "--restart_failed_tasks then uses OUTPUT_DIR/backup).")
-            files.check_writable_dir(self.backup_dir, "--backup_dir", "checkpoints")
+            files.check_writable_dir(
+                self.backup_dir, "--backup_dir", "checkpoints",
+                if_empty="leave the flag out for none (launch --restart_failed_tasks then "
+                         "uses OUTPUT_DIR/backup)")
         if self.output_dir:
             files.check_writable_dir(self.output_dir, "--output_dir",
                                      "metrics.json, logs and the SavedModel")

@@ -19,6 +19,7 @@ for:
   TensorFlow without its eager Keras import (:func:`import_without_keras`).
 """
 
+import functools
 import sys
 
 __all__ = [
@@ -62,6 +63,7 @@ def import_without_keras():
     return sys.modules["tensorflow"]
 
 
+@functools.lru_cache(maxsize=None)
 def serving_runtime():
     """The part of TensorFlow a ps/worker task process uses, imported lean.
 
@@ -82,7 +84,8 @@ def serving_runtime():
     Returns:
       A namespace with ``Server`` (``tf.distribute.Server``), ``ConfigProto``
       (``tf.compat.v1.ConfigProto``), ``OpError`` (``tf.errors.OpError``),
-      ``set_visible_devices`` and ``list_physical_devices`` (``tf.config``).
+      ``set_visible_devices`` and ``list_physical_devices`` (``tf.config``);
+      the same one on every call.
     """
     import types
     stub = None
