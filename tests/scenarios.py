@@ -333,23 +333,49 @@ def shard_per_worker(num_workers=2, n=1000, batch=10, steps=100):
 @scenario(shares_cluster=True)
 def keras3_fit_fails():
     """A Keras 3 model created in the scope but compiled outside it never got
-    this strategy's fit: Keras 3's own fit fails at once with our message."""
+    this strategy's fit: each input form (arrays, Dataset, DatasetFn,
+    DatasetCreator) and evaluate/predict fail at once with our message."""
     import time
     import keras  # Keras 3
+    import tf_keras
+    from tf_asyncps.keras3 import DatasetFn
     with _cluster(num_workers=1, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            uncompiled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         model.compile(keras.optimizers.SGD(0.1), "mse")
-        x = np.zeros((8, 4), np.float32)
-        t0 = time.perf_counter()
-        try:
-            model.fit(x, np.zeros((8, 2), np.float32), epochs=1, verbose=0)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            return {"error": type(e).__name__, "message": str(e),
-                    "seconds": time.perf_counter() - t0,
-                    "global_step": strategy.staleness_stats().global_step}
-        return {"error": None}
+        x, y = np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32)
+
+        def rep_fn(ctx):
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+        attempts = {
+            "fit_arrays": lambda: model.fit(x, y, epochs=1, verbose=0),
+            "fit_dataset": lambda: model.fit(ds.repeat(), epochs=1, steps_per_epoch=2,
+                                             verbose=0),
+            "fit_dataset_fn": lambda: model.fit(DatasetFn(rep_fn), epochs=1,
+                                                steps_per_epoch=2, verbose=0),
+            "fit_dataset_creator": lambda: model.fit(
+                tf_keras.utils.experimental.DatasetCreator(rep_fn), epochs=1,
+                steps_per_epoch=2, verbose=0),
+            "evaluate_dataset_fn": lambda: model.evaluate(DatasetFn(rep_fn), steps=2,
+                                                          verbose=0),
+            "predict_dataset": lambda: model.predict(ds, verbose=0),
+            "uncompiled_fit": lambda: uncompiled.fit(ds.repeat(), steps_per_epoch=2,
+                                                     verbose=0),
+        }
+        out = {}
+        for name, call in attempts.items():
+            t0 = time.perf_counter()
+            try:
+                call()
+                out[name] = {"error": None}
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[name] = {"error": type(e).__name__, "message": str(e),
+                             "seconds": time.perf_counter() - t0}
+        return {"attempts": out, "global_step": strategy.staleness_stats().global_step}
 
 
 def _least_squares(n=64, features=5, seed=0):

@@ -77,11 +77,22 @@ def test_keras3_misuse_fails_at_once_with_its_message():
     assert r["global_step_before_runout"] == 0
 
 
-def test_model_compiled_outside_the_scope_reaches_keras_own_fit_and_is_refused():
+def test_model_compiled_outside_the_scope_is_refused_for_every_input_form():
     r = run_scenario("keras3_fit_fails", shared=(1, 1))
-    assert r["error"] == "NotImplementedError"
-    assert "compile the model inside" in r["message"]
-    assert "ClusterCoordinator.create_per_worker_dataset" not in r["message"]
+    compiled_outside = (
+        "Keras 3 model 'sequential' was created inside AsyncParameterServerStrategy.scope() "
+        "but compiled outside it, so its {} would be Keras 3's own loop, which has no "
+        "parameter-server path (it runs steps on the chief and takes no DatasetFn). Create "
+        "AND compile the model inside `with strategy.scope():` (its fit/evaluate/predict "
+        "then run on the workers), or use tf_keras (`import tf_keras as keras`).")
+    a = r["attempts"]
+    for name in ("fit_arrays", "fit_dataset", "fit_dataset_fn", "fit_dataset_creator",
+                 "evaluate_dataset_fn", "predict_dataset"):
+        assert a[name]["error"] == "ValueError", (name, a[name])
+        assert a[name]["message"] == compiled_outside.format(name.split("_")[0]), name
+    assert a["uncompiled_fit"]["error"] == "ValueError"
+    assert "'sequential_1' was created inside AsyncParameterServerStrategy.scope() but " \
+        "not compiled, so its fit would be" in a["uncompiled_fit"]["message"]
     assert r["global_step"] == 0
 
 

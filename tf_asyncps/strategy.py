@@ -132,6 +132,11 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         if model is not None:
             from tf_asyncps import keras3
             keras3.attach(model, self._container_strategy())
+        else:  # created here: refused until compiled here (any input form)
+            model = keras_compat.constructing_model()
+            if model is not None:
+                from tf_asyncps.keras3 import trainer as keras3_trainer
+                keras3_trainer.guard(model, self._container_strategy())
         if tf_keras_compat.creating_steps_per_execution():
             # tf_keras reads this counter on the coordinator twice per closure
             # and never in a step: on a ps each read is a round trip, which

@@ -14,7 +14,7 @@ import contextlib
 import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
-           "called_from_keras3", "compiling_model", "backing_variable",
+           "called_from_keras3", "compiling_model", "constructing_model", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
            "loss_scale_variable",
            "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
@@ -92,6 +92,24 @@ def compile_state(model):
     metrics, the loss tracker): a new compile changes it."""
     return tuple(id(getattr(model, a, None)) for a in
                  ("optimizer", "_compile_loss", "_compile_metrics", "_loss_tracker"))
+
+
+def constructing_model(frames: int = 80):
+    """The outermost Keras 3 model on this thread's stack (its ``__init__``
+    or ``build`` creating variables), or None. Tested on Keras 3.15.1: a
+    ``Sequential``/functional model builds its layers in ``__init__``."""
+    if "keras.src.models.model" not in sys.modules:
+        return None
+    found = None
+    f = sys._getframe(1)
+    for _ in range(frames):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if obj is not None and is_keras3_model(obj):
+            found = obj
+        f = f.f_back
+    return found
 
 
 def model_strategy(model):

@@ -33,7 +33,7 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
-__all__ = ["Keras3Trainer", "attach", "trainable_shards", "unsupported_version",
+__all__ = ["Keras3Trainer", "attach", "guard", "trainable_shards", "unsupported_version",
            "unsupported_version_message",
            "SHARDS_PER_WORKER"]
 
@@ -82,6 +82,41 @@ def attach(model, strategy) -> None:
                         ("test_on_batch", trainer.test_on_batch),
                         ("save", trainer.save), ("save_weights", trainer.save_weights)):
         object.__setattr__(model, name, value)
+
+
+#: What a model created inside the scope, then compiled outside it, says for
+#: every input form (Keras 3's own fit refuses a DatasetFn with "Unrecognized
+#: data type" before it reaches the strategy).
+COMPILED_OUTSIDE_MESSAGE = (
+    "Keras 3 model {name!r} was created inside AsyncParameterServerStrategy.scope() but "
+    "{how}, so its {method} would be Keras 3's own loop, which has no parameter-server "
+    "path (it runs steps on the chief and takes no DatasetFn). Create AND compile the "
+    "model inside `with strategy.scope():` (its fit/evaluate/predict then run on the "
+    "workers), or use tf_keras (`import tf_keras as keras`).")
+
+
+def guard(model, strategy) -> None:
+    """Makes a Keras 3 model created under ``strategy.scope()`` refuse
+    ``fit``/``evaluate``/``predict`` with :data:`COMPILED_OUTSIDE_MESSAGE`
+    until :func:`attach` (a compile inside the scope) replaces them.
+
+    Instance attributes only, as ``attach``; the model's class is untouched.
+    """
+    if "_asyncps_trainer" in model.__dict__ or "_asyncps_guarded" in model.__dict__:
+        return
+
+    def refuse(method):
+        def call(*args, **kwargs):
+            how = ("compiled outside it" if getattr(model, "compiled", False)
+                   else "not compiled")
+            raise ValueError(COMPILED_OUTSIDE_MESSAGE.format(name=model.name, how=how,
+                                                             method=method))
+        call.__name__ = method
+        return call
+
+    object.__setattr__(model, "_asyncps_guarded", True)
+    for name in ("fit", "evaluate", "predict"):
+        object.__setattr__(model, name, refuse(name))
 
 
 def trainable_shards(model):
