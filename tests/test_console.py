@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, stop_process, wait_dead
+from conftest import ROOT, _env, run_command, stop_process, wait_dead
 from tf_asyncps.app import console
 
 # Lines as TensorFlow 2.21 writes them (from a chief whose worker:1 was SIGKILLed).
@@ -144,3 +144,48 @@ def test_a_killed_worker_shows_one_line_and_the_full_text_stays_on_disk(tmp_path
     assert chief_log.count("Additional GRPC error information") >= 5
     assert "epoch 6/6" in chief_log and "unreachable since" not in chief_log
     wait_dead([killed], 5)
+
+
+def test_full_console_shows_every_line_and_logs_them_all():
+    out, log = io.StringIO(), io.StringIO()
+    f = console.ConsoleFilter(out, log, "logs/chief-0.log", full=True)
+    for line in STARTUP + BLOCK + [COORDINATOR, "epoch 1/1: loss=0.5\n"]:
+        f.feed(line)
+    every = "".join(STARTUP + BLOCK + [COORDINATOR, "epoch 1/1: loss=0.5\n"])
+    assert out.getvalue() == every == log.getvalue()
+    assert f.hidden == 0 and f.events == []  # no event line under full
+
+
+def test_reference_on_a_quiet_console_keeps_tensorflow_lines_in_its_log(tmp_path):
+    # --console=quiet is what auto is on a terminal; `reference` printed
+    # TensorFlow's start-up notices there (oneDNN, cuInit) while launch hid them.
+    out = tmp_path / "run"
+    rc, text = run_command(
+        [sys.executable, "-m", "tf_asyncps", "reference", "--console=quiet", "--epochs=1",
+         "--steps_per_epoch=2", f"--output_dir={out}"], timeout=120)
+    lines = text.splitlines(keepends=True)
+    log = tmp_path / "run_reference" / "logs" / "reference.log"
+    assert lines[0] == (f"tf-asyncps reference: TensorFlow's runtime lines go to {log} "
+                        "(--console=full shows them here)\n")
+    assert [l.split(":")[0] for l in lines[1:3]] == ["reference", "reference"]
+    assert lines[3:] == [f"wrote {out}_reference/metrics.json\n"]
+    assert not [l for l in lines if console.is_runtime_noise(l)], text
+    logged = log.read_text().splitlines(keepends=True)
+    assert [l for l in logged if console.is_runtime_noise(l)], "nothing to hide?"
+    assert [l for l in logged if not console.is_runtime_noise(l)] == lines[1:]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_launch_console_full_prints_what_quiet_keeps_in_the_log(tmp_path):
+    out = tmp_path / "run"
+    rc, text = run_command(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--console=full", "--epochs=1",
+         "--steps_per_epoch=4", f"--output_dir={out}"], timeout=240)
+    chief_log = (out / "logs" / "chief-0.log").read_text()
+    noise = [l for l in chief_log.splitlines() if console.is_runtime_noise(l)]
+    assert noise  # the chief's TensorFlow start-up notices at least
+    shown = text.splitlines()
+    for line in noise:
+        assert line in shown, line
+    assert "unreachable since" not in text

@@ -121,11 +121,12 @@ flags.DEFINE_float("host_bandwidth_mbit", 0.0,
                    "(tc tbf); 0: unlimited.", lower_bound=0.0)
 
 flags.DEFINE_enum("console", "auto", ["auto", "quiet", "full"],
-                  "train: quiet shows the job's lines, warnings and errors, and one line "
-                  "per unreachable task, and keeps TensorFlow's C++ runtime lines (start-up "
-                  "notices, gRPC error blocks) only in OUTPUT_DIR/logs/TYPE-INDEX.log; full "
-                  "prints everything; auto: quiet on a terminal, full otherwise (a log "
-                  "collector gets everything). launch is always quiet.")
+                  "launch/train/server/reference: quiet shows the job's lines, warnings "
+                  "and errors, and one line per unreachable task, and keeps TensorFlow's "
+                  "C++ runtime lines (start-up notices, gRPC error blocks) only in a log "
+                  "file (its path is printed first); full prints everything; auto: quiet "
+                  "on a terminal, full otherwise (a log collector gets everything), and "
+                  "quiet for launch (each task's whole output is in OUTPUT_DIR/logs).")
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
     "train/server: start even if this task's own address in TF_CONFIG is not an "
@@ -133,12 +134,16 @@ flags.DEFINE_boolean(
     "reach this one at an address it does not own.")
 
 
-def _job_config():
-    from tf_asyncps.app import job
+def _hidden():
     try:
-        hidden = tuple(int(h) for h in FLAGS.hidden)
+        return tuple(int(h) for h in FLAGS.hidden)
     except ValueError:
         raise app.UsageError(f"--hidden must be integers, got {FLAGS.hidden}.")
+
+
+def _job_config():
+    hidden = _hidden()
+    from tf_asyncps.app import job
     cfg = job.JobConfig(
         model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         steps_per_epoch=FLAGS.steps_per_epoch, batch_size=FLAGS.batch_size,
@@ -204,6 +209,8 @@ def cmd_server(argv):
     if config.task_type == "chief":
         raise ValueError('TF_CONFIG names this task "chief": the chief trains; run it with '
                          "`tf-asyncps train`, and `server` for ps/worker tasks.")
+    if _quiet_console():
+        return _train_filtered(config, "server")
     _startup_checks(config)
     _apply_gpus_flag()
     _serve(config)
@@ -213,34 +220,39 @@ def _quiet_console() -> bool:
     return FLAGS.console == "quiet" or (FLAGS.console == "auto" and sys.stdout.isatty())
 
 
-def _train_filtered(config) -> None:
-    """`train` with a quiet console: this process runs the task as a child
-    (``--console=full``) and shows its output through the console filter;
-    the whole output goes to OUTPUT_DIR/logs/TYPE-INDEX.log (a temp dir
-    without --output_dir). Exits with the child's status."""
+def _filtered_self(command: str, name: str, log_dir) -> None:
+    """Runs this command again as a child with ``--console=full`` and shows
+    its output through the console filter (--console=quiet, or auto on a
+    terminal); the whole output goes to ``LOG_DIR/NAME.log`` (a temp dir
+    when ``log_dir`` is None). Exits with the child's status."""
     from tf_asyncps.app.console import run_filtered
-    name = f"{config.task_type}-{config.task_id}"
-    if FLAGS.output_dir:
-        log_dir = os.path.join(FLAGS.output_dir, "logs")
-    else:
+    if log_dir is None:
         import tempfile
         log_dir = tempfile.mkdtemp(prefix="tf_asyncps_logs_")
     log_path = os.path.join(log_dir, f"{name}.log")
-    print(f"tf-asyncps train: {config.task_type}:{config.task_id}; TensorFlow's runtime "
-          f"lines go to {log_path} (--console=full shows them here)", flush=True)
-    args = [a for a in sys.argv[1:] if a != "train"]
+    task = "" if name == command else f" {name.replace('-', ':')};"
+    print(f"tf-asyncps {command}:{task} TensorFlow's runtime lines go to {log_path} "
+          "(--console=full shows them here)", flush=True)
+    args = [a for a in sys.argv[1:] if a != command]
     sigterm_as_ctrl_c()
     # The child checks TF_CONFIG's addresses itself (its warnings shown once).
-    rc = run_filtered([sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"],
-                      dict(os.environ), log_path, who="train")
+    rc = run_filtered([sys.executable, "-m", "tf_asyncps", command] + args +
+                      ["--console=full"], dict(os.environ), log_path, who=command)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _train_filtered(config, command="train") -> None:
+    """`train`/`server` with a quiet console: the whole output goes to
+    OUTPUT_DIR/logs/TYPE-INDEX.log (a temp dir without --output_dir)."""
+    _filtered_self(command, f"{config.task_type}-{config.task_id}",
+                   os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None)
 
 
 def cmd_train(argv):
     from tf_asyncps import cluster
     config = cluster.tf_config_from_env()
     if _quiet_console():
-        return _train_filtered(config)
+        return _train_filtered(config, "train")
     _startup_checks(config)
     _apply_gpus_flag()
     if config.task_type in ("ps", "worker"):
@@ -253,10 +265,22 @@ def cmd_train(argv):
 
 def cmd_reference(argv):
     """The job's model trained in this one process: no cluster, no TF_CONFIG."""
+    if _quiet_console():  # the child checks the rest (no TensorFlow import here)
+        _hidden()
+        out = os.path.normpath(FLAGS.output_dir) + "_reference" if FLAGS.output_dir else None
+        return _filtered_self("reference", "reference",
+                              out and os.path.join(out, "logs"))
     cfg = _job_config()
     _quiet_tensorflow()
     from tf_asyncps.app import job
     job.run_reference(cfg)
+
+
+class _ShowAll(contextlib.nullcontext):
+    """launch --console=full: fd 2 stays the console (NativeStderrFilter's stand-in)."""
+
+    def release(self) -> None:
+        pass
 
 
 def cmd_launch(argv):
@@ -264,7 +288,7 @@ def cmd_launch(argv):
     # This process imports TensorFlow to check the flags; TensorFlow's C++
     # start-up notices (written to fd 2 whatever TF_CPP_MIN_LOG_LEVEL says)
     # stay off the console; any other output of the checks is shown after.
-    quiet = NativeStderrFilter()
+    quiet = _ShowAll() if FLAGS.console == "full" else NativeStderrFilter()
     with quiet:
         return _launch(argv, quiet)
 
@@ -400,7 +424,8 @@ def _run_chief(c, args, env, deadline) -> int:
     return run_filtered(cmd, env, os.path.join(c.log_dir, "chief-0.log"),
                         restarts=FLAGS.restart_failed_tasks,
                         timeout_s=max(1.0, deadline - time.monotonic()),
-                        on_start=lambda p: c.write_state({"chief:0": p.pid}))
+                        on_start=lambda p: c.write_state({"chief:0": p.pid}),
+                        full=FLAGS.console == "full")
 
 
 def main(argv):

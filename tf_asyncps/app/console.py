@@ -70,6 +70,8 @@ class ConsoleFilter:
       restarts: whether failed tasks are restarted (``--restart_failed_tasks``),
         which changes what an event line says happens next.
       clock: seconds since the epoch (for "since HH:MM:SS").
+      full: show every line as it comes (``--console=full``); the log still
+        gets them all and no event line is added.
 
     Attributes:
       hidden: lines kept out of the console (int).
@@ -77,8 +79,9 @@ class ConsoleFilter:
     """
 
     def __init__(self, console: TextIO, log: TextIO, log_name: str, restarts: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, full: bool = False):
         self.console, self.log, self.log_name = console, log, log_name
+        self.full = full
         self.restarts, self.clock = restarts, clock
         self.hidden = 0
         self.events = []
@@ -100,7 +103,7 @@ class ConsoleFilter:
         """Takes one line (with its ``\\n`` or ``\\r``) of the child's output."""
         with self._lock:
             self.log.write(line)
-            if not is_runtime_noise(line):
+            if self.full or not is_runtime_noise(line):
                 self._block_task = None
                 self.console.write(line)
                 self.console.flush()
@@ -175,7 +178,8 @@ class NativeStderrFilter:
 
 
 def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
-                 timeout_s: Optional[float] = None, on_start=None, who: str = "launch") -> int:
+                 timeout_s: Optional[float] = None, on_start=None, who: str = "launch",
+                 full: bool = False) -> int:
     """Runs ``cmd`` to its end with its output through a :class:`ConsoleFilter`:
     whole into ``log_path`` (appended, line-buffered), filtered to sys.stdout.
 
@@ -187,6 +191,7 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
       timeout_s: seconds before it is killed (None: no limit).
       on_start: called with the ``Popen`` once it runs (e.g. to record its pid).
       who: the command named in the messages below.
+      full: show every line (``--console=full``), see :class:`ConsoleFilter`.
 
     Returns:
       Its exit code (negative: killed by that signal).
@@ -203,7 +208,7 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
     if on_start is not None:
         on_start(child)
     log = open(log_path, "a", buffering=1)  # line-buffered: tail -f and tools see each line
-    console = ConsoleFilter(sys.stdout, log, log_path, restarts=restarts)
+    console = ConsoleFilter(sys.stdout, log, log_path, restarts=restarts, full=full)
     reader = threading.Thread(
         target=console.pump, name="child-output", daemon=True,
         args=(io.TextIOWrapper(child.stdout, encoding="utf-8", errors="replace",
