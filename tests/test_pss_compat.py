@@ -297,3 +297,42 @@ def test_tutorial_on_a_chiefless_in_process_cluster_under_every_policy(every_pol
     else:
         assert s["global_step"] == s["applied"]
         assert r["fit_iterations"] + r["loop_iterations"] == s["applied"]
+
+
+@pytest.mark.cluster
+def test_input_that_runs_out_raises_out_of_range_with_the_fix_and_no_error_wall():
+    # tf_keras DatasetCreator without repeat(): TensorFlow cancels the queued
+    # closures and fit raised CancelledError("RemoteExecuteNode::RunAsync")
+    # after ~160 lines; vanilla's OutOfRangeError, explained, instead.
+    r = run_scenario("input_runs_out", shared=(1, 1), keras_lib="tf_keras")
+    assert r["error"]["type"] == "OutOfRangeError", r["error"]
+    assert r["error"]["message"].startswith(
+        "tf_asyncps: a worker's input ran out (End of sequence), so TensorFlow cancelled "
+        "the closures scheduled after it. With model.fit(steps_per_epoch=...) the input "
+        "must repeat (`.repeat()` on the dataset, in a DatasetCreator's dataset_fn too)")
+    assert r["error_records"] == []  # no per-closure ERROR record with the whole error
+
+
+@pytest.mark.cluster
+def test_keras3_input_that_runs_out_says_repeat_without_an_error_wall():
+    r = run_scenario("input_runs_out", shared=(1, 1), keras_lib="3")
+    assert r["error"]["type"] == "ValueError", r["error"]
+    assert "must repeat (`dataset.repeat()`)" in r["error"]["message"]
+    assert r["error_records"] == []
+
+
+@pytest.mark.cluster
+def test_tf_keras_evaluate_of_a_finite_dataset_without_shards_is_refused_before_it_runs():
+    # It failed with CancelledError after 260-1,000 log lines (vanilla too).
+    r = run_scenario("tf_keras_evaluate_finite", shared=(1, 1))
+    assert r["finite"]["error"] == "ValueError"
+    assert r["finite"]["message"] == (
+        "model.evaluate got a finite tf.data.Dataset (4 batches) without steps= under a "
+        "parameter-server strategy: the workers would read it until one runs out, and the "
+        "closures after that would be cancelled (CancelledError). Compile with "
+        "pss_evaluation_shards=\"auto\" (exact: each batch evaluated once; also for fit's "
+        "validation_data), or pass steps= with a repeating dataset (`.repeat()`).")
+    assert r["finite"]["closures"] == 0  # refused before scheduling
+    # x = 1, kernel 1, y = 0: every prediction is 4.
+    assert r["steps"]["loss"] == pytest.approx(16.0), r["steps"]
+    assert r["steps"]["closures"] == 2

@@ -43,7 +43,7 @@ from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracke
 from tf_asyncps.core.step import install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout
 
-__all__ = ["AsyncParameterServerStrategy", "KERAS3_FIT_MESSAGE"]
+__all__ = ["AsyncParameterServerStrategy", "INPUT_RAN_OUT_MESSAGE", "KERAS3_FIT_MESSAGE"]
 
 #: The coordinator's own device: ParameterServerStrategy connects this process
 #: to the cluster as job "chief", also when the cluster has no chief job.
@@ -55,6 +55,15 @@ KERAS3_FIT_MESSAGE = (
     "the model inside `with strategy.scope():` so that it gets "
     "AsyncParameterServerStrategy's fit/evaluate/predict (tf_asyncps.keras3), or "
     "use tf_keras (`import tf_keras as keras`).")
+
+
+INPUT_RAN_OUT_MESSAGE = (
+    "tf_asyncps: a worker's input ran out (End of sequence), so TensorFlow cancelled the "
+    "closures scheduled after it. With model.fit(steps_per_epoch=...) the input must "
+    "repeat (`.repeat()` on the dataset, in a DatasetCreator's dataset_fn too): each epoch "
+    "runs steps_per_epoch worker steps from one iterator per worker that lasts the whole "
+    "fit; evaluate a finite dataset with pss_evaluation_shards=\"auto\" (tf_keras) or "
+    "steps=.")
 
 
 class _WorkerInputContext(tf.distribute.InputContext):
@@ -195,11 +204,15 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         # ClusterCoordinator is one per strategy: tf_keras's later
         # ClusterCoordinator(strategy) returns this object and re-runs __init__.
         first = not tf_compat.coordinator_initialized(self)
+        _check_tf_keras_evaluate()  # before evaluate builds its input
         super().__init__(strategy)
         if first:
             self.engine = strategy.extended.engine
             self.accounting = faults.attach(
                 self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
+            # An input that ran out is raised with INPUT_RAN_OUT_MESSAGE (or
+            # Keras 3's own): not also logged in full once per closure.
+            tf_compat.hide_closure_error_logs(tf.errors.OutOfRangeError)
 
     def has_queued_closures(self, waiting_workers=()) -> bool:
         """True unless the caller is draining: inside ``join``/``done``/``fetch``
@@ -212,7 +225,11 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return tf_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
 
     def schedule(self, fn, args=None, kwargs=None):
-        out = super().schedule(fn, args=args, kwargs=kwargs)
+        try:
+            out = super().schedule(fn, args=args, kwargs=kwargs)
+        except tf.errors.OpError as e:
+            self._explain_input_ran_out(e)
+            raise
         self.engine.start_watchdogs()  # after the trace: it may create the lock
         # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
         # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
@@ -232,9 +249,25 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             msg = self.engine.timeout_error()
             if msg:
                 raise TimeoutError(msg) from e
+            self._explain_input_ran_out(e)
             raise
         finally:
             self._waiting_callers -= 1
+
+    _input_ran_out = False  # a closure's input ran out since the last clean join
+
+    def _explain_input_ran_out(self, e) -> None:
+        """After a closure's OutOfRangeError, TensorFlow cancels the queued
+        closures and the next call raises their CancelledError
+        (``RemoteExecuteNode::RunAsync``), which hides why: that one is
+        raised as the OutOfRangeError it follows, explained."""
+        if isinstance(e, tf.errors.OutOfRangeError):
+            self._input_ran_out = True
+        elif isinstance(e, tf.errors.CancelledError) and self._input_ran_out:
+            self._input_ran_out = False
+            raise tf.errors.OutOfRangeError(
+                None, None, f"{INPUT_RAN_OUT_MESSAGE} (Then: {type(e).__name__}: "
+                f"{e.message.splitlines()[0] if e.message else ''})") from e
 
     def join(self):
         try:
@@ -242,6 +275,7 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         except BaseException:
             self.engine.stop_watchdogs()  # keep the join's error, not a flush's
             raise
+        self._input_ran_out = False
         # local_sgd: push what workers trained since their last exchange;
         # every policy: no watchdog polls the PS once the schedule drained.
         self.engine.drained()
@@ -255,6 +289,30 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
 
     def fetch(self, val):
         return self._translate(super().fetch, val)
+
+
+def _check_tf_keras_evaluate() -> None:
+    """Refuses tf_keras ``model.evaluate`` of a finite ``tf.data.Dataset``
+    without ``steps`` or ``pss_evaluation_shards``: each closure would take
+    batches from a per-worker iterator until one runs out, then TensorFlow
+    cancels the rest and evaluate fails with CancelledError after hundreds
+    of log lines (vanilla ParameterServerStrategy too)."""
+    call = tf_keras_compat.evaluate_call()
+    if call is None:
+        return
+    model, x, steps = call
+    if steps is not None or tf_keras_compat.pss_evaluation_shards(model) or \
+            not isinstance(x, tf.data.Dataset):
+        return
+    if int(x.cardinality()) < 0:  # infinite (needs steps: tf_keras says so) or unknown
+        return
+    raise ValueError(
+        f"model.evaluate got a finite tf.data.Dataset ({int(x.cardinality())} batches) "
+        "without steps= under a parameter-server strategy: the workers would read it "
+        "until one runs out, and the closures after that would be cancelled "
+        "(CancelledError). Compile with pss_evaluation_shards=\"auto\" (exact: each batch "
+        "evaluated once; also for fit's validation_data), or pass steps= with "
+        "a repeating dataset (`.repeat()`).")
 
 
 def _describe_source(resolver) -> str:

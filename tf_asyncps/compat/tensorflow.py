@@ -26,7 +26,7 @@ __all__ = [
     "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
     "inside_function", "outermost_graph", "copy_retrace_setting", "num_workers", "num_gpus_per_worker",
     "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "shards",
-    "colocating_creator",
+    "colocating_creator", "hide_closure_error_logs",
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
     "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
@@ -251,6 +251,42 @@ def instrument_closures(coordinator, on_put_back, on_finished, on_process, on_fa
         w._process_closure = tagged_process
         w._on_closure_failure = counted_failure
     return True
+
+
+def hide_closure_error_logs(error_class) -> None:
+    """Drops the coordinator's ERROR log records about ``error_class`` (one
+    per failed closure plus "Start cancelling closures due to error", each
+    with the whole error text: ~130 lines for one input that ran out), for
+    an error that is raised with its own explanation. TensorFlow's record
+    formats and their arguments as of 2.21.0 (cluster_coordinator.py);
+    installed once per error class. Once one is hidden, the records of the
+    CancelledErrors it causes ("This derived error is ignored") are too."""
+    import logging as py_logging
+    import tensorflow as tf
+    logger = tf.get_logger()
+    if any(getattr(f, "error_class", None) is error_class for f in logger.filters):
+        return
+
+    class _Hide(py_logging.Filter):
+        seen = False  # once one was hidden: also the CancelledErrors it causes
+
+        def filter(self, record):
+            if record.levelno != py_logging.ERROR or not isinstance(record.args, tuple):
+                return True
+            msg = str(record.msg)
+            if self.seen and "This derived error is ignored" in msg:
+                return not any(isinstance(a, tf.errors.CancelledError) for a in record.args)
+            if "encountered the following error when processing" not in msg and \
+                    not msg.startswith("Start cancelling closures due to error"):
+                return True
+            if any(isinstance(a, error_class) for a in record.args):
+                _Hide.seen = True
+                return False
+            return True
+
+    f = _Hide()
+    f.error_class = error_class
+    logger.addFilter(f)
 
 
 # -- variables -------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
-           "dense_on_sparse_gradients", "creating_steps_per_execution"]
+           "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
+           "pss_evaluation_shards"]
 
 TESTED_VERSIONS = ("2.21.0",)
 
@@ -121,3 +122,28 @@ def creating_steps_per_execution(frames: int = 12) -> bool:
             return True
         f = f.f_back
     return False
+
+
+def evaluate_call(frames: int = 8):
+    """``(model, x, steps)`` of the tf_keras ``Model.evaluate`` that is
+    creating its ClusterCoordinator on this thread (evaluate does so before it
+    builds any input), else None. tf_keras 2.21.0: the locals ``self``, ``x``
+    and ``steps`` of ``training.Model.evaluate``; ``fit``'s validation calls it
+    too."""
+    training = sys.modules.get("tf_keras.src.engine.training")
+    if training is None:
+        return None
+    f = sys._getframe(1)
+    for _ in range(frames):
+        if f is None:
+            return None
+        if f.f_code.co_name == "evaluate" and f.f_code.co_filename == training.__file__:
+            loc = f.f_locals
+            return loc.get("self"), loc.get("x"), loc.get("steps")
+        f = f.f_back
+    return None
+
+
+def pss_evaluation_shards(model):
+    """tf_keras's ``compile(pss_evaluation_shards=...)`` value (0: none)."""
+    return getattr(model, "_pss_evaluation_shards", 0)
