@@ -31,9 +31,11 @@ Fresh parameters (max_staleness = 0): each worker has a token queue on the PS.
 A worker takes a token before reading the model; every update grants one
 token to each worker holding none, and a refused (late or non-finite) gradient
 gives its worker a token back at once. A worker whose gradient is in waits
-for the next update before reading again, so it never computes on parameters
-older than the latest update, and each worker contributes at most one
-gradient per round. A watchdog on the chief releases waiting workers when the
+for the next update before reading again, so each step starts from the latest
+update and each worker contributes at most one gradient per round; updates
+that land while it computes still make its gradient late (τ >= 1), and a late
+gradient is dropped and counted, never waited for (N smaller than the workers:
+common). A watchdog on the chief releases waiting workers when the
 program drains the schedule (``join``) with no closure queued, and fails with
 a TimeoutError naming the round if no update happens for ``timeout_s`` (e.g.
 fewer than N live workers).
