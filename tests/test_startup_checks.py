@@ -304,3 +304,22 @@ def test_security_docs_and_network_policy():
     assert list(job) == ["tf-asyncps/job"] and spec["policyTypes"] == ["Ingress"]
     # The only ingress rule: from pods of the same job.
     assert spec["ingress"] == [{"from": [{"podSelector": {"matchLabels": job}}]}]
+
+
+def test_the_strategy_timeout_names_the_argument_the_caller_used():
+    # The Python API's TimeoutError told a caller of connect_timeout_s= to
+    # change --connect_timeout_s (the CLI's flag).
+    import tensorflow as tf
+    import tf_asyncps
+    ps, worker, chief = (portpicker.pick_unused_port() for _ in range(3))
+    spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ps}"],
+                                 "worker": [f"127.0.0.1:{worker}"],
+                                 "chief": [f"127.0.0.1:{chief}"]})
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+    with pytest.raises(TimeoutError) as e:
+        tf_asyncps.AsyncParameterServerStrategy(resolver, connect_timeout_s=0.5)
+    msg = str(e.value)
+    assert msg.endswith("(to wait longer: AsyncParameterServerStrategy(connect_timeout_s=...))")
+    assert "--connect_timeout_s" not in msg
+    assert f"cannot reach ps:0 at 127.0.0.1:{ps}, worker:0 at 127.0.0.1:{worker}" in msg

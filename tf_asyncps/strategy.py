@@ -353,6 +353,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
       skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
         step whose gradients hold NaN or Inf, so the shared model never
         receives a non-finite update.
+      _connect_timeout_name: internal: how the caller set
+        ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 
     Raises:
       TypeError: cluster_resolver is not a ClusterResolver.
@@ -362,7 +364,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
-                 connect_timeout_s: float = 30.0, skip_nonfinite: bool = True):
+                 connect_timeout_s: float = 30.0, skip_nonfinite: bool = True,
+                 _connect_timeout_name: str = ""):
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise TypeError(
                 "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
@@ -392,7 +395,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         if set(spec) - set(cluster_lib.ROLES):
             # An evaluator is no server of this cluster: connecting to it would hang.
             cluster_resolver = cluster_lib.cluster_resolver(config)
-        cluster_lib.wait_for_tasks(config, connect_timeout_s)
+        cluster_lib.wait_for_tasks(config, connect_timeout_s, timeout_name=(
+            _connect_timeout_name or "AsyncParameterServerStrategy(connect_timeout_s=...)"))
         cluster_lib.configure_local_context(config.num_workers)
         super().__init__(cluster_resolver, variable_partitioner)
         self._tracker = StalenessTracker(max_tracked_staleness)

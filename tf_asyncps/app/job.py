@@ -294,7 +294,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     strategy = AsyncParameterServerStrategy(
         resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
         variable_partitioner=partitioner(cfg.min_shard_bytes, num_ps),
-        connect_timeout_s=cfg.connect_timeout_s,
+        connect_timeout_s=cfg.connect_timeout_s, _connect_timeout_name="--connect_timeout_s",
         max_tracked_staleness=cfg.max_tracked_staleness)
     precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
     mixed_precision.check_local_copies(strategy.update_policy, precision=precision)

@@ -220,7 +220,8 @@ class LocalCluster:
         try:
             with on_chief:
                 wait_for_tasks(sub, self.start_timeout_s,
-                               procs={n: self.procs[n] for n in names})
+                               procs={n: self.procs[n] for n in names},
+                               timeout_name="LocalCluster(start_timeout_s=...)")
         except (TimeoutError, RuntimeError) as e:
             tails = "\n".join(f"--- {n} ({self.log_path(n)}):\n{self.log_tail(n)}"
                               for n in names)

@@ -83,7 +83,8 @@ def probe_grpc(addr: str, timeout: float = 1.0):
 def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
                    jobs: Sequence[str] = ("ps", "worker"),
                    procs: Optional[Dict[str, subprocess.Popen]] = None,
-                   probe_timeout_s: float = 1.0) -> None:
+                   probe_timeout_s: float = 1.0,
+                   timeout_name: str = "--connect_timeout_s") -> None:
     """Waits until every task of ``jobs`` is a serving gRPC server.
 
     Each task must accept a TCP connection and answer the HTTP/2 handshake
@@ -96,6 +97,8 @@ def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
       jobs: which jobs to check.
       procs: optional {"job:i": Popen}; a process that exits fails at once.
       probe_timeout_s: seconds for one probe's connect and for its answer.
+      timeout_name: how the caller set ``timeout_s`` (a flag, an argument),
+        named in the TimeoutError.
 
     Raises:
       TimeoutError: naming each task still unreachable or silent after
@@ -139,6 +142,6 @@ def wait_for_tasks(config: ClusterConfig, timeout_s: float = 30.0,
             raise TimeoutError(
                 "; ".join(parts) + f" after {timeout_s:g} s: is the task running "
                 "(`tf-asyncps server`), is the address right and is its port open? "
-                "(connect timeout: --connect_timeout_s)")
+                f"(to wait longer: {timeout_name})")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
