@@ -7,6 +7,7 @@ the launcher lives, then SIGKILL the launcher.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _env, pid_alive, wait_dead
+from conftest import ROOT, _env, pid_alive, run_command, wait_dead
 from tf_asyncps.cluster import PROBE_OK, probe_grpc
 from tf_asyncps.cluster import spawn as spawn_lib
 
@@ -185,3 +186,20 @@ def test_a_task_server_starts_without_tensorflows_api_package():
     finally:
         server.kill()
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("keep_logs", [False, True])
+def test_default_log_dir_is_removed_at_exit_unless_kept(keep_logs, tmp_path):
+    # Every LocalCluster() without log_dir left a /tmp/tf_asyncps_cluster_*
+    # directory behind.
+    script = ("from tf_asyncps.cluster import LocalCluster\n"
+              f"c = LocalCluster(1, 1, keep_logs={keep_logs})\n"
+              "open(c.log_path('ps:0'), 'w').write('a log line')\n"
+              "print('LOG_DIR', c.log_dir)\n")
+    _, out = run_command([sys.executable, "-c", script], timeout=60)
+    log_dir = next(l.split(" ", 1)[1] for l in out.splitlines() if l.startswith("LOG_DIR "))
+    assert os.path.basename(log_dir).startswith("tf_asyncps_cluster_")
+    try:
+        assert os.path.isdir(log_dir) == keep_logs
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

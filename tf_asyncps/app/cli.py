@@ -346,7 +346,7 @@ def _launch(argv, quiet):
                 rate_mbit=FLAGS.host_bandwidth_mbit or None))
         c = stack.enter_context(cluster.LocalCluster(
             FLAGS.num_workers, FLAGS.num_ps, log_dir=log_dir,
-            worker_env=gpu_plan.worker_env, hosts=hosts))
+            worker_env=gpu_plan.worker_env, hosts=hosts, keep_logs=True))
         print(f"tf-asyncps: cluster up in {time.perf_counter() - t0:.1f} s: "
               f"{FLAGS.num_ps} ps, {FLAGS.num_workers} worker(s) ({gpu_plan.describe()}); "
               f"task logs in {c.log_dir} (the chief's whole output: chief-0.log)", flush=True)

@@ -38,7 +38,11 @@ class LocalCluster:
     Args:
       num_workers: worker tasks (>= 1).
       num_ps: parameter-server tasks (>= 1).
-      log_dir: where each task writes ``<job>-<i>.log``; default a temp dir.
+      log_dir: where each task writes ``<job>-<i>.log``; default a temp dir
+        (``/tmp/tf_asyncps_cluster_*``), removed when this process exits
+        unless ``keep_logs``.
+      keep_logs: keep the default temp dir after this process exits (its
+        path is ``log_dir``); a ``log_dir`` you pass is always kept.
       start_timeout_s: seconds to wait for every task to serve.
       env: extra environment variables for the children.
       worker_env: {worker index: {var: value}} for single workers. GPUs:
@@ -61,7 +65,7 @@ class LocalCluster:
                  log_dir: Optional[str] = None, start_timeout_s: float = 90.0,
                  env: Optional[Dict[str, str]] = None,
                  worker_env: Optional[Dict[int, Dict[str, str]]] = None,
-                 host: str = "127.0.0.1", hosts=None):
+                 host: str = "127.0.0.1", hosts=None, keep_logs: bool = False):
         for name, v in (("num_workers", num_workers), ("num_ps", num_ps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LocalCluster: {name} must be an int >= 1, got {v!r}.")
@@ -70,6 +74,12 @@ class LocalCluster:
         self.num_workers, self.num_ps = num_workers, num_ps
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="tf_asyncps_cluster_")
         os.makedirs(self.log_dir, exist_ok=True)
+        if not log_dir and not keep_logs:
+            # At exit, not in stop(): a connected cluster's tasks stop only
+            # then (see stop), and its logs stay readable until then.
+            import atexit
+            import shutil
+            atexit.register(shutil.rmtree, self.log_dir, ignore_errors=True)
         self.start_timeout_s = start_timeout_s
         self.env = dict(env or {})
         self.worker_env = {int(k): dict(v) for k, v in (worker_env or {}).items()}
