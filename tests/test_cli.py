@@ -1,6 +1,7 @@
 """The command line rejects bad input quickly, with the field and the fix."""
 
 import json
+import re
 import sys
 import time
 
@@ -19,7 +20,11 @@ def _cli(*args, env=None):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["launch", "--policy=nope"], ["'nope'", "async"]),
+    (["launch", "--policy=nope"],  # names the flag and every choice, before TensorFlow
+     ["--policy=nope", "<async|drop_stale|staleness_aware|ssp|dc_asgd|sync_replicas|"
+      "local_sgd>"]),
+    (["launch", "--num_workers=100000"],
+     ["--num_workers=100000 with --num_ps=1 needs at least 46876.2 GiB", "MemAvailable"]),
     (["launch", "--policy_args=max_staleness"], ["not key=value"]),
     (["launch", "--policy=async", "--policy_args=foo=1"], ["bad arguments", "async"]),
     (["launch", "--optimizer=lamb"], ["--optimizer", "sgd"]),
@@ -110,3 +115,50 @@ def test_an_interrupted_command_says_so_without_a_traceback(monkeypatch, capsys)
     with pytest.raises(SystemExit) as e:
         cli.main(["tf-asyncps", "bench"])
     assert str(e.value.code) == "tf-asyncps bench: interrupted; every process it started is stopped."
+
+
+def test_help_exits_0_and_lists_each_command_once_with_its_flags():
+    from tf_asyncps.app import cli  # noqa: F401 - defines the flags
+    from absl import flags
+    rc, out = _cli("--help")
+    assert rc == 0, out
+    lines = out.splitlines()
+    for command in ("launch", "train", "server", "bench", "reference"):
+        assert sum(l.startswith(command + " ") for l in lines) == 1, command
+    assert out.count("--helpfull") == 2  # one hint line: all flags, and bench's
+    assert "Try --helpfull" not in out
+    named = set(re.findall(r"--(\w+)", out))
+    ours = {f.name for f in flags.FLAGS.flags_by_module_dict()["tf_asyncps.app.cli"]}
+    assert ours <= named, sorted(ours - named)
+
+
+def test_bench_flags_are_listed_by_bench_helpfull_only():
+    rc, out = _cli("--helpfull")
+    assert rc == 0 and "--bench_steps" not in out and "--num_workers" in out
+    rc, out = _cli("bench", "--helpfull")
+    assert rc == 0 and "--bench_steps" in out
+
+
+def test_policy_flag_names_every_registered_policy():
+    from tf_asyncps import policies
+    from tf_asyncps.app import cli
+    assert sorted(cli.POLICIES) == policies.names()
+    help_text = cli.FLAGS["policy"].help
+    for name in cli.POLICIES:
+        assert f"{name} (" in help_text, name
+
+
+def test_launch_refuses_more_workers_than_memory_holds_with_what_they_need():
+    from tf_asyncps.cluster import devices
+    devices.check_memory(4, 1, available_mb=4096.0)  # 3.2 GB: fits
+    devices.check_memory(64, 1, available_mb=None)  # unknown: no check
+    with pytest.raises(ValueError) as e:
+        devices.check_memory(8, 2, available_mb=4096.0)
+    assert str(e.value) == (
+        "--num_workers=8 with --num_ps=2 needs at least 5.4 GiB (790 MB for the chief, "
+        "470 MB per ps and 480 MB per worker: each task is a TensorFlow process, measured "
+        "on the digits job), but this machine has 4.0 GiB available (MemAvailable). Use "
+        "--num_workers=4 or fewer, or hosts of their own (README: Several hosts).")
+    with pytest.raises(ValueError, match="Even one worker does not fit beside 4 ps: use "
+                                         "fewer --num_ps, or hosts of their own"):
+        devices.check_memory(1, 4, available_mb=2048.0)

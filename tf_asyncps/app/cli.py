@@ -1,28 +1,4 @@
-"""tf-asyncps: asynchronous parameter-server training (absl command line).
-
-Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
-
-  launch   start a local cluster (ps, workers, chief as processes) and train:
-             tf-asyncps launch --flagfile=configs/digits_async.flags
-  train    one binary for every role: reads TF_CONFIG; ps/worker serve, the
-           chief trains with the flags below
-  server   serve the ps/worker task named in TF_CONFIG
-  bench    every policy side by side with vanilla ParameterServerStrategy and
-           single-process training (bench.json, bench.md, PNG plots):
-             tf-asyncps bench --output_dir=runs/bench
-  reference  the job's model trained in this one process (no cluster), written
-           beside the job's results (OUTPUT_DIR_reference):
-             tf-asyncps reference --flagfile=configs/movielens_async.flags
-
-Failures: launch --restart_failed_tasks restarts ps/worker tasks that exit and
-re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints).
-
-GPU workers: launch --gpus_per_worker=K (K GPUs per worker process);
-train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). Mixed precision:
---mixed_precision=mixed_bfloat16|mixed_float16|auto. See README.md.
-
-All flags: tf-asyncps --helpfull
-"""
+"""tf-asyncps: the command line (absl). What --help prints: cli_help.py."""
 
 import contextlib
 import os
@@ -32,7 +8,6 @@ import time
 
 from absl import app, flags, logging
 
-from tf_asyncps.app.bench_cmd import cmd_bench
 from tf_asyncps.app.console import sigterm_as_ctrl_c
 
 FLAGS = flags.FLAGS
@@ -43,6 +18,8 @@ COMMANDS = ("launch", "train", "server", "bench", "reference")
 MODELS = ("mlp", "linear", "recommender")
 DATASETS = ("digits", "mnist", "movielens")
 KERAS = ("tf_keras", "3")
+POLICIES = ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas",
+            "local_sgd")
 flags.DEFINE_enum("keras", "tf_keras", KERAS, "Keras library of the model: tf_keras "
                   "(Keras 2) or 3 (Keras 3 model.fit on parameter servers, tf_asyncps.keras3).")
 flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, or recommender (movielens).")
@@ -65,7 +42,13 @@ flags.DEFINE_integer("batch_size", 32, "Examples per worker step.", lower_bound=
 flags.DEFINE_float("learning_rate", 0.1, "Optimizer learning rate.", lower_bound=0.0)
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adagrad", "rmsprop"],
                   "tf_keras optimizer.")
-flags.DEFINE_string("policy", "async", "Update policy name (tf_asyncps.policies.names()).")
+flags.DEFINE_enum("policy", "async", POLICIES,
+                  "Update policy: async (apply every gradient), drop_stale (drop tau > "
+                  "max_staleness), staleness_aware (scale by 1/max(1, tau)), ssp (bounded "
+                  "staleness: the fastest waits), dc_asgd (delay-compensated), "
+                  "sync_replicas (mean of N gradients per update), local_sgd (local "
+                  "steps, periodic averaging); their arguments: --policy_args, README "
+                  "'Update policies'.")
 flags.DEFINE_string("policy_args", "", "Policy arguments as k=v,k2=v2.")
 flags.DEFINE_list("hidden", ["128"], "Hidden layer sizes of the mlp.")
 flags.DEFINE_boolean("locking", False,
@@ -263,6 +246,11 @@ def cmd_train(argv):
     job.run(cfg, cluster.cluster_resolver(config))
 
 
+def cmd_bench(argv):
+    from tf_asyncps.app import bench_cmd  # its flags are defined by run() already
+    return bench_cmd.cmd_bench(argv)
+
+
 def cmd_reference(argv):
     """The job's model trained in this one process: no cluster, no TF_CONFIG."""
     if _quiet_console():  # the child checks the rest (no TensorFlow import here)
@@ -296,7 +284,8 @@ def cmd_launch(argv):
 def _launch(argv, quiet):
     from tf_asyncps import cluster
     from tf_asyncps.cluster import devices
-    # GPU placement first: it needs neither TensorFlow nor CUDA.
+    # Memory and GPU placement first: they need neither TensorFlow nor CUDA.
+    devices.check_memory(FLAGS.num_workers, FLAGS.num_ps, devices.available_memory_mb())
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
                          "each worker its GPUs with --gpus_per_worker=K.")
@@ -497,8 +486,19 @@ def run():
     """Console-script entry point."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     main_module = sys.modules.get("__main__")
-    if main_module is not None and not getattr(main_module, "__doc__", None):
-        main_module.__doc__ = __doc__  # what --help prints
+    if main_module is not None:  # what --help prints (also for python -m tf_asyncps)
+        from tf_asyncps.app.cli_help import help_text
+        main_module.__doc__ = help_text()
+    args = sys.argv[1:]
+    if "bench" in args:
+        # bench's 17 --bench_* flags: defined (and in --helpfull) for bench only.
+        import tf_asyncps.app.bench_cmd  # noqa: F401
+    # absl's --help/--helpfull exit with status 1; asking for help is no error.
+    for names, short in (({"--help", "-help", "-h", "-?", "--helpshort", "-helpshort"}, True),
+                         ({"--helpfull", "-helpfull"}, False)):
+        if names.intersection(args):
+            app.usage(shorthelp=short, writeto_stdout=True)
+            sys.exit(0)
     app.run(main)
 
 

@@ -24,6 +24,7 @@ import subprocess
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = [
+    "TASK_MEMORY_MB", "available_memory_mb", "check_memory",
     "VISIBLE_DEVICES", "ALLOW_GROWTH", "LOGICAL_GPUS", "LOGICAL_GPU_MEMORY_MB",
     "count_gpus", "available_gpus", "GpuPlan", "plan_gpus", "parse_gpus_flag",
     "configure_server_gpus",
@@ -35,6 +36,44 @@ LOGICAL_GPUS = "TF_ASYNCPS_LOGICAL_GPUS"
 LOGICAL_GPU_MEMORY_MB = "TF_ASYNCPS_LOGICAL_GPU_MEMORY_MB"
 _DEFAULT_LOGICAL_MB = 2048
 _GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
+
+
+#: Peak resident memory (MB) of one TensorFlow process of the digits job
+#: (README "How cost grows", VmHWM, 2026-12-02): chief, ps task, worker task.
+#: Larger models need more; these make a lower bound.
+TASK_MEMORY_MB = {"chief": 790, "ps": 470, "worker": 480}
+
+
+def available_memory_mb(meminfo: str = "/proc/meminfo") -> Optional[float]:
+    """MemAvailable in MB, or None where the kernel does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(num_workers: int, num_ps: int, available_mb: Optional[float]) -> None:
+    """Raises ValueError when ``available_mb`` cannot hold a local cluster of
+    that shape even at :data:`TASK_MEMORY_MB` per process (None: unknown,
+    no check)."""
+    m = TASK_MEMORY_MB
+    need = m["chief"] + num_ps * m["ps"] + num_workers * m["worker"]
+    if available_mb is None or need <= available_mb:
+        return
+    fits = int((available_mb - m["chief"] - num_ps * m["ps"]) // m["worker"])
+    raise ValueError(
+        f"--num_workers={num_workers} with --num_ps={num_ps} needs at least "
+        f"{need / 1024:.1f} GiB ({m['chief']} MB for the chief, {m['ps']} MB per ps and "
+        f"{m['worker']} MB per worker: each task is a TensorFlow process, measured on the "
+        f"digits job), but this machine has {available_mb / 1024:.1f} GiB available "
+        f"(MemAvailable). " + (f"Use --num_workers={fits} or fewer" if fits >= 1 else
+                               f"Even one worker does not fit beside {num_ps} ps: use "
+                               "fewer --num_ps") +
+        ", or hosts of their own (README: Several hosts).")
 
 
 def local_copies_replicas_message(policy_name: str, gpus_per_worker: int,

@@ -1,0 +1,61 @@
+"""What ``tf-asyncps --help`` prints: each command, an example, its flags."""
+
+__all__ = ["HELP", "JOB_FLAGS", "COMMAND_HELP", "help_text"]
+
+HELP = """tf-asyncps: asynchronous parameter-server training (absl command line).
+
+Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
+
+{commands}
+The job's flags: {job_flags}
+Failures: launch --restart_failed_tasks restarts ps/worker tasks that exit and
+re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints).
+GPU workers: launch --gpus_per_worker=K (K GPUs per worker process);
+train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). See README.md.
+
+Every flag with its help: tf-asyncps --helpfull (bench's: tf-asyncps bench --helpfull)
+"""
+
+#: What --help says of each command: what it does, an example, its flags.
+#: "the job's" stands for JOB_FLAGS (tests/test_cli.py checks every flag is named).
+JOB_FLAGS = ("keras", "model", "dataset", "hidden", "embedding_dim", "min_shard_bytes",
+             "epochs", "steps_per_epoch", "batch_size", "learning_rate", "optimizer",
+             "policy", "policy_args", "locking", "steps_per_execution", "mixed_precision",
+             "max_tracked_staleness", "connect_timeout_s", "backup_dir", "seed", "output_dir")
+COMMAND_HELP = (
+    ("launch", "start a local cluster (ps, workers, chief as processes) and train",
+     "tf-asyncps launch --flagfile=configs/digits_async.flags",
+     ("the job's", "num_workers", "num_ps", "timeout_s", "gpus_per_worker",
+      "restart_failed_tasks", "max_restarts", "hosts", "host_bandwidth_mbit", "console")),
+    ("train", "one binary for every role: reads TF_CONFIG; ps/worker serve, the chief "
+     "trains", "TF_CONFIG='{...}' tf-asyncps train --flagfile=...",
+     ("the job's", "gpus", "console", "allow_foreign_address")),
+    ("server", "serve the ps/worker task named in TF_CONFIG",
+     "TF_CONFIG='{...}' tf-asyncps server",
+     ("gpus", "console", "allow_foreign_address")),
+    ("bench", "every policy side by side with vanilla ParameterServerStrategy and "
+     "single-process training (bench.json, bench.md, PNG plots)",
+     "tf-asyncps bench --output_dir=runs/bench",
+     ("num_workers", "batch_size", "learning_rate", "seed", "output_dir",
+      "bench_*")),
+    ("reference", "the job's model trained in this one process (no cluster), written "
+     "beside the job's results (OUTPUT_DIR_reference)",
+     "tf-asyncps reference --flagfile=configs/movielens_async.flags",
+     ("the job's (its policy, locking, connect and backup flags do not apply)",
+      "console")),
+)
+
+
+def help_text() -> str:
+    """What ``tf-asyncps --help`` prints (``cli.run`` prints it and exits 0)."""
+    import textwrap
+    lines = []
+    for name, what, example, names in COMMAND_HELP:
+        flag_list = " ".join(n if " " in n else f"--{n}" for n in names)
+        lines += textwrap.wrap(f"{name:10} {what}:", 79, subsequent_indent=" " * 11)
+        lines.append(" " * 13 + example)
+        lines += textwrap.wrap(f"flags: {flag_list}", 79, initial_indent=" " * 11,
+                               subsequent_indent=" " * 18)
+    job = textwrap.fill(" ".join(f"--{n}" for n in JOB_FLAGS), 79,
+                        initial_indent=" " * 16, subsequent_indent=" " * 2).lstrip()
+    return HELP.format(commands="\n".join(lines) + "\n", job_flags=job)
