@@ -57,7 +57,8 @@ def main():
         model.fit(tf_asyncps.keras3.DatasetFn(train_fn),
                   epochs=5, steps_per_epoch=100,  # steps are worker steps
                   validation_data=test,           # exact: each batch once, on the workers
-                  callbacks=[tf_asyncps.callbacks.StalenessLogger()], verbose=0)
+                  callbacks=[tf_asyncps.callbacks.StalenessLogger(print_fn=print)],
+                  verbose=0)  # the logger's epoch lines only (print_fn: also under verbose=0)
         loss, acc = model.evaluate(test, verbose=0)
         probs = model.predict(X[1400:], verbose=0)  # on the chief, rows in order
         with tempfile.TemporaryDirectory() as tmp:

@@ -135,3 +135,7 @@ def test_example_keras_fit_runs():
     line = [l for l in log.splitlines() if l.startswith("test accuracy")][-1]
     assert float(line.split()[2].rstrip(";")) >= 0.85
     assert "applied 500 updates" in line
+    # StalenessLogger(print_fn=print) under verbose=0: its line per epoch, and
+    # model.predict after fit gave the accuracy (no single-process copy).
+    assert [l.split(":")[0] for l in log.splitlines() if l.startswith("epoch ")] == [
+        f"epoch {i}/5" for i in range(1, 6)]

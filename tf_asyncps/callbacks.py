@@ -59,7 +59,9 @@ class StalenessLogger(tf_keras.callbacks.Callback):
       log_dir: TensorBoard directory or None.
       every_n_seconds: period of the background summaries (float > 0) or None.
       batch_size: examples per worker step, for examples/s (int) or None.
-      print_fn: where epoch lines go (default: print to stdout, flushed).
+      print_fn: where epoch lines go. Default: stdout (flushed), unless the
+        fit runs with ``verbose=0`` (then no line); a ``print_fn`` you pass
+        gets every epoch's line whatever ``verbose`` says.
 
     Attributes:
       epochs: list of per-epoch dicts (epoch, steps, seconds, steps_per_sec,
@@ -83,6 +85,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         self.log_dir = log_dir
         self.every_n_seconds = every_n_seconds
         self.batch_size = batch_size
+        self._print_always = print_fn is not None
         self.print_fn = print_fn or (lambda s: print(s, flush=True))
         self.epochs = []
         self.polls = []  # (unix time, global step, running τ mean)
@@ -139,10 +142,11 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         metrics = " ".join(f"{k}={format_value(v)}" for k, v in logs.items())
         eps = (f" examples/s={rec['steps_per_sec'] * self.batch_size:.0f}"
                if self.batch_size else "")
-        self.print_fn(
-            f"epoch {epoch + 1}/{total}: {metrics} steps/s={rec['steps_per_sec']:.1f}"
-            f"{eps} tau_mean={rec['tau_mean']:.2f} tau_max={rec['tau_max']}"
-            f" dropped={dropped}")
+        if self._print_always or (self.params or {}).get("verbose", 1) != 0:
+            self.print_fn(
+                f"epoch {epoch + 1}/{total}: {metrics} steps/s={rec['steps_per_sec']:.1f}"
+                f"{eps} tau_mean={rec['tau_mean']:.2f} tau_max={rec['tau_max']}"
+                f" dropped={dropped}")
         if self._writer:
             with self._writer.as_default(step=epoch + 1):
                 for k, v in logs.items():

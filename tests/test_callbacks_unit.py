@@ -1,0 +1,52 @@
+"""StalenessLogger's console lines follow fit's verbose (no cluster: a stand-in
+strategy gives the counters)."""
+
+import numpy as np
+import pytest
+
+from tf_asyncps.callbacks import StalenessLogger
+from tf_asyncps.core.staleness import StalenessStats
+
+
+class _Strategy:
+    """Counters before and after one epoch of 10 applied steps, τ 1 each."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def staleness_stats(self):
+        self.calls += 1
+        hist = np.zeros(4, np.int64)
+        if self.calls > 1:
+            hist[1] = 10
+        n = int(hist.sum())
+        return StalenessStats(global_step=n, applied=n, dropped=0, histogram=hist,
+                              dropped_histogram=np.zeros(4, np.int64),
+                              mean=1.0 if n else 0.0, max=1 if n else 0)
+
+    def closures_done_per_worker(self):
+        return [10]
+
+
+def _one_epoch(logger, verbose):
+    logger._strategy = _Strategy()
+    logger.set_params({"verbose": verbose, "epochs": 1, "steps": 10})
+    logger.on_epoch_begin(0)
+    logger.on_epoch_end(0, {"loss": 0.5})
+    return logger.epochs[-1]
+
+
+@pytest.mark.parametrize("verbose,lines", [(0, 0), (1, 1), (2, 1)])
+def test_default_logger_is_silent_under_verbose_0(verbose, lines, capsys):
+    rec = _one_epoch(StalenessLogger(), verbose)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == lines
+    assert all(l.startswith("epoch 1/1: loss=0.5") and "tau_mean=1.00 tau_max=1" in l
+               for l in out)
+    assert rec["applied"] == 10 and rec["tau_max"] == 1  # recorded either way
+
+
+def test_a_print_fn_gets_every_line_whatever_verbose_says():
+    got = []
+    _one_epoch(StalenessLogger(print_fn=got.append), 0)
+    assert len(got) == 1 and got[0].startswith("epoch 1/1: loss=0.5")
