@@ -336,3 +336,22 @@ def test_tf_keras_evaluate_of_a_finite_dataset_without_shards_is_refused_before_
     # x = 1, kernel 1, y = 0: every prediction is 4.
     assert r["steps"]["loss"] == pytest.approx(16.0), r["steps"]
     assert r["steps"]["closures"] == 2
+
+
+@pytest.mark.cluster
+def test_example_custom_loop_is_the_tutorial_loop_and_runs():
+    from conftest import run_command
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "custom_loop.py")
+    source = open(path).read()
+    # The tutorial's one change: the class name (and its import).
+    assert source.count("tf_asyncps.AsyncParameterServerStrategy(") == 1
+    assert "tf.distribute.ParameterServerStrategy(" not in source.replace(
+        "# tf_asyncps: was tf.distribute.ParameterServerStrategy", "")
+    _, log = run_command([sys.executable, path], timeout=240)
+    lines = log.splitlines()
+    assert [l.split(",")[0] for l in lines if l.startswith("Finished epoch")] == [
+        f"Finished epoch {i}" for i in range(4)]
+    assert any(l.startswith("Final loss is ") for l in lines)
+    # 4 epochs x 5 scheduled steps + the fetched one, each applied once.
+    assert any(l.startswith("applied 21 gradients, dropped 0, tau mean ") for l in lines), log
