@@ -23,6 +23,8 @@ def _cli(*args, env=None):
     (["launch", "--policy=nope"],  # names the flag and every choice, before TensorFlow
      ["--policy=nope", "<async|drop_stale|staleness_aware|ssp|dc_asgd|sync_replicas|"
       "local_sgd>"]),
+    (["launch", "--bench_steps=3"],
+     ["tf-asyncps: --bench_steps is a flag of `tf-asyncps bench`"]),
     (["launch", "--num_workers=100000"],
      ["--num_workers=100000 with --num_ps=1 needs at least 46876.2 GiB", "MemAvailable"]),
     (["launch", "--policy_args=max_staleness"], ["not key=value"]),

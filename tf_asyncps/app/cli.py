@@ -493,6 +493,11 @@ def run():
     if "bench" in args:
         # bench's 17 --bench_* flags: defined (and in --helpfull) for bench only.
         import tf_asyncps.app.bench_cmd  # noqa: F401
+    else:
+        stray = [a.split("=")[0] for a in args if a.startswith(("--bench_", "-bench_"))]
+        if stray:
+            sys.exit(f"tf-asyncps: {stray[0]} is a flag of `tf-asyncps bench` "
+                     "(tf-asyncps bench --helpfull lists them).")
     # absl's --help/--helpfull exit with status 1; asking for help is no error.
     for names, short in (({"--help", "-help", "-h", "-?", "--helpshort", "-helpshort"}, True),
                          ({"--helpfull", "-helpfull"}, False)):
