@@ -25,6 +25,7 @@ into a TimeoutError.
 """
 
 import dataclasses
+import threading
 import weakref
 from typing import List, Union
 
@@ -184,14 +185,16 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     tells the engine when it drained, and turns a timed-out wait into a
     TimeoutError."""
 
-    _waiting_callers = 0
-
     def __init__(self, strategy):
         # ClusterCoordinator is one per strategy: tf_keras's later
         # ClusterCoordinator(strategy) returns this object and re-runs __init__.
         first = not tf_compat.coordinator_initialized(self)
         super().__init__(strategy)
         if first:
+            # Threads inside join/done/fetch: several user threads may wait
+            # at once while the gates' watchdog threads read the count.
+            self._waiting_callers = 0
+            self._waiting_lock = threading.Lock()
             self.engine = strategy.extended.engine
             self.accounting = faults.attach(
                 self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
@@ -220,7 +223,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return out
 
     def _translate(self, call, *args, **kwargs):
-        self._waiting_callers += 1
+        with self._waiting_lock:
+            self._waiting_callers += 1
         try:
             return call(*args, **kwargs)
         except (tf.errors.OpError, RuntimeError) as e:
@@ -229,7 +233,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
                 raise TimeoutError(msg) from e
             raise
         finally:
-            self._waiting_callers -= 1
+            with self._waiting_lock:
+                self._waiting_callers -= 1
 
     def join(self):
         try:

@@ -191,12 +191,16 @@ def closure_queue_nonempty(coordinator, ignore_workers=()) -> bool:
     by a worker, leaving out the closures tagged for a worker in
     ``ignore_workers`` (its per-worker resource closures, which only it can
     run: ``_tagged_queue`` is keyed by worker index). True when the internals
-    moved (never release early)."""
+    moved (never release early). Reads under the queue's ``_queue_lock``, as
+    its own methods do: a worker thread's ``get`` adds keys to
+    ``_tagged_queue`` (a defaultdict), which an unlocked iteration meets as
+    "dictionary changed size during iteration"."""
+    ignore = set(ignore_workers)
     try:
         q = coordinator._cluster.closure_queue
-        ignore = set(ignore_workers)
-        return (not q._queue.empty()) or any(
-            not t.empty() for tag, t in q._tagged_queue.items() if tag not in ignore)
+        with q._queue_lock:
+            return (not q._queue.empty()) or any(
+                not t.empty() for tag, t in q._tagged_queue.items() if tag not in ignore)
     except AttributeError:  # pragma: no cover - internals moved
         return True
 

@@ -188,9 +188,10 @@ class PolicyEngine:
     def drained(self) -> int:
         """The coordinator drained: push local copies (``local_sgd``), stop
         the watchdogs. Returns the local steps pushed."""
-        pushed = self.local.flush() if self.local is not None else 0
-        self.stop_watchdogs()
-        return pushed
+        try:
+            return self.local.flush() if self.local is not None else 0
+        finally:
+            self.stop_watchdogs()  # also when the push fails
 
     # -- the update -------------------------------------------------------------
     def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):

@@ -140,9 +140,12 @@ class WorkerGate(Watchdog):
         if time.monotonic() - self._since <= self.timeout_s:
             return False
         self.fail(self._describe(np.flatnonzero(waiting).tolist()))
+        self.abort()
+        return True
+
+    def abort(self):
         for q in self.queues:
             q.close(cancel_pending_enqueues=True)
-        return True
 
 
 def _enqueued(q):
