@@ -82,19 +82,36 @@ class DCASGD(UpdatePolicy):
                 continue
             gap = _rows(w.read_value(), g) - _rows(w_read, g)
             if self.adaptive:
-                ms = state[i]
-                m = self.momentum
-                if isinstance(g, tf.IndexedSlices):
-                    rows = m * tf.gather(ms, g.indices) + (1 - m) * tf.square(g.values)
-                    ms.scatter_update(tf.IndexedSlices(rows, g.indices))
-                else:
-                    rows = ms.assign(m * ms + (1 - m) * tf.square(g))
+                rows = self._update_meansquare(state[i], g)
                 lam = self.lambda_ / tf.sqrt(rows + self.epsilon)
             else:
                 lam = self.lambda_
             new.append(map_values(
                 lambda v, gap=gap, lam=lam: v + tf.cast(lam, v.dtype) * v * v * gap, g))
         return new, True
+
+    def _update_meansquare(self, ms, g):
+        """meansquare <- m * meansquare + (1 - m) * g * g, a read then a
+        write: serialised per variable, so that concurrent worker steps do not
+        lose each other's update. Returns the new rows (dense: all)."""
+        m = self.momentum
+
+        def update():
+            if isinstance(g, tf.IndexedSlices):
+                rows = m * tf.gather(ms.read_value(), g.indices) + (1 - m) * tf.square(g.values)
+                with tf.control_dependencies(
+                        [ms.scatter_update(tf.IndexedSlices(rows, g.indices))]):
+                    return tf.identity(rows)
+            return ms.assign(m * ms.read_value() + (1 - m) * tf.square(g), read_value=True)
+
+        return self._lock_for(ms).execute(update, exclusive_resource_access=False)
+
+    def _lock_for(self, ms) -> tf.CriticalSection:
+        locks = self.__dict__.setdefault("_meansquare_locks", {})
+        if id(ms) not in locks:
+            with tf.init_scope(), tf.device(ms.device):
+                locks[id(ms)] = (placement.critical_section("dc_asgd_meansquare_lock"), ms)
+        return locks[id(ms)][0]
 
     def get_config(self):
         return {"lambda_": self.lambda_, "adaptive": self.adaptive}
