@@ -116,12 +116,29 @@ class PolicyEngine:
             # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
             with tf.control_dependencies([r] + snap), step.active():
-                out = fn(*a, **kw)
+                out, ops = run_collecting_ops(lambda: fn(*a, **kw))
             if not step.applied:
+                self._warn_unhooked_update(ops)
                 self.no_update(w, out)
             return out
 
         return step_fn
+
+    def _warn_unhooked_update(self, ops) -> None:
+        """Warns when a worker step that made no update through a hooked
+        optimizer method wrote trainable variables anyway: an optimizer
+        overriding ``apply_gradients`` (``apply`` in Keras 3) without calling
+        the base method bypasses the policy, τ and the global step."""
+        trainable = {id(v.handle): v for v in self._trainable}
+        written = {id(h) for h in tf_compat.resources_written(ops)}
+        names = sorted({v.name for k, v in trainable.items() if k in written})
+        if names:
+            logging.warning(
+                "A worker step updated trainable variable(s) %s without a hooked optimizer "
+                "method, so the update policy %r, τ and the global step never saw it. An "
+                "optimizer that overrides apply_gradients (Keras 3: apply) must call the "
+                "base class's method for AsyncParameterServerStrategy to apply its update.",
+                ", ".join(names), self.policy.name)
 
     def read_point(self, w):
         """The policy's ``before_read``, then the read step r and (if the
