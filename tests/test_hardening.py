@@ -243,3 +243,57 @@ def test_resume_progress_read_at_an_epoch_end_is_never_an_epoch_ahead(tmp_path):
     tracker.on_epoch_end(0)
     tracker.record_failure()  # stops the writer thread
     assert seen == [10] and tracker.steps_done() == 10
+
+
+def test_leaving_a_connected_cluster_closes_this_process_log_files(tmp_path, monkeypatch):
+    """Before: the deferred stop returned before closing the parent's log
+    handles (the tasks keep writing through their own descriptors)."""
+    from tf_asyncps.cluster import local
+    cluster = local.LocalCluster(1, 1, log_dir=str(tmp_path))
+
+    class Alive:
+        pid = 1
+
+        def poll(self):
+            return None
+
+    cluster.procs["ps:0"] = Alive()
+    log = open(cluster.log_path("ps:0"), "ab")
+    cluster._logs["ps:0"] = log
+    monkeypatch.setattr(local.tf_compat, "context_connected", lambda: True)
+    cluster.stop(defer_if_connected=True)
+    assert log.closed and cluster._logs == {}
+
+
+def test_the_summary_writer_is_closed_when_fit_ends(tmp_path):
+    import types
+    from tf_asyncps.callbacks import StalenessLogger
+    logger = StalenessLogger(log_dir=str(tmp_path))
+    logger.set_model(types.SimpleNamespace(distribute_strategy=types.SimpleNamespace(
+        staleness_stats=lambda: None)))
+    logger.on_train_begin()
+    writer = logger._writer
+    closed = []
+    real_close = writer.close
+    writer.close = lambda: (closed.append(1), real_close())
+    logger.on_train_end()
+    assert closed == [1] and logger._writer is None
+
+
+def test_progress_line_says_why_it_stopped_drawing(caplog):
+    """Before: every exception was swallowed, a bug in drawing included."""
+    import io
+    import types
+    from tf_asyncps.callbacks import ProgressLine
+
+    def stats():
+        raise KeyError("worker_steps")
+
+    line = ProgressLine(total_steps=10, period_s=0.0, stream=io.StringIO(), force=True)
+    line._strategy = types.SimpleNamespace(staleness_stats=stats)
+    line._base, line._t0 = 0, 0.0
+    with caplog.at_level("WARNING"):
+        line._run()  # returns after the failed draw
+    assert isinstance(line.error, KeyError) and line.draws == 0
+    assert [r.getMessage() for r in caplog.records if "ProgressLine" in r.getMessage()] == [
+        "ProgressLine stopped drawing: KeyError: 'worker_steps'"]
