@@ -297,3 +297,40 @@ def test_progress_line_says_why_it_stopped_drawing(caplog):
     assert isinstance(line.error, KeyError) and line.draws == 0
     assert [r.getMessage() for r in caplog.records if "ProgressLine" in r.getMessage()] == [
         "ProgressLine stopped drawing: KeyError: 'worker_steps'"]
+
+
+def test_a_drain_release_that_crosses_a_grant_lets_no_later_step_through():
+    """The gate's watchdog reads who waits, then releases them. Before: a
+    grant landing in between let the worker go on the grant, and the release
+    token stayed in its queue: its next wait passed without any grant (past
+    ssp's bound), counted as a released read. The drain probe, which the
+    watchdog calls between its read and its release, is where the grant
+    lands here."""
+    import time
+    import tensorflow as tf
+    from tf_asyncps.core.gate import WorkerGate
+    cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
+    gate = WorkerGate(2, cpu, initial_tokens=0, timeout_s=30, name="test",
+                      progress=lambda: 0, describe=str)
+    first = []
+    worker = threading.Thread(target=lambda: first.append(bool(gate.wait(0))))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while gate._state.numpy()[0] != 1:  # the worker waits in its dequeue
+        assert time.monotonic() < deadline, "the worker never started waiting"
+
+    def nothing_queued(waiting):
+        assert waiting == [0]
+        gate.grant(0)  # an update grants worker 0 a token: it goes on
+        worker.join(60)
+        return False
+
+    gate.set_pending_probe(nothing_queued)
+    gate.reset()
+    assert gate.poll() is False  # first sight of the progress value
+    assert gate.poll() is False  # waiting, nothing queued: the (late) release
+    assert first == [False]  # the first wait ended on the grant
+    gate.grant(0)  # the next update
+    assert bool(gate.wait(0)) is False  # on that grant, not on the stale release
+    assert gate.released_reads() == 0
+    assert [int(q.size()) for q in gate.queues] == [0, 0]
