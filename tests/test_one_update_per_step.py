@@ -123,3 +123,41 @@ def test_a_step_that_updates_weights_around_the_hooks_is_named(caplog):
         "class's method for AsyncParameterServerStrategy to apply its update."]
     assert kernel.numpy().tolist() == [0.5]
     assert engine.tracker.stats().applied == 0
+
+
+class _GradientIsTheReadValue(policies.UpdatePolicy):
+    """A rule that needs read values and returns them as the gradients, so
+    that the update shows exactly what w_read was."""
+
+    name = "read_value_probe"
+    needs_read_values = True
+
+    def update(self, grads, state, info):
+        self.seen = [r is not None for r in info.read_values]
+        return [g * 0 + r for g, r in zip(grads, info.read_values)], True
+
+
+def test_read_values_are_the_steps_own_variables_read_not_every_variable_copied():
+    """Before: each step copied every trainable variable created under the
+    scope (a second model's too) into a per-worker backup on the PS."""
+    install_optimizer_hooks()
+    tracker = StalenessTracker(max_tracked=4, device=CPU)
+    policy = _GradientIsTheReadValue()
+    policy.build(2, CPU)
+    engine = PolicyEngine(policy, tracker, num_workers=2, skip_nonfinite=True,
+                          is_locking=is_locking, lock_timeout=lock_timeout)
+    engine.strategy = tf.distribute.get_strategy()
+    used, other = tf.Variable([3.0, -1.0]), tf.Variable(tf.ones([50, 4]))
+    engine.track_variable(used, trainable=True)
+    engine.track_variable(other, trainable=True)  # another model's weights
+    opt = tf_keras.optimizers.SGD(0.5)
+    step = tf.function(engine.worker_step(
+        lambda: opt.apply_gradients([(tf.constant([10.0, 10.0]), used)]), index=_index))
+    graph = step.get_concrete_function().graph
+    captured = {id(external) for external, _ in graph.captures}
+    assert id(other.handle) not in captured  # not read, not copied
+    step()
+    assert policy.seen == [True]
+    # SGD on the read value: w - 0.5 * w_read, with w_read = w at the step's start.
+    assert used.numpy().tolist() == [1.5, -0.5]
+    assert other.numpy().tolist() == [[1.0] * 4] * 50

@@ -4,7 +4,7 @@ One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
 (tf_asyncps/strategy.py) hands it each worker step; the optimizer hook
 (core/step.py) hands it each step's gradients. For one worker step::
 
-    worker_step:  before_read(w); r = g.read(); [read snapshot]    (on the PS)
+    worker_step:  before_read(w); r = g.read()                     (on the PS)
                   forward, backward on the worker
     apply_step:   gradients copied to the PS (variable's device)
                   [PS lock]  g_now = g.read();  τ = g_now − r
@@ -21,6 +21,7 @@ worker<->PS round trip. ``local_copies`` policies take another path
 (core/protocol.py) and nothing else of it.
 """
 
+import contextlib
 from typing import List, Optional
 
 import tensorflow as tf
@@ -78,7 +79,6 @@ class PolicyEngine:
         self.strategy = None
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
-        self._backups = {}  # id(var) -> [num_workers, *shape] read snapshots
         self._warned = set()  # optimizers already warned about dense table updates
 
     worker_index = staticmethod(worker_index)
@@ -112,10 +112,10 @@ class PolicyEngine:
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
             w = index()
-            r, snap = self.read_point(w)
+            r = self.read_point(w)
             # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
-            with tf.control_dependencies([r] + snap), step.active():
+            with tf.control_dependencies([r]), step.active():
                 out, ops = run_collecting_ops(lambda: fn(*a, **kw))
             if not step.applied:
                 self._warn_unhooked_update(ops)
@@ -141,12 +141,10 @@ class PolicyEngine:
                 ", ".join(names), self.policy.name)
 
     def read_point(self, w):
-        """The policy's ``before_read``, then the read step r and (if the
-        policy needs them) the read snapshot: once per worker step."""
+        """The policy's ``before_read``, then the read step r (int64 scalar
+        tensor): once per worker step."""
         with tf.control_dependencies(self.policy.before_read(w)):
-            r = self.tracker.read_step()
-            snap = self._snapshot(w) if self.policy.needs_read_values else []
-        return r, snap
+            return self.tracker.read_step()
 
     def no_update(self, w, out) -> None:
         """Tells the policy a worker step made no update (e.g. an evaluation
@@ -154,25 +152,6 @@ class PolicyEngine:
         with tf.control_dependencies(
                 [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
             self.policy.step_without_update(w)
-
-    def _snapshot(self, w) -> List:
-        """PS-side copy of every trainable variable into worker w's backup."""
-        ops = []
-        for var in self._trainable:
-            backup = self._backup_for(var)
-            with tf.device(var.device):
-                ops.append(backup.scatter_update(tf.IndexedSlices(
-                    var.read_value()[None], tf.reshape(tf.cast(w, tf.int64), [1]))))
-        return ops
-
-    def _backup_for(self, var):
-        key = id(var)
-        if key not in self._backups:
-            with placement.beside(var):
-                self._backups[key] = tf.Variable(
-                    tf.zeros([self.num_workers] + var.shape.as_list(), var.dtype),
-                    trainable=False, name="asyncps_read_backup")
-        return self._backups[key]
 
     def _state_for(self, variables):
         key = tuple(id(v) for v in variables)
@@ -255,7 +234,8 @@ class PolicyEngine:
         w = grads_lib.copy_to(step.worker_index, device)
         finite = None if finite is None else grads_lib.copy_to(finite, device)
         inputs = grads_lib.flat_tensors(grads) + [w] + ([finite] if finite is not None else [])
-        read_values = self._read_values(variables, w) if self.policy.needs_read_values else None
+        read_values = (self._read_values(step, variables) if self.policy.needs_read_values
+                       else None)
         state = self._state_for(variables)
 
         def decide_and_apply():
@@ -297,11 +277,26 @@ class PolicyEngine:
             logging.warning("%s: %s; each step's cost grows with the table, not the "
                             "batch.", ", ".join(tables), why)
 
-    def _read_values(self, variables, w):
+    def _read_values(self, step, variables):
+        """Per variable of this step, its value when the step read r (None
+        for one not created under the scope). Read on the variable's PS task
+        in r's graph with only r before it, so it runs as soon as r is read,
+        beside the step's own reads, not at apply time; only the step's own
+        variables are read, and nothing is copied."""
         known = {id(v) for v in self._trainable}
-        bases = [mixed_precision.base_variable(v) for v in variables]
-        return [tf.gather(self._backup_for(b), w) if id(b) in known else None
-                for b in bases]
+        r = step.read_step
+        graph = None if tf.executing_eagerly() else getattr(r, "graph", None)
+        out = []
+        with (graph.as_default() if graph is not None else contextlib.nullcontext()), \
+                tf.control_dependencies([r]):
+            for v in variables:
+                b = mixed_precision.base_variable(v)
+                if id(b) not in known:
+                    out.append(None)
+                    continue
+                with tf.device(b.device):
+                    out.append(b.read_value())
+        return out
 
     def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
                           lso, apply_fn, inputs, locking):

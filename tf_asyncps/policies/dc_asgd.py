@@ -6,13 +6,14 @@ Hessian's diagonal (Zheng et al., "Asynchronous Stochastic Gradient Descent
 with Delay Compensation", ICML 2017). Adaptive variant (DC-ASGD-a):
 λ_t = λ / sqrt(meansquare + ε), meansquare ← m·meansquare + (1 − m)·g ⊙ g.
 
-w_read is the value the worker step read: like the paper's parameter server,
-the strategy keeps a per-worker backup of the trainable variables on the PS,
-copied when the step starts (``needs_read_values``).
+w_read is the value the worker step read (the paper's per-worker backup): the
+engine reads each variable the step updates on its PS task right after the
+step's read step r and keeps that read until the update
+(``needs_read_values``); nothing is copied.
 
 When to use: many workers and a smooth loss, to keep asynchronous speed while
-reducing the error of stale gradients. Costs one PS-local copy of the model
-per worker step and num_workers copies of the model in PS memory.
+reducing the error of stale gradients. Costs one PS-local read per updated
+variable per worker step.
 """
 
 import tensorflow as tf
