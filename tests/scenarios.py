@@ -1304,7 +1304,7 @@ def _state_placement(strategy):
     variable they serve (``beside``) and of those that do not."""
     engine = strategy.extended.engine
     by_id = {id(v): v for v in engine._trainable}
-    pairs = [(by_id[k].device, b.device) for k, b in engine._backups.items()]
+    pairs = []
     for key, state in engine._policy_state.items():
         groups = [(key, state)]
         if isinstance(engine.policy, tf_asyncps.policies.Route):  # a state per part

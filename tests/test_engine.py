@@ -277,8 +277,10 @@ def test_a_waiting_workers_own_closures_do_not_hold_its_release_back():
     import queue
     import types
     from tf_asyncps.compat import tensorflow as tf_compat
+    import threading
     q = types.SimpleNamespace(_queue=queue.Queue(), _tagged_queue={0: queue.Queue(),
-                                                                   1: queue.Queue()})
+                                                                   1: queue.Queue()},
+                              _queue_lock=threading.Lock())
     coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(closure_queue=q))
     assert not tf_compat.closure_queue_nonempty(coordinator)
     q._tagged_queue[1].put("create worker 1's dataset")

@@ -156,8 +156,9 @@ def test_job_model_keeps_float32_weights_and_logits(policy):
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
 def test_base_variable_finds_the_variable_under_an_autocast_variable(policy):
-    """dc_asgd's read backups are keyed by the variable the strategy created,
-    which tf_keras hides under an AutoCastVariable (it got no backup before)."""
+    """dc_asgd's read values are looked up by the variable the strategy
+    created, which tf_keras hides under an AutoCastVariable (it got no read
+    value once)."""
     created = []
 
     def creator(next_creator, **kwargs):

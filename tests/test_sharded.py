@@ -23,9 +23,10 @@ POLICIES = {
     "async": {}, "drop_stale": {"max_staleness": 1}, "staleness_aware": {},
     "ssp": {"max_staleness": 1}, "dc_asgd": {},
     "sync_replicas": {"replicas_to_aggregate": 1}, "local_sgd": {"sync_every": 3}}
-# State beside the shard it serves: sync_replicas' buffers, dc_asgd's read
-# snapshots and second moments, the update lock beside the global step.
-HOLDS_STATE = {"drop_stale", "dc_asgd", "sync_replicas", "route"}  # per-variable state
+# State beside the shard it serves: sync_replicas' buffers, dc_asgd's second
+# moments (adaptive; its read values are reads, not copies), the update lock
+# beside the global step.
+HOLDS_STATE = {"drop_stale", "sync_replicas", "route"}  # per-variable state
 
 ONE_WORKER = {name: dict(policy=name, policy_args=args) for name, args in POLICIES.items()}
 ONE_WORKER.update({

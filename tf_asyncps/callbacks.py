@@ -12,6 +12,7 @@ from typing import Callable, Optional, TextIO
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
 __all__ = ["StalenessLogger", "ProgressLine", "format_value"]
 
@@ -174,7 +175,8 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._writer:
-            self._writer.flush()
+            self._writer.close()  # its file and thread; a next fit opens another
+            self._writer = None
 
 
 class ProgressLine(tf_keras.callbacks.Callback):
@@ -201,6 +203,7 @@ class ProgressLine(tf_keras.callbacks.Callback):
         self._stop = threading.Event()
         self._thread = None
         self.draws = 0
+        self.error: Optional[Exception] = None  # what stopped the drawing, if anything
 
     def on_train_begin(self, logs=None):
         if not self.enabled:
@@ -227,7 +230,10 @@ class ProgressLine(tf_keras.callbacks.Callback):
         while not self._stop.wait(self.period_s):
             try:
                 self._draw()
-            except Exception:  # the cluster is going away: stop drawing
+            except Exception as e:  # noqa: BLE001 - a display must not end the fit
+                # Often the cluster going away at the end; said, not swallowed.
+                self.error = e
+                logging.warning("ProgressLine stopped drawing: %s: %s", type(e).__name__, e)
                 return
 
     def on_epoch_end(self, epoch, logs=None):

@@ -75,8 +75,9 @@ class ResumeTracker(tf_keras.callbacks.Callback):
         self.chief_runs = int(prev.get("chief_runs", 0)) + 1
         self.resumed_from_step = 0
         self.steps_redone = self._prev_redone
-        self._epoch_base = None  # worker steps before the current epoch
-        self._closures0 = 0
+        # (worker steps before the current epoch, closures done at its start),
+        # one tuple: the writer thread reads both, the main thread moves both.
+        self._epoch_mark = None
         self._started = False
         self._stop = threading.Event()
         self._thread = None
@@ -93,10 +94,12 @@ class ResumeTracker(tf_keras.callbacks.Callback):
 
     def steps_done(self) -> int:
         """Worker steps completed up to now (resume point + this run's)."""
-        if self._epoch_base is None:
+        mark = self._epoch_mark
+        if mark is None:
             return self.resumed_from_step
-        in_epoch = (self._closures() - self._closures0) * self.steps_per_execution
-        return self._epoch_base + min(in_epoch, self.steps_per_epoch)
+        base, closures0 = mark
+        in_epoch = (self._closures() - closures0) * self.steps_per_execution
+        return base + min(in_epoch, self.steps_per_epoch)
 
     def _write(self) -> None:
         with self._lock:
@@ -115,8 +118,7 @@ class ResumeTracker(tf_keras.callbacks.Callback):
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="ResumeTracker")
             self._thread.start()
-        self._epoch_base = epoch * self.steps_per_epoch
-        self._closures0 = self._closures()
+        self._epoch_mark = (epoch * self.steps_per_epoch, self._closures())
         self._write()
 
     def _run(self):
@@ -124,8 +126,7 @@ class ResumeTracker(tf_keras.callbacks.Callback):
             self._write()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._epoch_base = (epoch + 1) * self.steps_per_epoch
-        self._closures0 = self._closures()
+        self._epoch_mark = ((epoch + 1) * self.steps_per_epoch, self._closures())
         self._write()
 
     def _halt(self):

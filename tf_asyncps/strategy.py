@@ -25,6 +25,7 @@ into a TimeoutError.
 """
 
 import dataclasses
+import threading
 import weakref
 from typing import List, Union
 
@@ -198,8 +199,6 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     tells the engine when it drained, and turns a timed-out wait into a
     TimeoutError."""
 
-    _waiting_callers = 0
-
     def __init__(self, strategy):
         # ClusterCoordinator is one per strategy: tf_keras's later
         # ClusterCoordinator(strategy) returns this object and re-runs __init__.
@@ -207,6 +206,10 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         _check_tf_keras_evaluate()  # before evaluate builds its input
         super().__init__(strategy)
         if first:
+            # Threads inside join/done/fetch: several user threads may wait
+            # at once while the gates' watchdog threads read the count.
+            self._waiting_callers = 0
+            self._waiting_lock = threading.Lock()
             self.engine = strategy.extended.engine
             self.accounting = faults.attach(
                 self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
@@ -242,7 +245,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return out
 
     def _translate(self, call, *args, **kwargs):
-        self._waiting_callers += 1
+        with self._waiting_lock:
+            self._waiting_callers += 1
         try:
             return call(*args, **kwargs)
         except (tf.errors.OpError, RuntimeError) as e:
@@ -252,7 +256,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._explain_input_ran_out(e)
             raise
         finally:
-            self._waiting_callers -= 1
+            with self._waiting_lock:
+                self._waiting_callers -= 1
 
     _input_ran_out = False  # a closure's input ran out since the last clean join
 

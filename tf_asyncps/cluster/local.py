@@ -349,6 +349,7 @@ class LocalCluster:
         if defer_if_connected and tf_compat.context_connected() and self._alive_children():
             logging.info("LocalCluster: tasks %s stop when this process exits.",
                          sorted(self.pids))
+            self._close_logs()  # each task writes through its own descriptor
             return
         for p in self.procs.values():
             if p.poll() is None:
@@ -363,6 +364,9 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 p.wait(timeout=10)
+        self._close_logs()
+
+    def _close_logs(self) -> None:
         for name in list(self._logs):
             self._close_log(name)
 

@@ -29,6 +29,7 @@ __all__ = [
     "colocating_creator", "hide_closure_error_logs",
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
+    "resources_written",
     "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
     "import_without_keras", "serving_runtime",
 ]
@@ -191,12 +192,16 @@ def closure_queue_nonempty(coordinator, ignore_workers=()) -> bool:
     by a worker, leaving out the closures tagged for a worker in
     ``ignore_workers`` (its per-worker resource closures, which only it can
     run: ``_tagged_queue`` is keyed by worker index). True when the internals
-    moved (never release early)."""
+    moved (never release early). Reads under the queue's ``_queue_lock``, as
+    its own methods do: a worker thread's ``get`` adds keys to
+    ``_tagged_queue`` (a defaultdict), which an unlocked iteration meets as
+    "dictionary changed size during iteration"."""
+    ignore = set(ignore_workers)
     try:
         q = coordinator._cluster.closure_queue
-        ignore = set(ignore_workers)
-        return (not q._queue.empty()) or any(
-            not t.empty() for tag, t in q._tagged_queue.items() if tag not in ignore)
+        with q._queue_lock:
+            return (not q._queue.empty()) or any(
+                not t.empty() for tag, t in q._tagged_queue.items() if tag not in ignore)
     except AttributeError:  # pragma: no cover - internals moved
         return True
 
@@ -311,6 +316,33 @@ def shards(var):
     if isinstance(var, sharded_variable.ShardedVariable):
         return list(var.variables)
     return None
+
+
+#: Ops that write the resource variable of their first input.
+_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+
+
+def resources_written(ops) -> list:
+    """The resource handles that ``ops`` write (assign, optimizer apply,
+    scatter), each followed out of the function graphs it was captured
+    into (``FuncGraph.captures``, TF 2.21) to the tensor it captures, so that
+    it compares by ``id`` with a variable's ``handle``. Ops inside nested
+    function bodies (``tf.cond``, ``tf.while_loop``) are not looked into."""
+    out = []
+    for op in ops:
+        if not (op.type in _WRITE_OPS or op.type.startswith(_WRITE_PREFIXES)) or \
+                not op.inputs:
+            continue
+        t = op.inputs[0]
+        while True:
+            captures = getattr(t.graph, "captures", None) if hasattr(t, "graph") else None
+            outer = next((ext for ext, internal in captures or () if internal is t), None)
+            if outer is None:
+                break
+            t = outer
+        out.append(t)
+    return out
 
 
 def unwrap_caching_variable(var):

@@ -4,7 +4,7 @@ One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
 (tf_asyncps/strategy.py) hands it each worker step; the optimizer hook
 (core/step.py) hands it each step's gradients. For one worker step::
 
-    worker_step:  before_read(w); r = g.read(); [read snapshot]    (on the PS)
+    worker_step:  before_read(w); r = g.read()                     (on the PS)
                   forward, backward on the worker
     apply_step:   gradients copied to the PS (variable's device)
                   [PS lock]  g_now = g.read();  τ = g_now − r
@@ -21,7 +21,8 @@ worker<->PS round trip. ``local_copies`` policies take another path
 (core/protocol.py) and nothing else of it.
 """
 
-from typing import List, Optional
+import contextlib
+from typing import Optional
 
 import tensorflow as tf
 from absl import logging
@@ -30,7 +31,7 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import mixed_precision, placement, replicas
+from tf_asyncps.core import mixed_precision, replicas
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import PolicyRuntime, StepInfo, as_decision
@@ -78,7 +79,6 @@ class PolicyEngine:
         self.strategy = None
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
-        self._backups = {}  # id(var) -> [num_workers, *shape] read snapshots
         self._warned = set()  # optimizers already warned about dense table updates
 
     worker_index = staticmethod(worker_index)
@@ -112,24 +112,39 @@ class PolicyEngine:
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
             w = index()
-            r, snap = self.read_point(w)
+            r = self.read_point(w)
             # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
-            with tf.control_dependencies([r] + snap), step.active():
-                out = fn(*a, **kw)
+            with tf.control_dependencies([r]), step.active():
+                out, ops = run_collecting_ops(lambda: fn(*a, **kw))
             if not step.applied:
+                self._warn_unhooked_update(ops)
                 self.no_update(w, out)
             return out
 
         return step_fn
 
+    def _warn_unhooked_update(self, ops) -> None:
+        """Warns when a worker step that made no update through a hooked
+        optimizer method wrote trainable variables anyway: an optimizer
+        overriding ``apply_gradients`` (``apply`` in Keras 3) without calling
+        the base method bypasses the policy, τ and the global step."""
+        trainable = {id(v.handle): v for v in self._trainable}
+        written = {id(h) for h in tf_compat.resources_written(ops)}
+        names = sorted({v.name for k, v in trainable.items() if k in written})
+        if names:
+            logging.warning(
+                "A worker step updated trainable variable(s) %s without a hooked optimizer "
+                "method, so the update policy %r, τ and the global step never saw it. An "
+                "optimizer that overrides apply_gradients (Keras 3: apply) must call the "
+                "base class's method for AsyncParameterServerStrategy to apply its update.",
+                ", ".join(names), self.policy.name)
+
     def read_point(self, w):
-        """The policy's ``before_read``, then the read step r and (if the
-        policy needs them) the read snapshot: once per worker step."""
+        """The policy's ``before_read``, then the read step r (int64 scalar
+        tensor): once per worker step."""
         with tf.control_dependencies(self.policy.before_read(w)):
-            r = self.tracker.read_step()
-            snap = self._snapshot(w) if self.policy.needs_read_values else []
-        return r, snap
+            return self.tracker.read_step()
 
     def no_update(self, w, out) -> None:
         """Tells the policy a worker step made no update (e.g. an evaluation
@@ -137,25 +152,6 @@ class PolicyEngine:
         with tf.control_dependencies(
                 [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]):
             self.policy.step_without_update(w)
-
-    def _snapshot(self, w) -> List:
-        """PS-side copy of every trainable variable into worker w's backup."""
-        ops = []
-        for var in self._trainable:
-            backup = self._backup_for(var)
-            with tf.device(var.device):
-                ops.append(backup.scatter_update(tf.IndexedSlices(
-                    var.read_value()[None], tf.reshape(tf.cast(w, tf.int64), [1]))))
-        return ops
-
-    def _backup_for(self, var):
-        key = id(var)
-        if key not in self._backups:
-            with placement.beside(var):
-                self._backups[key] = tf.Variable(
-                    tf.zeros([self.num_workers] + var.shape.as_list(), var.dtype),
-                    trainable=False, name="asyncps_read_backup")
-        return self._backups[key]
 
     def _state_for(self, variables):
         key = tuple(id(v) for v in variables)
@@ -188,9 +184,10 @@ class PolicyEngine:
     def drained(self) -> int:
         """The coordinator drained: push local copies (``local_sgd``), stop
         the watchdogs. Returns the local steps pushed."""
-        pushed = self.local.flush() if self.local is not None else 0
-        self.stop_watchdogs()
-        return pushed
+        try:
+            return self.local.flush() if self.local is not None else 0
+        finally:
+            self.stop_watchdogs()  # also when the push fails
 
     # -- the update -------------------------------------------------------------
     def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):
@@ -237,7 +234,8 @@ class PolicyEngine:
         w = grads_lib.copy_to(step.worker_index, device)
         finite = None if finite is None else grads_lib.copy_to(finite, device)
         inputs = grads_lib.flat_tensors(grads) + [w] + ([finite] if finite is not None else [])
-        read_values = self._read_values(variables, w) if self.policy.needs_read_values else None
+        read_values = (self._read_values(step, variables) if self.policy.needs_read_values
+                       else None)
         state = self._state_for(variables)
 
         def decide_and_apply():
@@ -279,11 +277,26 @@ class PolicyEngine:
             logging.warning("%s: %s; each step's cost grows with the table, not the "
                             "batch.", ", ".join(tables), why)
 
-    def _read_values(self, variables, w):
+    def _read_values(self, step, variables):
+        """Per variable of this step, its value when the step read r (None
+        for one not created under the scope). Read on the variable's PS task
+        in r's graph with only r before it, so it runs as soon as r is read,
+        beside the step's own reads, not at apply time; only the step's own
+        variables are read, and nothing is copied."""
         known = {id(v) for v in self._trainable}
-        bases = [mixed_precision.base_variable(v) for v in variables]
-        return [tf.gather(self._backup_for(b), w) if id(b) in known else None
-                for b in bases]
+        r = step.read_step
+        graph = None if tf.executing_eagerly() else getattr(r, "graph", None)
+        out = []
+        with (graph.as_default() if graph is not None else contextlib.nullcontext()), \
+                tf.control_dependencies([r]):
+            for v in variables:
+                b = mixed_precision.base_variable(v)
+                if id(b) not in known:
+                    out.append(None)
+                    continue
+                with tf.device(b.device):
+                    out.append(b.read_value())
+        return out
 
     def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
                           lso, apply_fn, inputs, locking):

@@ -8,7 +8,10 @@ from inside their (PS-side) updates. A watchdog thread on the chief:
 * releases waiting workers when the program is draining (inside
   ``coordinator.join``/``done``/``fetch``, which ``model.fit`` calls at each
   epoch's end) and no closure is queued: the worker they wait for may have
-  nothing left to run; such reads are counted in ``released_reads``;
+  nothing left to run; such reads are counted in ``released_reads``. A
+  grant's token is 0, a release's token the number of the wait it releases:
+  when a grant ends that wait first, the next wait drops the release token,
+  so a release never adds a token to the ones the policy granted;
 * fails the wait after ``timeout_s`` seconds without progress, closing the
   queues so the waiting steps end with an error that
   ``coordinator.join``/``model.fit`` turn into a TimeoutError with
@@ -53,9 +56,12 @@ class WorkerGate(Watchdog):
         with tf.init_scope(), tf.device(device):
             self.queues = [placement.fifo_queue(1 << 30, f"{name}_tokens_worker_{w}")
                            for w in range(num_workers)]
-            # [waiting per worker..., released flag per worker..., released reads]
-            self._state = tf.Variable(tf.zeros([2 * num_workers + 1], tf.int64),
-                                      trainable=False, name=f"{name}_gate_state")
+            # [waiting per worker..., waits started per worker..., grant tokens
+            # queued per worker..., released reads]
+            n = num_workers
+            self._state = tf.Variable(
+                tf.constant([0] * 2 * n + [initial_tokens] * n + [0], tf.int64),
+                trainable=False, name=f"{name}_gate_state")
             if initial_tokens:
                 for q in self.queues:
                     q.enqueue_many([tf.zeros([initial_tokens], tf.int64)])
@@ -70,34 +76,62 @@ class WorkerGate(Watchdog):
     def wait(self, worker_index) -> tf.Tensor:
         """Blocks worker ``worker_index`` until it holds a token.
 
+        A grant's token is 0; a drain release's token is the number of the
+        wait it releases (waits are counted per worker, from 1). A release
+        token for an earlier wait (a grant ended that wait while the release
+        was on its way) is dropped here, so it lets no later step through.
+
         Returns:
           scalar tf.bool: the token came from a drain release, not a grant.
         """
         w = tf.cast(worker_index, tf.int64)
         n = self.num_workers
-        with tf.control_dependencies([self._add(w, 1)]):
+        started = self._state.scatter_add(tf.IndexedSlices(
+            tf.ones([2], tf.int64), tf.stack([w, n + w])))
+        with tf.control_dependencies([started]):
+            this_wait = tf.gather(self._state.read_value(), n + w)
+
+        def take(q):
+            def stale(t):
+                return tf.logical_and(tf.not_equal(t, 0), tf.not_equal(t, this_wait))
+            return tf.while_loop(stale, lambda t: (q.dequeue(),), (q.dequeue(),))[0]
+
+        with tf.control_dependencies([this_wait]):  # counted as waiting first
             token = tf.switch_case(tf.cast(w, tf.int32),
-                                   [(lambda q=q: q.dequeue()) for q in self.queues])
-        with tf.control_dependencies([token]):
-            unmark = self._add(w, -1)
-            released = tf.gather(self._state.read_value(), n + w) > 0
-
-        def consume_release():
-            with tf.control_dependencies([self._add(n + w, -1), self._add(2 * n, 1)]):
-                return tf.constant(True)
-
-        with tf.control_dependencies([unmark]):
-            return tf.cond(released, consume_release, lambda: tf.constant(False))
+                                   [(lambda q=q: take(q)) for q in self.queues])
+        released = tf.not_equal(token, 0)
+        # waiting -1; a grant's token: grant tokens queued -1; a release: +1 read.
+        done = self._state.scatter_add(tf.IndexedSlices(
+            tf.stack([tf.constant(-1, tf.int64),
+                      tf.cast(released, tf.int64) - 1,
+                      tf.cast(released, tf.int64)]),
+            tf.stack([w, 2 * n + w, tf.constant(3 * n, tf.int64)])))
+        with tf.control_dependencies([done]):
+            return tf.identity(released)
 
     def grant(self, worker_index) -> tf.Tensor:
         """Op giving worker ``worker_index`` one token if it holds none."""
         return tf.switch_case(tf.cast(worker_index, tf.int32),
-                              [(lambda q=q: _give_if_empty(q)) for q in self.queues])
+                              [(lambda w=w: self._give(w, only_if_empty=True))
+                               for w in range(self.num_workers)])
 
     def grant_all(self, only_if_empty: bool = False) -> List[tf.Tensor]:
         """Ops giving every worker one token (or only workers holding none)."""
-        give = _give_if_empty if only_if_empty else _enqueued
-        return [give(q) for q in self.queues]
+        return [self._give(w, only_if_empty) for w in range(self.num_workers)]
+
+    def _give(self, w: int, only_if_empty: bool) -> tf.Tensor:
+        """Enqueues one grant token for worker ``w`` (unless ``only_if_empty``
+        and it holds one: release tokens do not count); returns whether it did."""
+        def give():
+            count = self._add(2 * self.num_workers + w, 1)
+            with tf.control_dependencies([count, self.queues[w].enqueue(
+                    tf.constant(0, tf.int64))]):
+                return tf.constant(True)
+
+        if not only_if_empty:
+            return give()
+        held = tf.gather(self._state.read_value(), 2 * self.num_workers + w)
+        return tf.cond(held > 0, lambda: tf.constant(False), give)
 
     # -- chief side ---------------------------------------------------------------
     def set_pending_probe(self, probe: Callable[..., bool]) -> None:
@@ -107,13 +141,14 @@ class WorkerGate(Watchdog):
 
     def released_reads(self) -> int:
         """Steps let through by an end-of-schedule release."""
-        return int(self._state.numpy()[2 * self.num_workers])
+        return int(self._state.numpy()[3 * self.num_workers])
 
-    def _release(self, waiting):
+    def _release(self, state):
+        # Each token names the wait it releases (see wait): if a grant ends
+        # that wait first, the token is dropped by the worker's next wait.
         n = self.num_workers
-        for w in np.flatnonzero(waiting):
-            self._add(n + int(w), 1)
-            self.queues[int(w)].enqueue(tf.constant(0, tf.int64))
+        for w in np.flatnonzero(state[:n]):
+            self.queues[int(w)].enqueue(tf.constant(int(state[n + w]), tf.int64))
 
     def reset(self):
         self._last, self._since = None, time.monotonic()
@@ -124,7 +159,8 @@ class WorkerGate(Watchdog):
         return self._interval
 
     def poll(self) -> bool:
-        waiting = self._state.numpy()[:self.num_workers]
+        state = self._state.numpy()
+        waiting = state[:self.num_workers]
         progress = self._progress()
         self._interval = 0.02 if waiting.any() else 0.25
         if progress != self._last or not waiting.any():
@@ -134,26 +170,18 @@ class WorkerGate(Watchdog):
         # resource closures, e.g. the datasets of an exact evaluation) cannot
         # run until it is released: they must not hold the release back.
         if self._pending is not None and not self._pending(np.flatnonzero(waiting).tolist()):
-            self._release(waiting)  # nothing queued for the awaited workers to run
+            self._release(state)  # nothing queued for the awaited workers to run
             self._since = time.monotonic()
             return False
         if time.monotonic() - self._since <= self.timeout_s:
             return False
         self.fail(self._describe(np.flatnonzero(waiting).tolist()))
-        for q in self.queues:
-            q.close(cancel_pending_enqueues=True)
+        self.abort()
         return True
 
-
-def _enqueued(q):
-    """Enqueues one token; returns True once it is in."""
-    with tf.control_dependencies([q.enqueue(tf.constant(0, tf.int64))]):
-        return tf.constant(True)
-
-
-def _give_if_empty(q):
-    """Enqueues one token unless ``q`` holds one; returns whether it did."""
-    return tf.cond(q.size() > 0, lambda: tf.constant(False), lambda: _enqueued(q))
+    def abort(self):
+        for q in self.queues:
+            q.close(cancel_pending_enqueues=True)
 
 
 class GatedPolicy:

@@ -111,5 +111,8 @@ class PSLock(Watchdog):
             "(timeout_s) for the update lock on the parameter server, which no "
             "step released. Is the parameter server overloaded or stuck? Raise "
             "timeout_s (LockingOptimizer(..., timeout_s=...)) or check the ps log.")
-        self._queue.close(cancel_pending_enqueues=True)
+        self.abort()
         return True
+
+    def abort(self):
+        self._queue.close(cancel_pending_enqueues=True)

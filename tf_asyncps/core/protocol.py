@@ -150,9 +150,9 @@ class UpdatePolicy:
         of one step run as one unit under a lock on the PS, so τ is exact at
         apply time. Policies whose rule is only correct on exact τ (dropping,
         aggregation) set it; it costs one lock acquisition per step.
-      needs_read_values: if True, the engine keeps a PS-side copy of the
-        trainable variables per worker, taken when each step starts, and
-        passes it as ``info.read_values`` (one PS-local copy per step).
+      needs_read_values: if True, the engine reads each variable the step
+        updates on its PS task right after the step's read step r and passes
+        those reads as ``info.read_values``.
       uses_tau: False for rules that ignore τ (``async``): the engine then
         takes τ from the global step's atomic increment, exact without a lock.
       aggregates: True for rules that sum several workers' gradients into one

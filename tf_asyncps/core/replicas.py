@@ -54,14 +54,14 @@ def replicated_step(engine, fn, args, kwargs, call_for_each_replica, num_replica
       The per-replica outputs.
     """
     w = engine.worker_index()
-    r, snap = engine.read_point(w)
+    r = engine.read_point(w)
     group = ReplicaGroup(num_replicas)
 
     @tf.autograph.experimental.do_not_convert
     def replica_step(*a, **kw):
         step = WorkerStep(engine, r, w)
         step.group = group
-        with tf.control_dependencies([r] + snap), step.active():
+        with tf.control_dependencies([r]), step.active():
             return fn(*a, **kw)
 
     out = call_for_each_replica(replica_step, args, kwargs)

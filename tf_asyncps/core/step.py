@@ -65,6 +65,7 @@ class WorkerStep:
         self.group = None  # K > 1 replicas: the ReplicaGroup (core/replicas.py)
         self.local_state = None  # local_sgd: the TracedStep (core/local_copies.py)
         self._applying = False
+        self._updated_by = None  # the optimizer of the step's update, once made
 
     @contextlib.contextmanager
     def active(self):
@@ -88,15 +89,33 @@ class WorkerStep:
 
         Returns:
           int64 scalar tensor: the global step after this step.
+
+        Raises:
+          ValueError: a second update in this worker step.
         """
         if self._applying:  # a wrapper optimizer calling its inner optimizer
             return apply_fn(grads_and_vars)
+        if self._updated_by is not None:
+            raise ValueError(two_updates_message(self._updated_by, optimizer))
+        self._updated_by = optimizer
         self._applying = True
         try:
             return self.engine.apply_step(self, optimizer, list(grads_and_vars),
                                           apply_fn)
         finally:
             self._applying = False
+
+
+def two_updates_message(first, second) -> str:
+    """The error for a second optimizer update in one worker step."""
+    return (
+        f"A worker step called an optimizer update twice ({type(first).__name__}, then "
+        f"{type(second).__name__}: apply_gradients, or apply in Keras 3). Under "
+        "AsyncParameterServerStrategy a worker step makes one update: τ, the global step "
+        "and the update policy's counts (sync_replicas' rounds, ssp's clocks) take one "
+        "update per step. Apply every gradient in one call (one optimizer over all the "
+        "variables), or make each update its own step: one strategy.run per update in the "
+        "scheduled function (e.g. a GAN's discriminator and generator steps).")
 
 
 def _hook(original, adapt_args):

@@ -6,13 +6,14 @@ Hessian's diagonal (Zheng et al., "Asynchronous Stochastic Gradient Descent
 with Delay Compensation", ICML 2017). Adaptive variant (DC-ASGD-a):
 λ_t = λ / sqrt(meansquare + ε), meansquare ← m·meansquare + (1 − m)·g ⊙ g.
 
-w_read is the value the worker step read: like the paper's parameter server,
-the strategy keeps a per-worker backup of the trainable variables on the PS,
-copied when the step starts (``needs_read_values``).
+w_read is the value the worker step read (the paper's per-worker backup): the
+engine reads each variable the step updates on its PS task right after the
+step's read step r and keeps that read until the update
+(``needs_read_values``); nothing is copied.
 
 When to use: many workers and a smooth loss, to keep asynchronous speed while
-reducing the error of stale gradients. Costs one PS-local copy of the model
-per worker step and num_workers copies of the model in PS memory.
+reducing the error of stale gradients. Costs one PS-local read per updated
+variable per worker step.
 """
 
 import tensorflow as tf
@@ -82,19 +83,36 @@ class DCASGD(UpdatePolicy):
                 continue
             gap = _rows(w.read_value(), g) - _rows(w_read, g)
             if self.adaptive:
-                ms = state[i]
-                m = self.momentum
-                if isinstance(g, tf.IndexedSlices):
-                    rows = m * tf.gather(ms, g.indices) + (1 - m) * tf.square(g.values)
-                    ms.scatter_update(tf.IndexedSlices(rows, g.indices))
-                else:
-                    rows = ms.assign(m * ms + (1 - m) * tf.square(g))
+                rows = self._update_meansquare(state[i], g)
                 lam = self.lambda_ / tf.sqrt(rows + self.epsilon)
             else:
                 lam = self.lambda_
             new.append(map_values(
                 lambda v, gap=gap, lam=lam: v + tf.cast(lam, v.dtype) * v * v * gap, g))
         return new, True
+
+    def _update_meansquare(self, ms, g):
+        """meansquare <- m * meansquare + (1 - m) * g * g, a read then a
+        write: serialised per variable, so that concurrent worker steps do not
+        lose each other's update. Returns the new rows (dense: all)."""
+        m = self.momentum
+
+        def update():
+            if isinstance(g, tf.IndexedSlices):
+                rows = m * tf.gather(ms.read_value(), g.indices) + (1 - m) * tf.square(g.values)
+                with tf.control_dependencies(
+                        [ms.scatter_update(tf.IndexedSlices(rows, g.indices))]):
+                    return tf.identity(rows)
+            return ms.assign(m * ms.read_value() + (1 - m) * tf.square(g), read_value=True)
+
+        return self._lock_for(ms).execute(update, exclusive_resource_access=False)
+
+    def _lock_for(self, ms) -> tf.CriticalSection:
+        locks = self.__dict__.setdefault("_meansquare_locks", {})
+        if id(ms) not in locks:
+            with tf.init_scope(), tf.device(ms.device):
+                locks[id(ms)] = (placement.critical_section("dc_asgd_meansquare_lock"), ms)
+        return locks[id(ms)][0]
 
     def get_config(self):
         return {"lambda_": self.lambda_, "adaptive": self.adaptive}
