@@ -25,7 +25,6 @@ into a TimeoutError.
 """
 
 import dataclasses
-import weakref
 from typing import List, Union
 
 import tensorflow as tf
@@ -211,12 +210,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         self.engine.start_watchdogs()  # after the trace: it may create the lock
         # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
         # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
-        # one with nothing left to run must be released there too. A weak
-        # reference: the closure holds the RemoteValue weakly as well.
-        get = getattr(type(out), "get", None)
-        if get is not None and hasattr(out, "__dict__"):
-            ref = weakref.ref(out)
-            out.get = lambda: self._translate(get, ref())
+        # one with nothing left to run must be released there too.
+        tf_compat.route_remote_value_get(out, self._translate)
         return out
 
     def _translate(self, call, *args, **kwargs):
@@ -335,9 +330,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._tracker = StalenessTracker(max_tracked_staleness)
         engine = PolicyEngine(policy, self._tracker, config.num_workers, skip_nonfinite,
                               is_locking=is_locking, lock_timeout=lock_timeout)
-        old = self._extended
-        self._extended = _AsyncExtended(self, cluster_resolver, variable_partitioner, engine)
-        tf_compat.copy_retrace_setting(old, self._extended)
+        tf_compat.replace_extended(
+            self, _AsyncExtended(self, cluster_resolver, variable_partitioner, engine))
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
@@ -353,13 +347,13 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def update_policy(self) -> "policies_lib.UpdatePolicy":
         """The UpdatePolicy object in use."""
-        return self._extended.policy
+        return self.extended.policy
 
     @property
     def gpus_per_worker(self) -> int:
         """GPUs each worker task has (0: CPU workers); with K > 1 every worker
         step runs K replicas (``num_replicas_in_sync``) and makes one update."""
-        return tf_compat.num_gpus_per_worker(self._extended)
+        return tf_compat.num_gpus_per_worker(self.extended)
 
     @property
     def staleness_tracker(self) -> StalenessTracker:

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
-           "dense_on_sparse_gradients", "creating_steps_per_execution"]
+           "dense_on_sparse_gradients", "creating_steps_per_execution", "hook_apply_gradients"]
 
 TESTED_VERSIONS = ("2.21.0",)
 
@@ -121,3 +121,24 @@ def creating_steps_per_execution(frames: int = 12) -> bool:
             return True
         f = f.f_back
     return False
+
+
+def hook_apply_gradients(make_hook) -> bool:
+    """Replaces ``apply_gradients`` of tf_keras's optimizer base classes
+    (``tf_keras.optimizers.Optimizer``, ``tf_keras.optimizers.legacy.Optimizer``)
+    and of both LossScaleOptimizer classes (they override it) by
+    ``make_hook(original)``, once per class (see
+    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    for cls in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
+                *loss_scale_optimizer_classes()):
+        tf_compat.hook_method(cls, "apply_gradients", make_hook)
+    return True

@@ -30,6 +30,7 @@ import tensorflow as tf
 import keras
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
@@ -63,7 +64,7 @@ def attach(model, strategy) -> None:
     Raises:
       ValueError: the model was created outside ``strategy.scope()``.
     """
-    trainer = model.__dict__.get("_asyncps_trainer")
+    trainer = tf_compat.untracked_attribute(model, "_asyncps_trainer")
     if trainer is not None and trainer.strategy is strategy:
         return
     created_under = keras_compat.model_strategy(model)
@@ -75,13 +76,13 @@ def attach(model, strategy) -> None:
             f"variables live in this process, not on the ps tasks. Create and compile the "
             f"model inside `with strategy.scope():`.")
     trainer = Keras3Trainer(model, strategy)
-    # object.__setattr__: plain attributes, not tracked as model state.
+    # Plain attributes, not tracked as model state.
     for name, value in (("_asyncps_trainer", trainer), ("fit", trainer.fit),
                         ("evaluate", trainer.evaluate), ("predict", trainer.predict),
                         ("train_on_batch", trainer.train_on_batch),
                         ("test_on_batch", trainer.test_on_batch),
                         ("save", trainer.save), ("save_weights", trainer.save_weights)):
-        object.__setattr__(model, name, value)
+        tf_compat.set_untracked_attribute(model, name, value)
 
 
 def trainable_shards(model):
@@ -202,7 +203,7 @@ class Keras3Trainer:
             table = getattr(layer, "embeddings", None) if isinstance(
                 layer, keras.layers.Embedding) else None
             if table is not None and keras_compat.sharded_value(table):
-                keras_compat.lookup_shards_in_call(layer, table._value)
+                keras_compat.lookup_shards_in_call(layer, table)
         return keras_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):
