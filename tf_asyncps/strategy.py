@@ -36,7 +36,7 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import faults, mixed_precision, replicas
+from tf_asyncps.core import faults, mixed_precision, placement, replicas
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
@@ -151,7 +151,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         # Function-local variables (tf_keras's exact evaluation clones its
         # metrics with lifting off) live and die in one closure: not tracked.
         local = kwargs.get("experimental_enable_variable_lifting", True) is False
-        if per_worker or local:
+        # A policy's or the engine's own state (placement.beside) is no model variable.
+        if per_worker or local or placement.creating_beside():
             return var
         trainable = kwargs.get("trainable", True) is not False
         # A partitioned variable is its shards to the engine: each shard is a
@@ -163,7 +164,11 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
 
     # -- the worker step ------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
-        fn = tf_compat.autograph_convert(fn)
+        # The policy's hooks see this strategy's cluster state while traced.
+        with self.engine.policy_scope():
+            return self._worker_steps(tf_compat.autograph_convert(fn), args, kwargs)
+
+    def _worker_steps(self, fn, args, kwargs):
         if replicas.in_single_update():
             # Inside a K-replica step's single update (LossScaleOptimizer calls
             # call_for_each_replica there): one replica holds the summed
@@ -335,7 +340,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
-        policy.build(config.num_workers, PS_DEVICE)
+        engine.build(PS_DEVICE)
         install_optimizer_hooks()
         mixed_precision.allow_loss_scaling(AsyncParameterServerStrategy)
         # Model.fit and user code get this coordinator (one per strategy).

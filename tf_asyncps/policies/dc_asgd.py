@@ -97,4 +97,5 @@ class DCASGD(UpdatePolicy):
         return new, True
 
     def get_config(self):
-        return {"lambda_": self.lambda_, "adaptive": self.adaptive}
+        return {"lambda_": self.lambda_, "adaptive": self.adaptive,
+                "momentum": self.momentum, "epsilon": self.epsilon}
