@@ -24,6 +24,8 @@ replaces the read-then-write increment with an atomic one
 (``tf_asyncps.compat.keras.make_iterations_atomic``).
 """
 
+from tf_asyncps.compat import tensorflow as tf_compat
+
 __all__ = ["LockingOptimizer", "is_locking", "lock_timeout"]
 
 _ATTR = "_asyncps_lock_timeout_s"
@@ -60,7 +62,7 @@ def LockingOptimizer(optimizer, timeout_s: float = 60.0):  # noqa: N802 - reads 
             f"got {optimizer!r}.")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ValueError(f"LockingOptimizer: timeout_s must be > 0 seconds, got {timeout_s!r}.")
-    setattr(optimizer, _ATTR, float(timeout_s))
+    tf_compat.set_untracked_attribute(optimizer, _ATTR, float(timeout_s))
     return optimizer
 
 
@@ -73,7 +75,7 @@ def _marks(optimizer):
     for _ in range(8):  # wrappers nest a few levels at most
         if optimizer is None:
             return
-        mark = getattr(optimizer, _ATTR, None)
+        mark = tf_compat.untracked_attribute(optimizer, _ATTR)
         if mark is not None:
             yield mark
         optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -26,7 +26,6 @@ into a TimeoutError.
 
 import dataclasses
 import threading
-import weakref
 from typing import List, Union
 
 import tensorflow as tf
@@ -38,7 +37,7 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import faults, mixed_precision, replicas
+from tf_asyncps.core import faults, mixed_precision, placement, replicas
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
@@ -167,7 +166,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         # Function-local variables (tf_keras's exact evaluation clones its
         # metrics with lifting off) live and die in one closure: not tracked.
         local = kwargs.get("experimental_enable_variable_lifting", True) is False
-        if per_worker or local:
+        # A policy's or the engine's own state (placement.beside) is no model variable.
+        if per_worker or local or placement.creating_beside():
             return var
         trainable = kwargs.get("trainable", True) is not False
         # A partitioned variable is its shards to the engine: each shard is a
@@ -179,7 +179,11 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
 
     # -- the worker step ------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
-        fn = tf_compat.autograph_convert(fn)
+        # The policy's hooks see this strategy's cluster state while traced.
+        with self.engine.policy_scope():
+            return self._worker_steps(tf_compat.autograph_convert(fn), args, kwargs)
+
+    def _worker_steps(self, fn, args, kwargs):
         if replicas.in_single_update():
             # Inside a K-replica step's single update (LossScaleOptimizer calls
             # call_for_each_replica there): one replica holds the summed
@@ -236,12 +240,8 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         self.engine.start_watchdogs()  # after the trace: it may create the lock
         # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
         # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
-        # one with nothing left to run must be released there too. A weak
-        # reference: the closure holds the RemoteValue weakly as well.
-        get = getattr(type(out), "get", None)
-        if get is not None and hasattr(out, "__dict__"):
-            ref = weakref.ref(out)
-            out.get = lambda: self._translate(get, ref())
+        # one with nothing left to run must be released there too.
+        tf_compat.route_remote_value_get(out, self._translate)
         return out
 
     def _translate(self, call, *args, **kwargs):
@@ -407,13 +407,12 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._tracker = StalenessTracker(max_tracked_staleness)
         engine = PolicyEngine(policy, self._tracker, config.num_workers, skip_nonfinite,
                               is_locking=is_locking, lock_timeout=lock_timeout)
-        old = self._extended
-        self._extended = _AsyncExtended(self, cluster_resolver, variable_partitioner, engine)
-        tf_compat.copy_retrace_setting(old, self._extended)
+        tf_compat.replace_extended(
+            self, _AsyncExtended(self, cluster_resolver, variable_partitioner, engine))
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
-        policy.build(config.num_workers, PS_DEVICE)
+        engine.build(PS_DEVICE)
         install_optimizer_hooks()
         mixed_precision.allow_loss_scaling(AsyncParameterServerStrategy)
         # Model.fit and user code get this coordinator (one per strategy).
@@ -425,13 +424,13 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def update_policy(self) -> "policies_lib.UpdatePolicy":
         """The UpdatePolicy object in use."""
-        return self._extended.policy
+        return self.extended.policy
 
     @property
     def gpus_per_worker(self) -> int:
         """GPUs each worker task has (0: CPU workers); with K > 1 every worker
         step runs K replicas (``num_replicas_in_sync``) and makes one update."""
-        return tf_compat.num_gpus_per_worker(self._extended)
+        return tf_compat.num_gpus_per_worker(self.extended)
 
     @property
     def staleness_tracker(self) -> StalenessTracker:

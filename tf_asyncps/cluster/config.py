@@ -269,7 +269,7 @@ def tf_config_from_env(require_task: bool = True) -> ClusterConfig:
 _WARNED = set()  # keys of the warnings this process has logged
 
 
-def _warn_once(key: str, msg: str, *args) -> bool:
+def warn_once(key: str, msg: str, *args) -> bool:
     """Logs ``msg`` with absl ``logging.warning`` unless ``key`` already was."""
     if key in _WARNED:
         return False
@@ -286,7 +286,7 @@ def warn_evaluators(config: ClusterConfig) -> bool:
     """
     if not config.evaluators:
         return False
-    return _warn_once(
+    return warn_once(
         "evaluator",
         "TF_CONFIG lists evaluator task(s) %s: training ignores them and leaves them "
         "out of the cluster it gives TensorFlow (run sidecar evaluation separately).",

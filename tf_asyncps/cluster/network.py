@@ -70,7 +70,7 @@ def warn_if_exposed(config: ClusterConfig) -> bool:
     if not exposed:
         return False
     shown = ", ".join(exposed[:6]) + (f" and {len(exposed) - 6} more" if len(exposed) > 6 else "")
-    return _config._warn_once(
+    return _config.warn_once(
         "exposed",
         "\n*** SECURITY: this cluster has non-loopback addresses: %s.\n"
         "*** TensorFlow's gRPC servers accept UNAUTHENTICATED requests that can run\n"

@@ -20,7 +20,8 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
-           "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model"]
+           "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
+           "hook_apply", "tensorboard_profiles"]
 
 TESTED_VERSIONS = ("3.15.1",)
 # Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
@@ -213,13 +214,15 @@ def layers_of(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
-def lookup_shards_in_call(layer, sharded) -> bool:
+def lookup_shards_in_call(layer, table) -> bool:
     """Makes a Keras 3 ``Embedding`` read only the rows it looks up from its
-    partitioned table (``tf.nn.embedding_lookup`` on the ShardedVariable, as
-    tf_keras's Embedding does), instead of converting the whole table to one
-    tensor per step. This layer instance only; False if it cannot
-    (mask_zero, LoRA or quantization change its call)."""
+    partitioned table ``table`` (a Keras 3 variable whose value is a
+    ShardedVariable: ``tf.nn.embedding_lookup`` on it, as tf_keras's
+    Embedding does), instead of converting the whole table to one tensor per
+    step. This layer instance only; False if it cannot (mask_zero, LoRA or
+    quantization change its call)."""
     import tensorflow as tf
+    sharded = table._value
     if getattr(layer, "mask_zero", False) or getattr(layer, "lora_enabled", False) or \
             getattr(layer, "quantization_mode", None):
         return False
@@ -401,3 +404,30 @@ def optimizer_class():
     except ImportError:  # pragma: no cover
         return None
     return keras.optimizers.Optimizer if keras.__version__.startswith("3") else None
+
+
+def hook_apply(make_hook, make_loss_scale_hook) -> bool:
+    """Replaces Keras 3's ``keras.optimizers.Optimizer.apply`` by
+    ``make_hook(original)`` and ``LossScaleOptimizer.apply`` (it overrides
+    ``apply`` and receives scaled gradients) by
+    ``make_loss_scale_hook(original)``, once per class (see
+    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+
+    Returns:
+      False if Keras 3 is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    base = optimizer_class()
+    if base is None:
+        return False
+    tf_compat.hook_method(base, "apply", make_hook)
+    tf_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
+    return True
+
+
+def tensorboard_profiles(callback) -> bool:
+    """Whether a Keras 3 ``TensorBoard`` callback profiles batches
+    (``profile_batch`` other than 0): Keras 3.15 keeps the range as
+    ``_start_batch``/``_stop_batch`` (``_profile_batch`` is read too, as
+    releases before it may name it)."""
+    return bool(getattr(callback, "_profile_batch", 0) or getattr(callback, "_start_batch", 0))

@@ -21,11 +21,14 @@ for:
 
 import functools
 import sys
+import weakref
 
 __all__ = [
     "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
-    "inside_function", "outermost_graph", "copy_retrace_setting", "num_workers", "num_gpus_per_worker",
+    "inside_function", "outermost_graph", "num_workers", "num_gpus_per_worker",
     "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "shards",
+    "PSS_EXTENDED_HOOKS", "replace_extended", "route_remote_value_get",
+    "hook_method", "set_untracked_attribute", "untracked_attribute",
     "colocating_creator", "hide_closure_error_logs",
     "unwrap_caching_variable",
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
@@ -145,10 +148,51 @@ def autograph_convert(fn):
     return autograph.tf_convert(fn, ag_ctx.control_status_ctx())
 
 
-def copy_retrace_setting(old_extended, new_extended) -> None:
-    """Carries PSS's per-device retrace setting over to a replaced ``extended``."""
-    new_extended._retrace_functions_for_each_device = (
-        old_extended._retrace_functions_for_each_device)
+#: The private names of ``ParameterServerStrategyV2Extended`` (and its
+#: ``StrategyExtended`` bases) that a subclass of :func:`pss_extended_base`
+#: overrides or reads: ``tf_asyncps/strategy.py``'s ``_AsyncExtended``
+#: (tested with TensorFlow 2.21.0; ``tests/test_architecture.py`` allows
+#: these names, and only these, on ``self``/``super()`` in such a subclass).
+PSS_EXTENDED_HOOKS = frozenset({
+    # overridden hooks
+    "_use_merge_call", "_replica_ctx_update", "_replica_ctx_all_reduce", "_reduce_to",
+    "_batch_reduce_to", "_distribute_datasets_from_function", "_create_variable",
+    "_call_for_each_replica",
+    # read
+    "_update", "_num_replicas_in_sync", "_num_workers", "_container_strategy",
+})
+
+
+def replace_extended(strategy, extended) -> None:
+    """Makes ``extended`` the ``extended`` object of ``strategy`` (a
+    ParameterServerStrategy whose ``__init__`` built its own), carrying the
+    per-device retrace setting over from the one it replaces.
+
+    ``tf.distribute.Strategy.extended`` returns ``strategy._extended``; the
+    strategy's constructor takes no ``extended`` argument in TF 2.21.
+    """
+    old = strategy._extended
+    strategy._extended = extended
+    extended._retrace_functions_for_each_device = old._retrace_functions_for_each_device
+
+
+def route_remote_value_get(value, wrap) -> bool:
+    """Routes ``value.get()`` through ``wrap(get, value)``, for this one
+    RemoteValue (an instance attribute; its class is untouched).
+
+    ``value`` is what ``ClusterCoordinator.schedule`` returned. TensorFlow's
+    closure holds it weakly, so the replacement does too: it keeps nothing
+    alive.
+
+    Returns:
+      False if ``value`` has no ``get`` or takes no instance attributes.
+    """
+    get = getattr(type(value), "get", None)
+    if get is None or not hasattr(value, "__dict__"):
+        return False
+    ref = weakref.ref(value)
+    value.get = lambda: wrap(get, ref())
+    return True
 
 
 def num_workers(extended) -> int:
@@ -413,3 +457,42 @@ def per_worker_datasets(coordinator, dataset_fn):
     pass to ``coordinator.schedule``: ``PerWorkerDatasetFromDatasetFunction.build()``,
     as tf_keras's exact evaluation uses it (TF 2.21)."""
     return coordinator.create_per_worker_dataset(dataset_fn).build()
+
+
+# -- What tf_asyncps adds to TensorFlow/Keras objects -----------------------------
+def hook_method(cls, name: str, make_hook) -> bool:
+    """Replaces method ``name`` of class ``cls`` by ``make_hook(original)``,
+    once: a method already replaced here is left as it is (idempotent).
+
+    Used on tf_keras's and Keras 3's optimizer classes
+    (:func:`tf_asyncps.compat.tf_keras.hook_apply_gradients`,
+    :func:`tf_asyncps.compat.keras.hook_apply`). The replacement keeps the
+    original as ``_asyncps_original``.
+
+    Returns:
+      True if the method was replaced by this call.
+    """
+    original = getattr(cls, name)
+    if hasattr(original, "_asyncps_original"):
+        return False
+    hooked = make_hook(original)
+    hooked._asyncps_original = original
+    setattr(cls, name, hooked)
+    return True
+
+
+def set_untracked_attribute(obj, name: str, value) -> None:
+    """Sets an instance attribute that the object's own ``__setattr__`` does
+    not see: tf_keras layers and optimizers (``tf.Module``'s AutoTrackable)
+    and Keras 3 layers, models and optimizers track what is assigned to them
+    (as checkpoint dependencies, sub-layers, variables); a value tf_asyncps
+    keeps on such an object (a lock, a bound method, a mark) must not become
+    model state. Tested with TensorFlow 2.21.0, tf_keras 2.21.0, Keras 3.15.1.
+    """
+    object.__setattr__(obj, name, value)
+
+
+def untracked_attribute(obj, name: str, default=None):
+    """The instance attribute ``name`` set by :func:`set_untracked_attribute`
+    on ``obj`` itself (never one of its class), else ``default``."""
+    return getattr(obj, "__dict__", {}).get(name, default)

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
            "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
-           "pss_evaluation_shards"]
+           "pss_evaluation_shards", "hook_apply_gradients"]
 
 TESTED_VERSIONS = ("2.21.0",)
 
@@ -147,3 +147,24 @@ def evaluate_call(frames: int = 8):
 def pss_evaluation_shards(model):
     """tf_keras's ``compile(pss_evaluation_shards=...)`` value (0: none)."""
     return getattr(model, "_pss_evaluation_shards", 0)
+
+
+def hook_apply_gradients(make_hook) -> bool:
+    """Replaces ``apply_gradients`` of tf_keras's optimizer base classes
+    (``tf_keras.optimizers.Optimizer``, ``tf_keras.optimizers.legacy.Optimizer``)
+    and of both LossScaleOptimizer classes (they override it) by
+    ``make_hook(original)``, once per class (see
+    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    for cls in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
+                *loss_scale_optimizer_classes()):
+        tf_compat.hook_method(cls, "apply_gradients", make_hook)
+    return True

@@ -34,7 +34,7 @@ from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import mixed_precision, replicas
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
-from tf_asyncps.core.protocol import PolicyRuntime, StepInfo, as_decision
+from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime, StepInfo, as_decision
 from tf_asyncps.core.step import WorkerStep
 
 __all__ = ["PolicyEngine", "worker_index"]
@@ -77,19 +77,40 @@ class PolicyEngine:
         self.local = LocalCopies(policy, skip_nonfinite) if policy.local_copies else None
         self.lock: Optional[PSLock] = None
         self.strategy = None
+        self.cluster_states: Optional[ClusterStates] = None  # see build()
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
         self._warned = set()  # optimizers already warned about dense table updates
 
     worker_index = staticmethod(worker_index)
 
+    def build(self, device: str) -> None:
+        """Builds the policy for this strategy's cluster (once, eagerly) and
+        keeps what its ``build`` returned (and its members' builds) as this
+        strategy's per-cluster state: the policy object keeps none, so it
+        may serve another strategy too."""
+        states = ClusterStates()
+        with states.record():
+            self.policy.build(self.num_workers, device)
+        self.cluster_states = states
+
+    def policy_scope(self):
+        """Context in which the policy's hooks see this strategy's cluster
+        state (``UpdatePolicy.cluster``): the strategy traces worker steps in
+        it. Without :meth:`build` (a policy built by hand) the policies' own
+        latest build is used."""
+        if self.cluster_states is None:
+            return contextlib.nullcontext()
+        return self.cluster_states.current()
+
     def attach(self, strategy, has_queued_closures) -> None:
         """Called once the strategy's coordinator exists."""
         self.strategy = strategy
         if self.local is not None:
             self.local.attach(strategy, self.tracker)
-        self.policy.attach(PolicyRuntime(strategy, self.tracker, has_queued_closures,
-                                         self.num_workers))
+        with self.policy_scope():
+            self.policy.attach(PolicyRuntime(strategy, self.tracker, has_queued_closures,
+                                             self.num_workers))
 
     # -- variables ------------------------------------------------------------
     def track_variable(self, var, trainable: bool) -> None:
@@ -167,7 +188,9 @@ class PolicyEngine:
     # -- watchdogs and errors ---------------------------------------------------
     def watchdogs(self) -> list:
         """Every chief-side watchdog: the update lock's and the policy's."""
-        return ([self.lock] if self.lock is not None else []) + list(self.policy.watchdogs())
+        with self.policy_scope():
+            policy_dogs = list(self.policy.watchdogs())
+        return ([self.lock] if self.lock is not None else []) + policy_dogs
 
     def start_watchdogs(self) -> None:
         for w in self.watchdogs():

@@ -186,10 +186,13 @@ class WorkerGate(Watchdog):
 
 class GatedPolicy:
     """Mixin for policies that make workers wait on a :class:`WorkerGate`
-    (``self.gate``, created in their ``build``): implements the protocol's
-    ``attach`` (the drain probe) and ``watchdogs`` hooks for it."""
+    (the ``gate`` of the cluster state their ``build`` returns): implements
+    the protocol's ``attach`` (the drain probe) and ``watchdogs`` hooks for it."""
 
-    gate: Optional[WorkerGate] = None
+    @property
+    def gate(self) -> Optional[WorkerGate]:
+        """The gate of this policy's cluster state (None before ``build``)."""
+        return getattr(self.cluster, "gate", None) if self.built else None
 
     def attach(self, runtime) -> None:
         if self.gate:

@@ -32,6 +32,7 @@ from typing import List, Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 
@@ -108,11 +109,11 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
 
 def _scale_lock(lso, scale) -> tf.CriticalSection:
     """The CriticalSection serialising ``lso``'s scale updates, beside ``scale``."""
-    lock = getattr(lso, "_asyncps_scale_lock", None)
+    lock = tf_compat.untracked_attribute(lso, "_asyncps_scale_lock")
     if lock is None:
         with tf.init_scope(), tf.device(scale.device):
             lock = placement.critical_section("asyncps_loss_scale_lock")
-        object.__setattr__(lso, "_asyncps_scale_lock", lock)  # not tracked
+        tf_compat.set_untracked_attribute(lso, "_asyncps_scale_lock", lock)
     return lock
 
 

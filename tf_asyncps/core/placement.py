@@ -23,29 +23,57 @@ TensorFlow already does for eager variables.
 """
 
 import contextlib
+import threading
 import uuid
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["beside", "fifo_queue", "critical_section"]
+__all__ = ["beside", "creating_beside", "fifo_queue", "critical_section"]
+
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def beside(var):
-    """Variables created in this context live on ``var``'s device, unpartitioned.
+    """Variables created in this context live on ``var``'s device,
+    unpartitioned, and untracked: they are a policy's or the engine's own
+    state (an accumulator, a second moment, a read snapshot), not model
+    variables, so the strategy gives them no local copies (``local_sgd``) and
+    no read snapshots. Exported as ``tf_asyncps.policies.beside`` for
+    policies' ``init``.
 
     Args:
       var: a ``tf.Variable`` (a ps shard of a partitioned variable included).
+
+    Example::
+
+        def init(self, variables):
+            out = []
+            for v in variables:
+                with tf_asyncps.policies.beside(v):
+                    out.append(tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False))
+            return out
     """
-    with tf.init_scope():
-        if tf.distribute.has_strategy():
-            with tf.variable_creator_scope(tf_compat.colocating_creator(var)):
-                yield
-        else:
-            with tf.device(var.device):
-                yield
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        with tf.init_scope():
+            if tf.distribute.has_strategy():
+                with tf.variable_creator_scope(tf_compat.colocating_creator(var)):
+                    yield
+            else:
+                with tf.device(var.device):
+                    yield
+    finally:
+        _local.depth = depth
+
+
+def creating_beside() -> bool:
+    """Whether this thread is inside :func:`beside` (the strategy does not
+    track the variables created there)."""
+    return getattr(_local, "depth", 0) > 0
 
 
 def fifo_queue(capacity: int, name: str) -> tf.queue.QueueBase:

@@ -4,11 +4,23 @@ A policy sees the gradients of one worker step together with their staleness
 τ and returns what to apply, or a decision to drop the step. In the style of
 optax (``optax/_src/base.py``), its rule is two functions with explicit state:
 
-* ``init(variables) -> state``: creates the policy's state (tf.Variables are
-  placed on the PS next to the model) once, before the first update;
+* ``init(variables) -> state``: creates the policy's per-variable state
+  (tf.Variables placed beside the model's, with :func:`tf_asyncps.policies.beside`)
+  once, before the first update;
 * ``update(grads, state, info) -> Decision``: a function of the step's
   gradients, its :class:`StepInfo` and the state. A plain ``(grads, keep)``
   tuple is accepted too (see :func:`as_decision`).
+
+Per-cluster state follows the same model: ``build(num_workers, device) ->
+cluster state`` creates what the policy needs once per strategy (clocks,
+gates, counters on the PS) and returns it; nothing is kept on the policy
+object. The strategy's engine holds what ``build`` returned and makes it
+current while it traces a worker step, attaches the policy or starts its
+watchdogs; a hook reads it as :attr:`UpdatePolicy.cluster`. So one policy
+object can serve two strategies, each with its own clocks and gates. Outside
+an engine (a policy built by hand, host-side readers such as ``ssp``'s
+``clock_values()``), ``cluster`` is what the policy's latest ``build``
+returned.
 
 Everything else a policy may need is a hook declared on :class:`UpdatePolicy`
 with a default that does nothing, and the engine (``tf_asyncps/core/engine.py``)
@@ -34,12 +46,16 @@ hook                        called
 ==========================  ===============================================
 """
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
+import functools
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import tensorflow as tf
 
-__all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision"]
+__all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision",
+           "ClusterStates"]
 
 #: ``True`` (always apply) or a scalar tf.bool tensor.
 Keep = Union[bool, tf.Tensor]
@@ -108,6 +124,70 @@ def as_decision(result) -> Decision:
         f"a (grads, keep) pair, got {type(result).__name__} {result!r:.200}.")
 
 
+_active = threading.local()
+
+
+class ClusterStates:
+    """What ``build`` returned, per policy object, for one strategy.
+
+    :meth:`record` collects the states of a policy and of every policy it
+    builds in turn (a chain's or a route's members); :meth:`current` makes
+    them what :attr:`UpdatePolicy.cluster` returns on this thread.
+    """
+
+    def __init__(self):
+        self._states: Dict[int, Any] = {}
+        self._policies = []  # keeps the ids above valid
+
+    @contextlib.contextmanager
+    def record(self):
+        """Collects the states of the ``build`` calls made in this context."""
+        stack = _active.__dict__.setdefault("recording", [])
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    @contextlib.contextmanager
+    def current(self):
+        """Makes these states the policies' ``cluster`` on this thread."""
+        stack = _active.__dict__.setdefault("current", [])
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def _put(self, policy, state) -> None:
+        self._states[id(policy)] = state
+        self._policies.append(policy)
+
+    def get(self, policy, default=None):
+        return self._states.get(id(policy), default)
+
+    def __contains__(self, policy) -> bool:
+        return id(policy) in self._states
+
+
+_NOT_BUILT = object()
+
+
+def _recording_build(build):
+    """``build`` that also records what it returned (see ClusterStates)."""
+
+    @functools.wraps(build)
+    def wrapper(self, num_workers, device):
+        state = build(self, num_workers, device)
+        self.__dict__["_latest_cluster"] = state
+        for states in _active.__dict__.get("recording", ())[-1:]:
+            states._put(self, state)
+        return state
+
+    wrapper.records_cluster_state = True
+    return wrapper
+
+
 @dataclasses.dataclass
 class PolicyRuntime:
     """What :meth:`UpdatePolicy.attach` receives, once per strategy.
@@ -132,8 +212,9 @@ class UpdatePolicy:
     """Base class of asynchronous update policies: the whole protocol.
 
     Subclass it, override :meth:`update` (and :meth:`init` if the policy keeps
-    state), and register it with ``@tf_asyncps.policies.register("my_name")``.
-    Every other hook below has a default that does nothing.
+    per-variable state, :meth:`build` if it keeps per-cluster state), and
+    register it with ``@tf_asyncps.policies.register("my_name")``. Every other
+    hook below has a default that does nothing.
 
     Example::
 
@@ -145,7 +226,7 @@ class UpdatePolicy:
                     [tf_asyncps.policies.scale(g, s) for g in grads], True)
 
     Attributes:
-      name: registered name (str).
+      name: registered name (str); the class name for an unregistered policy.
       atomic: if True, the decision, the optimizer's update and the counters
         of one step run as one unit under a lock on the PS, so τ is exact at
         apply time. Policies whose rule is only correct on exact τ (dropping,
@@ -163,21 +244,69 @@ class UpdatePolicy:
         when a worker exchanges with the PS.
     """
 
-    name: str = "base"
+    name: str = "UpdatePolicy"
     atomic: bool = False
     needs_read_values: bool = False
     uses_tau: bool = True
     aggregates: bool = False
     local_copies: bool = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in vars(cls):  # register() sets the registered name
+            cls.name = cls.__name__
+        build = vars(cls).get("build")
+        if build is not None and not getattr(build, "records_cluster_state", False):
+            cls.build = _recording_build(build)
+
+    @property
+    def cluster(self) -> Any:
+        """This policy's per-cluster state: what :meth:`build` returned for
+        the strategy whose engine is tracing, attaching or starting
+        watchdogs on this thread; elsewhere, what its latest ``build``
+        returned.
+
+        Raises:
+          RuntimeError: the policy was never built.
+        """
+        for states in reversed(_active.__dict__.get("current", ())):
+            if self in states:
+                return states.get(self)
+        state = self.__dict__.get("_latest_cluster", _NOT_BUILT)
+        if state is _NOT_BUILT:
+            raise RuntimeError(
+                f"{self!r} has no cluster state: build(num_workers, device) was not called "
+                "(AsyncParameterServerStrategy calls it when it is created).")
+        return state
+
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`build` ran (for this strategy, inside its engine)."""
+        try:
+            self.cluster
+        except RuntimeError:
+            return False
+        return True
+
     # -- set-up (chief, eager) -------------------------------------------------
     def validate_cluster(self, num_workers: int) -> None:
         """Raises ValueError if the policy cannot work with ``num_workers``
         workers (checked before any process starts). Default: any count."""
 
-    def build(self, num_workers: int, device: str) -> None:
-        """Creates per-cluster resources on the PS ``device`` (called once,
-        eagerly, by the strategy). Default: nothing."""
+    def build(self, num_workers: int, device: str) -> Any:
+        """Creates the per-cluster state on the PS ``device`` (called once
+        per strategy, eagerly, when it is created) and returns it; hooks read
+        it back as :attr:`cluster`. Default: no state.
+
+        Args:
+          num_workers: worker tasks in the cluster (int >= 1).
+          device: the PS device of the global step (str).
+
+        Returns:
+          Any value (tf.Variables, queues, gates); ``()`` for none.
+        """
+        del num_workers, device
+        return ()
 
     def attach(self, runtime: PolicyRuntime) -> None:
         """Called once the strategy and its coordinator exist. Default: nothing."""
@@ -235,9 +364,13 @@ class UpdatePolicy:
         return ()
 
     def get_config(self) -> dict:
-        """The constructor arguments, for logs and metrics.json."""
+        """Every constructor argument (``type(p)(**p.get_config())`` makes an
+        equal policy), for logs and metrics.json."""
         return {}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
+
+
+UpdatePolicy.build = _recording_build(UpdatePolicy.build)

@@ -132,7 +132,6 @@ def _hook(original, adapt_args):
 
         return step.apply(self, grads_and_vars, run_original)
 
-    hooked._asyncps_original = original
     return hooked
 
 
@@ -190,31 +189,14 @@ def install_optimizer_hooks() -> None:
     Idempotent. Hooks ``tf_keras.optimizers.Optimizer.apply_gradients``,
     ``tf_keras.optimizers.legacy.Optimizer.apply_gradients``, both tf_keras
     ``LossScaleOptimizer`` classes and Keras 3's
-    ``keras.optimizers.Optimizer.apply`` (when those packages are installed).
+    ``keras.optimizers.Optimizer.apply`` (when those packages are installed);
+    the class patches themselves live in ``tf_asyncps/compat/``.
     """
     global _installed
     with _install_lock:
         if _installed:
             return
-        targets = []
-        try:
-            import tf_keras
-            targets.append((tf_keras.optimizers.Optimizer, "apply_gradients", _gv_args))
-            targets.append((tf_keras.optimizers.legacy.Optimizer, "apply_gradients",
-                            _gv_args))
-            # LossScaleOptimizers override apply_gradients: hook them too.
-            targets.extend((cls, "apply_gradients", _gv_args)
-                           for cls in tf_keras_compat.loss_scale_optimizer_classes())
-        except ImportError:  # pragma: no cover - tf_keras is a dependency
-            pass
-        keras3_optimizer = keras_compat.optimizer_class()
-        if keras3_optimizer is not None:
-            targets.append((keras3_optimizer, "apply", _keras3_apply_args))
-            # Keras 3's LossScaleOptimizer overrides apply: hook it too.
-            targets.append((keras_compat.loss_scale_optimizer_class(), "apply",
-                            _keras3_lso_apply_args))
-        for cls, name, adapt in targets:
-            original = getattr(cls, name)
-            if not hasattr(original, "_asyncps_original"):
-                setattr(cls, name, _hook(original, adapt))
+        tf_keras_compat.hook_apply_gradients(lambda original: _hook(original, _gv_args))
+        keras_compat.hook_apply(lambda original: _hook(original, _keras3_apply_args),
+                                lambda original: _hook(original, _keras3_lso_apply_args))
         _installed = True

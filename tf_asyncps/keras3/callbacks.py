@@ -13,6 +13,8 @@ import time
 
 import keras
 
+from tf_asyncps.compat import keras as keras_compat
+
 __all__ = ["BATCH_HOOKS", "check_callbacks", "EpochLine"]
 
 BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end",
@@ -32,7 +34,7 @@ def _epoch_level_builtin(cb):
         if cb.update_freq != "epoch":
             return (f"update_freq={cb.update_freq!r} ('batch' is 1) writes every N batches; "
                     f"use update_freq='epoch'")
-        if getattr(cb, "_profile_batch", 0) or getattr(cb, "_start_batch", 0):
+        if keras_compat.tensorboard_profiles(cb):
             return "profile_batch profiles batches; use profile_batch=0"
         return None
     if isinstance(cb, (c.ProgbarLogger,)):

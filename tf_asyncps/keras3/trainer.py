@@ -30,6 +30,7 @@ import tensorflow as tf
 import keras
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
@@ -63,7 +64,7 @@ def attach(model, strategy) -> None:
     Raises:
       ValueError: the model was created outside ``strategy.scope()``.
     """
-    trainer = model.__dict__.get("_asyncps_trainer")
+    trainer = tf_compat.untracked_attribute(model, "_asyncps_trainer")
     if trainer is not None and trainer.strategy is strategy:
         return
     created_under = keras_compat.model_strategy(model)
@@ -75,13 +76,13 @@ def attach(model, strategy) -> None:
             f"variables live in this process, not on the ps tasks. Create and compile the "
             f"model inside `with strategy.scope():`.")
     trainer = Keras3Trainer(model, strategy)
-    # object.__setattr__: plain attributes, not tracked as model state.
+    # Plain attributes, not tracked as model state.
     for name, value in (("_asyncps_trainer", trainer), ("fit", trainer.fit),
                         ("evaluate", trainer.evaluate), ("predict", trainer.predict),
                         ("train_on_batch", trainer.train_on_batch),
                         ("test_on_batch", trainer.test_on_batch),
                         ("save", trainer.save), ("save_weights", trainer.save_weights)):
-        object.__setattr__(model, name, value)
+        tf_compat.set_untracked_attribute(model, name, value)
 
 
 #: What a model created inside the scope, then compiled outside it, says for
@@ -102,7 +103,8 @@ def guard(model, strategy) -> None:
 
     Instance attributes only, as ``attach``; the model's class is untouched.
     """
-    if "_asyncps_trainer" in model.__dict__ or "_asyncps_guarded" in model.__dict__:
+    if tf_compat.untracked_attribute(model, "_asyncps_trainer") is not None or \
+            tf_compat.untracked_attribute(model, "_asyncps_guarded"):
         return
 
     def refuse(method):
@@ -114,9 +116,9 @@ def guard(model, strategy) -> None:
         call.__name__ = method
         return call
 
-    object.__setattr__(model, "_asyncps_guarded", True)
+    tf_compat.set_untracked_attribute(model, "_asyncps_guarded", True)
     for name in ("fit", "evaluate", "predict"):
-        object.__setattr__(model, name, refuse(name))
+        tf_compat.set_untracked_attribute(model, name, refuse(name))
 
 
 def trainable_shards(model):
@@ -237,7 +239,7 @@ class Keras3Trainer:
             table = getattr(layer, "embeddings", None) if isinstance(
                 layer, keras.layers.Embedding) else None
             if table is not None and keras_compat.sharded_value(table):
-                keras_compat.lookup_shards_in_call(layer, table._value)
+                keras_compat.lookup_shards_in_call(layer, table)
         return keras_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):

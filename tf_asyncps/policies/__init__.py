@@ -3,13 +3,15 @@
 ``get(name, **kwargs)`` builds one by name, ``register(name)`` adds your own,
 ``names()`` lists them, ``chain(*policies)`` composes them and
 ``route(sparse=..., dense=...)`` gives embedding tables and dense layers a
-policy each. The protocol a
+policy each; ``beside(var)`` places a policy's own variables with a model
+variable, untracked. The protocol a
 policy implements (:class:`UpdatePolicy`, every hook with a default) is
 defined in ``tf_asyncps/core/protocol.py``; the machinery the rules use (the
 PS lock, worker gates, local copies) lives in ``tf_asyncps/core/``.
 """
 
 from tf_asyncps.core.grads import all_finite, map_values, scale
+from tf_asyncps.core.placement import beside
 from tf_asyncps.policies.base import Decision, PolicyRuntime, StepInfo, UpdatePolicy
 from tf_asyncps.policies.registry import get, names, register
 from tf_asyncps.policies.chain import Chain, chain
@@ -25,4 +27,4 @@ from tf_asyncps.policies.local_sgd import LocalSteps
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "PolicyRuntime", "get", "names",
            "register", "chain", "Chain", "route", "Route", "Async", "DropStale", "StalenessAwareLR",
            "BoundedStaleness", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
-           "LocalSteps", "scale", "map_values", "all_finite"]
+           "LocalSteps", "scale", "map_values", "all_finite", "beside"]

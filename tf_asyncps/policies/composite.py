@@ -32,8 +32,8 @@ class Composite(UpdatePolicy):
             p.validate_cluster(num_workers)
 
     def build(self, num_workers, device):
-        for p in self.members():
-            p.build(num_workers, device)
+        """Builds each member; returns their cluster states, in order."""
+        return [p.build(num_workers, device) for p in self.members()]
 
     def attach(self, runtime):
         for p in self.members():

@@ -115,4 +115,5 @@ class DCASGD(UpdatePolicy):
         return locks[id(ms)][0]
 
     def get_config(self):
-        return {"lambda_": self.lambda_, "adaptive": self.adaptive}
+        return {"lambda_": self.lambda_, "adaptive": self.adaptive,
+                "momentum": self.momentum, "epsilon": self.epsilon}

@@ -44,9 +44,25 @@ from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.policies.base import Decision, as_decision
 from tf_asyncps.policies.composite import Composite
 
-__all__ = ["route", "Route"]
+__all__ = ["route", "Route", "PartCounts"]
 
 PARTS = ("sparse", "dense")
+
+
+@dataclasses.dataclass
+class PartCounts:
+    """route's per-cluster state (what ``build`` returns), on the PS.
+
+    Attributes:
+      parts: the cluster states of the sparse and dense policies.
+      counts: int64 variable, shape (2,): updates of each part.
+      read_at: int64 variable, shape (num_workers, 2): each worker's copy of
+        ``counts`` at its read.
+    """
+
+    parts: list
+    counts: tf.Variable
+    read_at: tf.Variable
 
 
 class Route(Composite):
@@ -95,7 +111,6 @@ class Route(Composite):
         self.sparse_names = sparse_names
         self._take_member_flags()
         self.uses_tau = True  # each part's τ comes from its own counter
-        self.counts = self.read_at = None
 
     def get_config(self):
         return {"sparse": repr(self.parts[0]), "dense": repr(self.parts[1]),
@@ -110,13 +125,14 @@ class Route(Composite):
 
     # -- set-up ---------------------------------------------------------------
     def build(self, num_workers, device):
-        super().build(num_workers, device)
+        parts = super().build(num_workers, device)
         with tf.init_scope(), tf.device(device):
             # Updates of each part; each worker's copy of them at its read.
-            self.counts = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
-                                      name="route_part_updates")
-            self.read_at = tf.Variable(tf.zeros([num_workers, 2], tf.int64),
-                                       trainable=False, name="route_part_read_points")
+            counts = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
+                                 name="route_part_updates")
+            read_at = tf.Variable(tf.zeros([num_workers, 2], tf.int64),
+                                  trainable=False, name="route_part_read_points")
+        return PartCounts(parts, counts, read_at)
 
     def split(self, variables):
         """``(sparse indices, dense indices)`` of ``variables`` (lists of int)."""
@@ -133,15 +149,16 @@ class Route(Composite):
         waits = super().before_read(worker_index)
         with tf.control_dependencies(waits):
             w = tf.reshape(tf.cast(worker_index, tf.int64), [1])
-            mark = self.read_at.scatter_update(
-                tf.IndexedSlices(self.counts.read_value()[None], w))
+            mark = self.cluster.read_at.scatter_update(
+                tf.IndexedSlices(self.cluster.counts.read_value()[None], w))
         return waits + [mark]
 
     def update(self, grads, state, info):
         n = len(grads)
         keep, out, accepted, bumps = [True] * n, list(grads), [], []
-        counts = self.counts.read_value()
-        read = self.read_at.sparse_read(tf.cast(info.worker_index, tf.int64))
+        cluster = self.cluster
+        counts = cluster.counts.read_value()
+        read = cluster.read_at.sparse_read(tf.cast(info.worker_index, tf.int64))
         for k, (p, s, idx) in enumerate(zip(self.parts, state, self.split(info.variables))):
             if not idx:
                 continue
@@ -161,7 +178,7 @@ class Route(Composite):
                 accepted.append(d.accepted)
             bumps.append(tf.cast(part_keep, tf.int64) * tf.one_hot(k, 2, dtype=tf.int64))
         if bumps:
-            bump = self.counts.assign_add(tf.add_n(bumps))
+            bump = cluster.counts.assign_add(tf.add_n(bumps))
             with tf.control_dependencies([bump]):
                 out = [grads_lib.map_values(tf.identity, g) for g in out]
         any_accepted = None
@@ -172,7 +189,7 @@ class Route(Composite):
     # -- chief side -----------------------------------------------------------
     def part_updates(self):
         """``{"sparse": n, "dense": n}``: updates applied to each part (read from the PS)."""
-        return dict(zip(PARTS, (int(c) for c in self.counts.numpy())))
+        return dict(zip(PARTS, (int(c) for c in self.cluster.counts.numpy())))
 
 
 def route(sparse="async", dense="async", sparse_names: str = "embeddings") -> Route:

@@ -23,7 +23,8 @@ When to use: workers of uneven speed where unbounded staleness hurts
 convergence, but full synchrony costs too much.
 """
 
-from typing import Optional
+import dataclasses
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -33,7 +34,24 @@ from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy
 
-__all__ = ["BoundedStaleness"]
+__all__ = ["BoundedStaleness", "Clocks"]
+
+
+@dataclasses.dataclass
+class Clocks:
+    """ssp's per-cluster state (what ``build`` returns), on the PS.
+
+    Attributes:
+      clocks: int64 variable, shape (num_workers,): each worker's clock.
+      max_spread: int64 variable, shape (1,): largest spread seen at a read.
+      lock: tf.CriticalSection serialising clock ticks.
+      gate: the WorkerGate of the workers' tokens.
+    """
+
+    clocks: Any
+    max_spread: Any
+    lock: Any
+    gate: Any
 
 
 @registry.register("ssp")
@@ -60,25 +78,26 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
             raise ValueError(f"ssp: timeout_s must be > 0 seconds, got {timeout_s!r}.")
         self.max_staleness = max_staleness
         self.timeout_s = float(timeout_s)
-        self.gate: Optional[WorkerGate] = None
 
     def get_config(self):
         return {"max_staleness": self.max_staleness, "timeout_s": self.timeout_s}
 
     def build(self, num_workers, device):
         with tf.init_scope(), tf.device(device):
-            self.clocks = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
-                                      name="ssp_clocks")
-            self.max_spread = tf.Variable(tf.zeros([1], tf.int64), trainable=False,
-                                          name="ssp_max_spread")
-            self._lock = placement.critical_section("ssp_clock_lock")
-        self.gate = WorkerGate(
+            clocks = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
+                                 name="ssp_clocks")
+            max_spread = tf.Variable(tf.zeros([1], tf.int64), trainable=False,
+                                     name="ssp_max_spread")
+            lock = placement.critical_section("ssp_clock_lock")
+        gate = WorkerGate(
             num_workers, device, initial_tokens=self.max_staleness + 1,
             timeout_s=self.timeout_s, name="ssp",
-            progress=lambda: int(self.clocks.numpy().min()), describe=self._describe)
+            progress=lambda: int(clocks.numpy().min()),
+            describe=lambda waiting: self._describe(waiting, clocks))
+        return Clocks(clocks, max_spread, lock, gate)
 
-    def _describe(self, waiting):
-        clocks = self.clocks.numpy()
+    def _describe(self, waiting, clocks):
+        clocks = clocks.numpy()
         slow = np.flatnonzero(clocks == clocks.min()).tolist()
         return (f"ssp: worker(s) {waiting} waited more than {self.timeout_s:.0f} s "
                 f"(timeout_s) for the slowest worker(s) {slow}; clocks {clocks.tolist()}, "
@@ -87,34 +106,36 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
 
     # -- graph side -------------------------------------------------------------
     def before_read(self, worker_index):
+        c = self.cluster
         w = tf.cast(worker_index, tf.int64)
-        released = self.gate.wait(w)
+        released = c.gate.wait(w)
 
         def record_spread():
-            clocks = self.clocks.read_value()
+            clocks = c.clocks.read_value()
             spread = tf.gather(clocks, w) - tf.reduce_min(clocks)
-            with tf.control_dependencies([self.max_spread.scatter_max(tf.IndexedSlices(
+            with tf.control_dependencies([c.max_spread.scatter_max(tf.IndexedSlices(
                     tf.reshape(spread, [1]), tf.constant([0], tf.int64)))]):
                 return tf.constant(True)
 
         return [tf.cond(released, lambda: tf.constant(False), record_spread)]
 
     def after_step(self, worker_index):
+        c = self.cluster
         w = tf.reshape(tf.cast(worker_index, tf.int64), [1])
 
         def tick():
-            old_min = tf.reduce_min(self.clocks)
+            old_min = tf.reduce_min(c.clocks)
             with tf.control_dependencies([old_min]):
-                new = self.clocks.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), w))
+                new = c.clocks.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), w))
             gained = tf.reduce_min(new) - old_min  # 0 or 1
 
             def refill():
-                with tf.control_dependencies(self.gate.grant_all()):
+                with tf.control_dependencies(c.gate.grant_all()):
                     return tf.constant(True)
 
             return tf.cond(gained > 0, refill, lambda: tf.constant(False))
 
-        return [self._lock.execute(tick, exclusive_resource_access=False)]
+        return [c.lock.execute(tick, exclusive_resource_access=False)]
 
     def update(self, grads, state, info):
         return grads, True
@@ -122,10 +143,10 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
     # -- host side --------------------------------------------------------------
     def clock_values(self) -> np.ndarray:
         """Per-worker clocks (int64, shape (num_workers,)), read from the PS."""
-        return self.clocks.numpy()
+        return self.cluster.clocks.numpy()
 
     def max_clock_spread(self) -> int:
         """Largest c_w − min_j c_j seen by a worker when it started a step
         (released reads excluded)."""
-        return int(self.max_spread.numpy()[0])
+        return int(self.cluster.max_spread.numpy()[0])
 

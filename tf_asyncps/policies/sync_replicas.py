@@ -44,7 +44,8 @@ fewer than N live workers).
 updates: an epoch of S steps makes at most S / N updates.
 """
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -54,7 +55,24 @@ from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import Decision, UpdatePolicy
 
-__all__ = ["SyncReplicas", "SyncReplicasAggregator"]
+__all__ = ["SyncReplicas", "SyncReplicasAggregator", "Rounds"]
+
+
+@dataclasses.dataclass
+class Rounds:
+    """sync_replicas' per-cluster state (what ``build`` returns), on the PS.
+
+    Attributes:
+      round: int64 variable, shape (2,): [accepted in this round, rounds done].
+      sent: int64 variable, shape (num_workers,): gradients each worker sent.
+      gate: the WorkerGate of the workers' tokens.
+      num_workers: worker tasks in the cluster (int).
+    """
+
+    round: Any
+    sent: Any
+    gate: Any
+    num_workers: int
 
 
 def _check_count(name, value, minimum=1):
@@ -109,12 +127,11 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
         self.total_num_replicas = total_num_replicas
         self.max_staleness = max_staleness
         self.timeout_s = float(timeout_s)
-        self.gate: Optional[WorkerGate] = None
 
     def get_config(self):
         return {"replicas_to_aggregate": self.replicas_to_aggregate,
                 "total_num_replicas": self.total_num_replicas,
-                "max_staleness": self.max_staleness}
+                "max_staleness": self.max_staleness, "timeout_s": self.timeout_s}
 
     # -- per-cluster state -----------------------------------------------------
     def validate_cluster(self, num_workers):
@@ -131,20 +148,20 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
 
     def build(self, num_workers, device):
         self.validate_cluster(num_workers)
-        self.num_workers = num_workers
         with tf.init_scope(), tf.device(device):
             # [accepted in this round, rounds done], then per-worker gradients sent
-            self.round = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
-                                     name="sync_replicas_round")
-            self.sent = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
-                                    name="sync_replicas_sent_per_worker")
-        self.gate = WorkerGate(
+            round_ = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
+                                 name="sync_replicas_round")
+            sent = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
+                               name="sync_replicas_sent_per_worker")
+        gate = WorkerGate(
             num_workers, device, initial_tokens=1, timeout_s=self.timeout_s,
-            name="sync_replicas", progress=lambda: int(self.round.numpy()[1]),
-            describe=self._describe)
+            name="sync_replicas", progress=lambda: int(round_.numpy()[1]),
+            describe=lambda waiting: self._describe(waiting, round_))
+        return Rounds(round_, sent, gate, num_workers)
 
-    def _describe(self, waiting):
-        accepted, rounds = (int(v) for v in self.round.numpy())
+    def _describe(self, waiting, round_):
+        accepted, rounds = (int(v) for v in round_.numpy())
         return (f"sync_replicas: no update for {self.timeout_s:.0f} s (timeout_s): round "
                 f"{rounds + 1} has {accepted} of replicas_to_aggregate="
                 f"{self.replicas_to_aggregate} gradients; worker(s) {waiting} wait for it. "
@@ -164,17 +181,18 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
 
     # -- graph side -------------------------------------------------------------
     def before_read(self, worker_index):
-        return [self.gate.wait(worker_index)]
+        return [self.cluster.gate.wait(worker_index)]
 
     def step_without_update(self, worker_index):
         # An evaluation step took a token but gave no gradient: give it back.
-        return [self.gate.grant(worker_index)]
+        return [self.cluster.gate.grant(worker_index)]
 
     def update(self, grads, state, info):
+        c = self.cluster
         n = self.replicas_to_aggregate
         accept = tf.cast(info.tau, tf.int64) <= self.max_staleness
         w = tf.reshape(tf.cast(info.worker_index, tf.int64), [1])
-        sent = self.sent.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), w))
+        sent = c.sent.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), w))
 
         def accumulate():
             ops = []
@@ -188,10 +206,10 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
                     else:
                         ops.append(buf.assign_add(g))
             with tf.control_dependencies(ops):
-                bump = self.round.scatter_add(tf.IndexedSlices(
+                bump = c.round.scatter_add(tf.IndexedSlices(
                     tf.constant([1], tf.int64), tf.constant([0], tf.int64)))
             with tf.control_dependencies([bump]):
-                return tf.gather(self.round.read_value(), 0)
+                return tf.gather(c.round.read_value(), 0)
 
         if info.finite is not None:  # a NaN/Inf gradient must not poison the round
             accept = tf.logical_and(accept, info.finite)
@@ -199,8 +217,8 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
             # The step was wasted (late or non-finite): let the worker read
             # the current parameters at once instead of waiting for an update
             # that may need its gradient.
-            with tf.control_dependencies([self.gate.grant(info.worker_index)]):
-                return tf.gather(self.round.read_value(), 0)
+            with tf.control_dependencies([c.gate.grant(info.worker_index)]):
+                return tf.gather(c.round.read_value(), 0)
 
         with tf.control_dependencies([sent]):
             count = tf.cond(accept, accumulate, refused)
@@ -211,6 +229,7 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
 
     def _take_means(self, grads, state, complete):
         """Mean of the round's gradients; buffers reset when ``complete``."""
+        c = self.cluster
         n = self.replicas_to_aggregate
         out = []
         resets = []
@@ -235,11 +254,11 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
         def reset():
             with tf.control_dependencies(flat):
                 ops = [op for r in resets for op in r()]
-                ops.append(self.round.scatter_update(tf.IndexedSlices(
+                ops.append(c.round.scatter_update(tf.IndexedSlices(
                     tf.constant([0], tf.int64), tf.constant([0], tf.int64))))
-                ops.append(self.round.scatter_add(tf.IndexedSlices(
+                ops.append(c.round.scatter_add(tf.IndexedSlices(
                     tf.constant([1], tf.int64), tf.constant([1], tf.int64))))
-                ops.extend(self.gate.grant_all(only_if_empty=True))
+                ops.extend(c.gate.grant_all(only_if_empty=True))
             with tf.control_dependencies(ops):
                 return tf.constant(True)
 
@@ -252,11 +271,11 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
     # -- host side --------------------------------------------------------------
     def rounds(self) -> int:
         """Updates applied so far (read from the PS)."""
-        return int(self.round.numpy()[1])
+        return int(self.cluster.round.numpy()[1])
 
     def gradients_sent(self):
         """Per-worker count of gradients that reached the PS (int64 array)."""
-        return self.sent.numpy()
+        return self.cluster.sent.numpy()
 
 
 #: The name the README and TF1 users know (``tf_asyncps.SyncReplicasAggregator``).
