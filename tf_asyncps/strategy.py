@@ -37,7 +37,7 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import faults, mixed_precision, placement, replicas
+from tf_asyncps.core import faults, lookup, mixed_precision, placement, replicas
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
@@ -175,6 +175,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
+                if trainable:  # a table's rows: distinct ids only cross
+                    lookup.read_distinct_rows(part)
         return var
 
     # -- the worker step ------------------------------------------------------

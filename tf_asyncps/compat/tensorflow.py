@@ -34,7 +34,7 @@ __all__ = [
     "swap_handle", "per_worker_variable", "per_worker_values", "read_handle",
     "resources_written",
     "assign_handle", "assign_add_handle", "dataset_sleep", "per_worker_datasets",
-    "import_without_keras", "serving_runtime",
+    "import_without_keras", "serving_runtime", "replace_sparse_read", "colocate_only_with",
 ]
 
 TESTED_VERSIONS = ("2.21.0",)
@@ -339,6 +339,34 @@ def hide_closure_error_logs(error_class) -> None:
 
 
 # -- variables -------------------------------------------------------------------
+def colocate_only_with(op):
+    """Context: ops created in it are placed with ``op``, whatever colocation
+    or device scope surrounds them (``tf.compat.v1.colocate_with(op,
+    ignore_existing=True)`` without its deprecation warning; TF 2.16-2.21)."""
+    from tensorflow.python.framework import ops
+    return ops.colocate_with(op, ignore_existing=True)
+
+
+def replace_sparse_read(var, gather) -> bool:
+    """Routes this variable's ``sparse_read`` (what ``tf.gather`` and
+    ``tf.nn.embedding_lookup`` call on a resource variable, TF 2.16-2.21's
+    ``array_ops.gather``) through ``gather(original_sparse_read, indices,
+    name)``: an instance attribute, this variable only. Idempotent; False
+    if ``var`` has no ``sparse_read``."""
+    original = getattr(var, "sparse_read", None)
+    if original is None:
+        return False
+    if getattr(original, "_asyncps_replaced", False):
+        return True
+
+    def sparse_read(indices, name=None):
+        return gather(original, indices, name=name)
+
+    sparse_read._asyncps_replaced = True
+    var.sparse_read = sparse_read
+    return True
+
+
 def colocating_creator(var):
     """A variable creator that places new variables with ``var``, unpartitioned.
 

@@ -242,7 +242,9 @@ class PolicyEngine:
         step.applied = True
         # Policies and aggregators work in the variables' dtype (float32 under
         # mixed precision, where tf_keras keeps float32 variables).
-        grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
+        # Distinct rows only: the sum per id is what the optimizer applies, and
+        # each row crosses to the ps once (README, "Bytes per step").
+        grads = [grads_lib.unique_rows(grads_lib.cast(g, v.dtype)) for g, v in pairs]
         variables = [v for _, v in pairs]
         # A LossScaleOptimizer skips non-finite steps itself: always check, so
         # such a step is counted as dropped and lowers the loss scale.
@@ -262,7 +264,8 @@ class PolicyEngine:
         state = self._state_for(variables)
 
         def decide_and_apply():
-            with tf.device(device):
+            # Each gradient's ops on its variable's ps, τ's on the tracker's.
+            with placement.beside_inputs(device):
                 return self._decide_and_apply(step, grads, variables, state, w, finite,
                                               read_values, lso, apply_fn, inputs, locking)
 

@@ -9,7 +9,7 @@ so embedding gradients never densify on their way to the PS. Policies use
 import tensorflow as tf
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
-           "flat_tensors"]
+           "flat_tensors", "unique_rows"]
 
 
 def map_values(fn, grad):
@@ -42,6 +42,22 @@ def all_finite(grads) -> tf.Tensor:
         if v.dtype.is_floating or v.dtype.is_complex:
             checks.append(tf.reduce_all(tf.math.is_finite(v)))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def unique_rows(grad):
+    """``grad`` with one row per distinct index: the rows of repeated indices
+    of an IndexedSlices summed (``tf.unique`` order); a dense gradient as is.
+
+    What tf_keras's optimizers do in ``apply_gradients`` (and what Keras 3's
+    do implicitly: their sparse updates scatter-add or densify, both sums), so
+    the update is the same; done on the worker, only distinct rows cross to
+    the ps (a batch of 512 Zipf ids holds ~240 distinct).
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    unique, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, grad.dense_shape)
 
 
 def copy_to(value, device):
