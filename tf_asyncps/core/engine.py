@@ -31,7 +31,7 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import mixed_precision, replicas
+from tf_asyncps.core import mixed_precision, placement, replicas
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime, StepInfo, as_decision
