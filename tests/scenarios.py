@@ -1994,10 +1994,12 @@ def keras3_replicas_fit(replicas=2, optimizer="sgd", epochs=2, steps_per_epoch=1
 
 
 @scenario(shares_cluster=True)
-def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdir=None):
+def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdir=None,
+                           partition=True):
     """A Keras 3 Embedding + Dense model whose table and kernel are split over
-    ``num_ps`` ps tasks (FixedShardsPartitioner), one worker, against the
-    same model unpartitioned in one process."""
+    ``num_ps`` ps tasks (FixedShardsPartitioner; ``partition=False``: whole,
+    placed round-robin), one worker, against the same model unpartitioned in
+    one process. Every batch of 24 ids from 60 repeats some."""
     import keras
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 60, size=(steps * 8, 3)).astype("int32")
@@ -2016,15 +2018,15 @@ def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdi
     with _cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
-            .FixedShardsPartitioner(num_ps))
+            .FixedShardsPartitioner(num_ps) if partition else None)
         train = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
         val = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
         with strategy.scope():
             model = make()
         w0 = model.get_weights()
         table = model.get_layer("table").embeddings
-        shard_tasks = [tf.DeviceSpec.from_string(s.device).task
-                       for s in tf_asyncps.keras3.trainable_shards(model)[:num_ps]]
+        shard_tasks = [tf.DeviceSpec.from_string(getattr(s, "device", None) or s.value.device)
+                       .task for s in tf_asyncps.keras3.trainable_shards(model)[:num_ps]]
         hist = model.fit(train, epochs=epochs, steps_per_epoch=steps, verbose=0)
         ev = model.evaluate(val, return_dict=True, verbose=0)
         pred = model.predict(ids, verbose=0)

@@ -199,6 +199,21 @@ def test_partitioned_table_and_kernel_over_three_ps_equal_one_process_keras3(opt
     assert r["iterations"] == 20 == r["stats"]["applied"]
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_whole_table_looked_up_by_distinct_ids_equals_one_process_keras3(optimizer, tmp_path):
+    # Keras 3's Embedding reads its whole table (ops.take); under the strategy
+    # it reads the distinct ids' rows (core/lookup.py): same training.
+    r = run_scenario("keras3_partitioned_fit", shared=(1, 3), num_ps=3, optimizer=optimizer,
+                     epochs=2, steps=10, tmpdir=str(tmp_path), partition=False)
+    assert r["table_shape"] == [60, 4] and r["num_shards"] == 3  # table, kernel, bias
+    assert r["moved"] > 0.01
+    assert r["weights_diff"] < 1e-5, r
+    for key, ref in r["ref_history"].items():
+        assert r["history"][key] == pytest.approx(ref, abs=1e-5), key
+    assert r["loaded_predict_diff"] < 1e-6
+    assert r["iterations"] == 20 == r["stats"]["applied"]
+
+
 def test_example_keras3_fit_runs():
     import sys
     from conftest import run_command

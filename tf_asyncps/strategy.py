@@ -91,6 +91,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.engine = engine
+        self.deduplicate_lookups = True
 
     @property
     def policy(self):
@@ -175,8 +176,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
-                if trainable:  # a table's rows: distinct ids only cross
-                    lookup.read_distinct_rows(part)
+                if trainable and self.deduplicate_lookups:
+                    lookup.read_distinct_rows(part)  # a table's distinct ids only cross
         return var
 
     # -- the worker step ------------------------------------------------------
@@ -360,6 +361,12 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
       skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
         step whose gradients hold NaN or Inf, so the shared model never
         receives a non-finite update.
+      deduplicate_lookups: row reads of the tables created in the scope
+        (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
+        each distinct id of a batch to its ps once and expand the rows on the
+        worker; the gradient then carries one row per distinct id
+        (core/lookup.py). Same values and updates; False: TensorFlow's gather
+        (every id, every row), as vanilla ParameterServerStrategy.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 
@@ -372,7 +379,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
                  connect_timeout_s: float = 30.0, skip_nonfinite: bool = True,
-                 _connect_timeout_name: str = ""):
+                 deduplicate_lookups: bool = True, _connect_timeout_name: str = ""):
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise TypeError(
                 "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
@@ -409,8 +416,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._tracker = StalenessTracker(max_tracked_staleness)
         engine = PolicyEngine(policy, self._tracker, config.num_workers, skip_nonfinite,
                               is_locking=is_locking, lock_timeout=lock_timeout)
-        tf_compat.replace_extended(
-            self, _AsyncExtended(self, cluster_resolver, variable_partitioner, engine))
+        extended = _AsyncExtended(self, cluster_resolver, variable_partitioner, engine)
+        extended.deduplicate_lookups = bool(deduplicate_lookups)
+        tf_compat.replace_extended(self, extended)
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))

@@ -20,7 +20,7 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
-           "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
+           "train_step_on", "lookup_rows_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
            "hook_apply", "tensorboard_profiles"]
 
 TESTED_VERSIONS = ("3.15.1",)
@@ -214,15 +214,19 @@ def layers_of(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
-def lookup_shards_in_call(layer, table) -> bool:
+def lookup_rows_in_call(layer, table, lookup=None) -> bool:
     """Makes a Keras 3 ``Embedding`` read only the rows it looks up from its
-    partitioned table ``table`` (a Keras 3 variable whose value is a
-    ShardedVariable: ``tf.nn.embedding_lookup`` on it, as tf_keras's
-    Embedding does), instead of converting the whole table to one tensor per
-    step. This layer instance only; False if it cannot (mask_zero, LoRA or
-    quantization change its call)."""
+    table ``table`` (a Keras 3 variable whose value is a tf.Variable on a ps,
+    or a ShardedVariable over several): ``tf.nn.embedding_lookup`` on that
+    value, as tf_keras's Embedding does. Keras 3.15's ``Embedding.call`` is
+    ``ops.take(self.embeddings, ...)``, which converts the whole table to one
+    tensor: every step read the whole table from its ps. The lookup goes
+    through ``lookup(value, ids)`` (default ``tf.nn.embedding_lookup``).
+    This layer instance only; False if it cannot (mask_zero, LoRA or
+    quantization change its call). Tested with Keras 3.15.1."""
     import tensorflow as tf
-    sharded = table._value
+    value = table._value
+    lookup = lookup or tf.nn.embedding_lookup
     if getattr(layer, "mask_zero", False) or getattr(layer, "lora_enabled", False) or \
             getattr(layer, "quantization_mode", None):
         return False
@@ -230,7 +234,7 @@ def lookup_shards_in_call(layer, table) -> bool:
     def call(inputs):
         if inputs.dtype not in (tf.int32, tf.int64):
             inputs = tf.cast(inputs, tf.int32)
-        return tf.cast(tf.nn.embedding_lookup(sharded, inputs), layer.compute_dtype)
+        return tf.cast(lookup(value, inputs), layer.compute_dtype)
 
     object.__setattr__(layer, "call", call)
     return True

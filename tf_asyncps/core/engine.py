@@ -242,9 +242,14 @@ class PolicyEngine:
         step.applied = True
         # Policies and aggregators work in the variables' dtype (float32 under
         # mixed precision, where tf_keras keeps float32 variables).
-        # Distinct rows only: the sum per id is what the optimizer applies, and
-        # each row crosses to the ps once (README, "Bytes per step").
-        grads = [grads_lib.unique_rows(grads_lib.cast(g, v.dtype)) for g, v in pairs]
+        grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
+        keras3 = keras_compat.optimizer_class()
+        if keras3 is None or not isinstance(optimizer, keras3):
+            # Distinct rows only: tf_keras's optimizers sum the rows of repeated
+            # ids in apply_gradients anyway, so each row crosses to the ps once
+            # (README, "Bytes per step"). Keras 3's Adam and Adagrad square each
+            # repeated row on its own: its gradients keep their rows.
+            grads = [grads_lib.unique_rows(g) for g in grads]
         variables = [v for _, v in pairs]
         # A LossScaleOptimizer skips non-finite steps itself: always check, so
         # such a step is counted as dropped and lowers the loss scale.

@@ -27,11 +27,33 @@ variables only (``compat.tensorflow.replace_sparse_read``). In eager code
 (the chief reading a table) nothing changes.
 """
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["read_distinct_rows", "distinct_rows_gather"]
+__all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def every_id():
+    """Row reads traced in this context read every id, as TensorFlow's gather.
+
+    For Keras 3 models: Keras 3.15's Adam and Adagrad square each gradient row
+    of a repeated id on its own (``ops.square`` of an IndexedSlices), where
+    tf_keras and TensorFlow 1 sum the rows first; the gradient of a distinct-id
+    read sums them, which would change those updates.
+    """
+    before = getattr(_local, "every_id", False)
+    _local.every_id = True
+    try:
+        yield
+    finally:
+        _local.every_id = before
 
 
 def distinct_rows_gather(sparse_read, indices, name=None):
@@ -47,6 +69,8 @@ def distinct_rows_gather(sparse_read, indices, name=None):
       as ``sparse_read(indices)`` returns them.
     """
     indices = tf.convert_to_tensor(indices)
+    if getattr(_local, "every_id", False):
+        return sparse_read(indices, name=name)
     op = getattr(indices, "op", None) if tf_compat.inside_function() else None
     if op is None:  # eager: a read on the chief, nothing to save
         return sparse_read(indices, name=name)

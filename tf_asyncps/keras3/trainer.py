@@ -31,6 +31,7 @@ import keras
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import lookup
 from tf_asyncps.keras3 import callbacks as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
@@ -119,6 +120,11 @@ def guard(model, strategy) -> None:
     tf_compat.set_untracked_attribute(model, "_asyncps_guarded", True)
     for name in ("fit", "evaluate", "predict"):
         tf_compat.set_untracked_attribute(model, name, refuse(name))
+
+
+def _lookup_every_id(value, ids):
+    with lookup.every_id():
+        return tf.nn.embedding_lookup(value, ids)
 
 
 def trainable_shards(model):
@@ -216,9 +222,16 @@ class Keras3Trainer:
     def _make_step(self):
         """``model.train_step``; with partitioned weights, the same step taking
         gradients per shard (each shard is a tf.Variable on one ps task, as
-        in tf_keras), the optimizer built on the shards (slots beside them)
-        and each Embedding looking up only its rows."""
+        in tf_keras) and the optimizer built on the shards (slots beside
+        them). Either way each Embedding looks up only its rows."""
         model = self.model
+        # Each Embedding reads only its rows (Keras 3 reads the whole table),
+        # every id (core/lookup.every_id: Keras 3's own sparse update rules).
+        for layer in keras_compat.layers_of(model):
+            table = getattr(layer, "embeddings", None) if isinstance(
+                layer, keras.layers.Embedding) else None
+            if table is not None:
+                keras_compat.lookup_rows_in_call(layer, table, _lookup_every_id)
         if not any(keras_compat.sharded_value(v) for v in model.trainable_variables):
             return model.train_step
         sources = trainable_shards(model)
@@ -235,11 +248,6 @@ class Keras3Trainer:
                 "partitioned: let fit build it (do not call optimizer.build), so that its "
                 "slots are made per shard, beside each shard.")
         model.optimizer.build(sources)
-        for layer in keras_compat.layers_of(model):
-            table = getattr(layer, "embeddings", None) if isinstance(
-                layer, keras.layers.Embedding) else None
-            if table is not None and keras_compat.sharded_value(table):
-                keras_compat.lookup_shards_in_call(layer, table)
         return keras_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):

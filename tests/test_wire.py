@@ -1,0 +1,124 @@
+"""What a step sends: distinct rows only, and each gradient op on its own ps.
+
+In one process, no TensorFlow servers: the rules of core/lookup.py,
+core/grads.unique_rows and core/placement.beside_inputs on hand-made
+tensors, in closed form, and the graphs they trace (which op reads which
+ids, where each op is placed). Bytes per step are bench figures (README,
+"Bytes per step").
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import lookup, placement
+
+IDS = np.array([[3, 1, 3], [7, 3, 1], [1, 1, 1], [0, 7, 3]], np.int64)  # 4 distinct of 12
+
+
+def _table(seed=0, rows=9, dim=2):
+    return tf.Variable(np.random.RandomState(seed).randn(rows, dim).astype("float32"))
+
+
+def test_unique_rows_sums_the_rows_of_repeated_ids():
+    g = tf.IndexedSlices(tf.constant([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]]),
+                         tf.constant([5, 2, 5]), tf.constant([9, 2]))
+    out = grads_lib.unique_rows(g)
+    assert out.indices.numpy().tolist() == [5, 2]
+    assert out.values.numpy().tolist() == [[101.0, 202.0], [10.0, 20.0]]
+    assert out.dense_shape.numpy().tolist() == [9, 2]
+    dense = tf.constant([1.0, 2.0])
+    assert grads_lib.unique_rows(dense) is dense
+
+
+def test_a_lookup_reads_each_distinct_id_once_with_the_same_rows_and_gradient():
+    plain, deduped = _table(), _table()
+    assert lookup.read_distinct_rows(deduped) and lookup.read_distinct_rows(deduped)
+
+    def rows_and_grad(var):
+        # One function per variable (closed over): a variable passed as an
+        # argument would share the first variable's trace.
+        @tf.function
+        def run(ids):
+            with tf.GradientTape() as tape:
+                out = tf.nn.embedding_lookup(var, ids)
+                loss = tf.reduce_sum(out * tf.range(1.0, 3.0))
+            return out, tf.convert_to_tensor(tape.gradient(loss, var))
+        return run
+
+    run_p, run_d = rows_and_grad(plain), rows_and_grad(deduped)
+    out_p, grad_p = run_p(IDS)
+    out_d, grad_d = run_d(IDS)
+    assert out_d.shape == (4, 3, 2)
+    np.testing.assert_array_equal(out_d.numpy(), out_p.numpy())
+    # id 1 is looked up 5 times: its gradient row is 5 x [1, 2].
+    np.testing.assert_allclose(grad_d.numpy(), grad_p.numpy())
+    assert grad_d.numpy()[1].tolist() == [5.0, 10.0]
+
+    def gathers(run):
+        graph = run.get_concrete_function(IDS).graph
+        return [op for op in graph.get_operations() if op.type == "ResourceGather"]
+    assert [op.inputs[1].op.type for op in gathers(run_d)] == ["Unique"]
+    assert [op.inputs[1].op.type for op in gathers(run_p)] != ["Unique"]
+
+
+def test_eager_reads_and_vectors_are_left_as_they_are():
+    table = _table()
+    lookup.read_distinct_rows(table)
+    np.testing.assert_array_equal(tf.gather(table, [2, 2]).numpy(),
+                                  table.numpy()[[2, 2]])
+    assert lookup.read_distinct_rows(tf.Variable([1.0, 2.0])) is False
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tf_keras.optimizers.SGD(0.1), lambda: tf_keras.optimizers.Adagrad(0.5),
+    lambda: tf_keras.optimizers.Adam(0.05), lambda: tf_keras.optimizers.legacy.Adagrad(0.5)],
+    ids=["sgd", "adagrad", "adam", "legacy_adagrad"])
+def test_tf_keras_updates_through_distinct_rows_equal_the_plain_lookup(make):
+    rng = np.random.RandomState(1)
+    batches = [rng.zipf(1.5, size=(16, 2)) % 9 for _ in range(6)]  # many repeats
+    results = []
+    for dedup in (False, True):
+        table, opt = _table(seed=2), make()
+        if dedup:
+            lookup.read_distinct_rows(table)
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
+            grad = tape.gradient(loss, table)
+            if dedup:
+                grad = grads_lib.unique_rows(grad)
+            opt.apply_gradients([(grad, table)])
+
+        for ids in batches:
+            step(tf.constant(ids, tf.int64))
+        results.append(table.numpy())
+    assert np.max(np.abs(results[0] - _table(seed=2).numpy())) > 0.05  # it trained
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_ops_run_on_their_variables_ps_and_scalars_move():
+    @tf.function
+    def step(x, tau):
+        with tf.device("/job:ps/task:1"):
+            g = tf.identity(x)  # a gradient copied to its variable's ps
+        with placement.beside_inputs("/job:ps/task:0"):
+            s = tf.cast(tau, tf.float32) + 1.0  # τ arithmetic: scalars
+            scaled = tf.cond(tau > 0, lambda: g / s, lambda: g)
+            with tf.device("/job:ps/task:0"):
+                count = tf.identity(tau)  # an explicit device still wins
+        return scaled, count
+
+    graph = step.get_concrete_function(tf.TensorSpec([None, 4]),
+                                       tf.TensorSpec([], tf.int64)).graph
+    device = {op.name: op.device for op in graph.get_operations()}
+    assert device["add"] == "/job:ps/task:0"
+    assert device["cond"] == "/job:ps/task:1"
+    assert device["Identity_1"] == "/job:ps/task:0"
+    branch_ops = [n for f in graph.as_graph_def().library.function for n in f.node_def
+                  if n.op in ("RealDiv", "Identity")]
+    assert branch_ops and {n.device for n in branch_ops} == {"/job:ps/task:1"}
