@@ -174,6 +174,7 @@ def test_drained_stops_the_watchdogs_when_the_push_fails():
     engine = object.__new__(PolicyEngine)
     dog = _Dog(lambda: False)
     engine.lock = None
+    engine.cluster_states = None  # a policy built by hand (PolicyEngine.build not run)
     engine.policy = types.SimpleNamespace(watchdogs=lambda: (dog,))
 
     def flush():
