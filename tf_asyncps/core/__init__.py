@@ -14,7 +14,11 @@ one concept per module:
 * ``watchdog.py``: the chief-side threads that bound every wait;
 * ``replicas.py``: K GPUs per worker: K replicas, one update;
 * ``local_copies.py``: per-worker copies and delta exchange (``local_sgd``);
-* ``grads.py``: dense/IndexedSlices gradient helpers;
+* ``grads.py``: dense/IndexedSlices gradient helpers (``unique_rows``: one
+  gradient row per distinct id);
+* ``lookup.py``: row reads of the tables: each distinct id crosses once;
+* ``placement.py``: where the engine's state lives, and each update op beside
+  its variable (``beside_inputs``);
 * ``mixed_precision.py``: loss scaling under this strategy;
 * ``faults.py``: closure retry and worker-failure accounting on the chief.
 
