@@ -33,7 +33,7 @@ def _cli(*args, env=None):
     (["reference", "--dataset=digits", "--model=recommender"],
      ["--model=recommender goes with --dataset=movielens"]),
     (["launch", "--model=cnn"], ["--model", "recommender"]),
-    (["launch", "--output_dir=setup.py"], ["--output_dir=setup.py is a file"]),
+    (["launch", "--output_dir=pyproject.toml"], ["--output_dir=pyproject.toml is a file"]),
     (["launch", "--output_dir=/proc/no-such-dir"],
      ["--output_dir=/proc/no-such-dir is not a writable directory"]),
 ])

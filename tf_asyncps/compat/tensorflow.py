@@ -1,6 +1,6 @@
 """Private TensorFlow APIs used by tf_asyncps, in one place.
 
-Tested with TensorFlow 2.21.0 (``setup.py`` pins ``tensorflow>=2.21,<2.22``).
+Tested with TensorFlow 2.21.0 (``pyproject.toml`` asks for ``tensorflow>=2.16,<2.22``).
 Each function imports TensorFlow when called, so importing this module is
 free (the CLI validates flags before TensorFlow loads). What each group is
 for:

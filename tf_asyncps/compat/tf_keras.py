@@ -1,6 +1,6 @@
 """Private tf_keras APIs used by tf_asyncps, in one place.
 
-Tested with tf_keras 2.21.0 (``setup.py`` pins ``tf_keras>=2.21,<2.22``).
+Tested with tf_keras 2.21.0 (``pyproject.toml`` asks for ``tf_keras>=2.16,<2.22``).
 Importing this module imports nothing; each function imports tf_keras when
 called.
 """
