@@ -1,9 +1,9 @@
 """Keras 3 internals used by tf_asyncps, in one place.
 
-Tested with Keras 3.10.0 (the oldest accepted) and 3.15.1 (what pip installs
-with each of TensorFlow 2.16-2.21); :data:`SUPPORTED_RANGE` is what
-``tf_asyncps/keras3`` accepts. Importing this module imports nothing;
-functions import Keras when called.
+Tested with Keras 3.10.0 (the oldest accepted), 3.12.4 (the oldest TensorFlow
+2.21 accepts) and 3.15.1 (what pip installs with each of TensorFlow
+2.16-2.21); :data:`SUPPORTED_RANGE` is what ``tf_asyncps/keras3`` accepts.
+Importing this module imports nothing; functions import Keras when called.
 
 Used by ``tf_asyncps/keras3/`` (model.fit on parameter servers): the frame of
 ``Trainer.compile`` (to find the model being compiled under the strategy),
@@ -24,8 +24,8 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
            "train_step_on", "lookup_shards_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model"]
 
-# tests/test_keras3.py passed whole on these (TensorFlow 2.21.0).
-TESTED_VERSIONS = ("3.10.0", "3.15.1")
+# tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
+TESTED_VERSIONS = ("3.10.0", "3.12.4", "3.15.1")
 # Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
 # _symbolic_build's arguments in 3.5 (DESIGN section 9): only releases this
 # module was run against are accepted. Below 3.10: Keras 3.5.0 fails
