@@ -34,27 +34,27 @@ def test_the_version_lives_in_one_place():
 
 
 def test_pyproject_states_the_ranges_the_import_check_enforces():
-    assert _requirement("tensorflow") == "tensorflow>=2.16,<2.22"
-    assert _requirement("tf_keras") == "tf_keras>=2.16,<2.22"
-    assert versions.TENSORFLOW == ((2, 16), (2, 22))
+    assert _requirement("tensorflow") == "tensorflow>=2.18,<2.22"
+    assert _requirement("tf_keras") == "tf_keras>=2.18,<2.22"
+    assert versions.TENSORFLOW == ((2, 18), (2, 22))
     (lo_a, lo_b), (hi_a, hi_b) = keras_compat.SUPPORTED_RANGE
     assert _requirement("keras") == f"keras>={lo_a}.{lo_b},<{hi_a}.{hi_b}"
     gpu = _pyproject()["project"]["optional-dependencies"]["gpu"]
-    assert gpu == ["tensorflow[and-cuda]>=2.16,<2.22"]
+    assert gpu == ["tensorflow[and-cuda]>=2.18,<2.22"]
 
 
-@pytest.mark.parametrize("tf, tf_keras", [("2.16.0", "2.16.0"), ("2.16.2", None),
+@pytest.mark.parametrize("tf, tf_keras", [("2.18.0", "2.18.0"), ("2.18.1", None),
                                           ("2.21.0", "2.21.0"), ("2.19.1", "2.19.0")])
 def test_supported_versions_pass(tf, tf_keras):
     assert versions.unsupported(tf, tf_keras) is None
 
 
-@pytest.mark.parametrize("tf", ["2.15.1", "2.22.0", "3.0.0", "nightly"])
+@pytest.mark.parametrize("tf", ["2.15.1", "2.17.1", "2.22.0", "3.0.0", "nightly"])
 def test_an_unsupported_tensorflow_gets_the_range_and_the_install_command(tf):
     assert versions.unsupported(tf, None) == (
-        f"tf_asyncps supports TensorFlow >=2.16,<2.22 (2.16 through 2.21, the releases whose "
-        f"Keras is Keras 3); found TensorFlow {tf}. Install a supported one with its "
-        f"tf_keras: pip install \"tensorflow>=2.16,<2.22\" \"tf_keras>=2.16,<2.22\" (or set "
+        f"tf_asyncps supports TensorFlow >=2.18,<2.22 (2.18 through 2.21); found TensorFlow "
+        f"{tf}. Install a supported one with its "
+        f"tf_keras: pip install \"tensorflow>=2.18,<2.22\" \"tf_keras>=2.18,<2.22\" (or set "
         f"TF_ASYNCPS_SKIP_VERSION_CHECK=1 to try this one anyway).")
 
 
@@ -81,8 +81,8 @@ else:
 
 
 @pytest.mark.parametrize("skip, expected", [
-    ("", "IMPORT ERROR: tf_asyncps supports TensorFlow >=2.16,<2.22 (2.16 through 2.21, "
-         "the releases whose Keras is Keras 3); found TensorFlow 2.15.1."),
+    ("", "IMPORT ERROR: tf_asyncps supports TensorFlow >=2.18,<2.22 (2.18 through 2.21); "
+         "found TensorFlow 2.15.1."),
     ("1", "IMPORTED False"),
 ])
 def test_importing_with_an_unsupported_tensorflow_fails_at_import(skip, expected):
@@ -109,7 +109,7 @@ def test_version_flag_prints_the_versions_without_importing_tensorflow():
     assert out.stdout.splitlines() == [
         f"tf-asyncps {tf_asyncps.__version__} (TensorFlow {tf.__version__}, tf_keras "
         f"{tf_keras.__version__}, Keras {keras.__version__}; supported: TensorFlow "
-        f">=2.16,<2.22 with its tf_keras, Keras 3 >={lo_a}.{lo_b},<{hi_a}.{hi_b})",
+        f">=2.18,<2.22 with its tf_keras, Keras 3 >={lo_a}.{lo_b},<{hi_a}.{hi_b})",
         "tensorflow imported: False None"], out.stderr[-2000:]
 
 

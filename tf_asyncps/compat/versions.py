@@ -21,13 +21,23 @@ import sys
 
 __all__ = ["TENSORFLOW", "TESTED", "SKIP_ENV", "installed", "unsupported", "check", "describe"]
 
-#: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds:
-#: every release whose default Keras is Keras 3 (2.16 on). tf_keras follows
-#: TensorFlow's minor (each tf_keras release pins one).
-TENSORFLOW = ((2, 16), (2, 22))
+#: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds.
+#: tf_keras follows TensorFlow's minor (each tf_keras release pins one).
+#: Below 2.18 (2.16.2 and 2.17.1 measured: the fast tier and the smoke jobs of
+#: scripts/matrix.sh pass) a partitioned model's BackupAndRestore does not
+#: resume exactly: tests/test_sharded.py::test_backup_and_restore_resumes_a_
+#: crashed_fit_exactly finds half the embedding table (80 of 160 values, one
+#: of 2 shards) up to 0.16 off the uninterrupted fit on 2.17.1; on 2.16.2 it
+#: stopped earlier, at a checkpoint written with MaxShardSizePolicy ("Duplicate
+#: tensor keyed by", tf#73836). 2.18.1 passes. A silent loss on resume, so 2.16
+#: and 2.17 are refused (TF_ASYNCPS_SKIP_VERSION_CHECK=1 runs them anyway).
+TENSORFLOW = ((2, 18), (2, 22))
 
 #: TensorFlow minor -> (TensorFlow, tf_keras, Keras) releases the matrix ran.
 TESTED = {
+    "2.18": ("2.18.1", "2.18.0", "3.15.1"),
+    "2.19": ("2.19.1", "2.19.0", "3.15.1"),
+    "2.20": ("2.20.0", "2.20.1", "3.15.1"),
     "2.21": ("2.21.0", "2.21.0", "3.15.1"),
 }
 
@@ -89,8 +99,9 @@ def unsupported(tensorflow, tf_keras=None):
     spec = _range_text(TENSORFLOW)
     tf_mm = _major_minor(tensorflow) if tensorflow else None
     if tensorflow and (tf_mm is None or not TENSORFLOW[0] <= tf_mm < TENSORFLOW[1]):
-        return (f"tf_asyncps supports TensorFlow {spec} (2.16 through 2.21, the releases "
-                f"whose Keras is Keras 3); found TensorFlow {tensorflow}. Install a "
+        (lo_a, lo_b), (hi_a, hi_b) = TENSORFLOW
+        return (f"tf_asyncps supports TensorFlow {spec} ({lo_a}.{lo_b} through {hi_a}."
+                f"{hi_b - 1}); found TensorFlow {tensorflow}. Install a "
                 f"supported one with its tf_keras: pip install \"tensorflow{spec}\" "
                 f"\"tf_keras{spec}\" (or set {SKIP_ENV}=1 to try this one anyway).")
     if tensorflow and tf_keras and _major_minor(tf_keras) != tf_mm:
