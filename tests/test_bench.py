@@ -401,7 +401,7 @@ def test_stop_cont_cycler_refuses_itself():
     # The fix is named: the largest eval interval that 160 steps allow (every run
     # has 16 steps per closure, the straggler pair 1).
     (["--bench_only=single,async", "--bench_steps=160"], "e.g. --bench_eval_every=80."),
-    (["--output_dir=setup.py"], "--output_dir=setup.py is a file, not a directory"),
+    (["--output_dir=pyproject.toml"], "--output_dir=pyproject.toml is a file, not a directory"),
 ])
 def test_bench_rejects_bad_settings_before_running(args, match):
     rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench"] + args,

@@ -40,7 +40,7 @@ def _cli(*args, env=None):
     (["reference", "--dataset=digits", "--model=recommender"],
      ["--model=recommender goes with --dataset=movielens"]),
     (["launch", "--model=cnn"], ["--model", "recommender"]),
-    (["launch", "--output_dir=setup.py"], ["--output_dir=setup.py is a file"]),
+    (["launch", "--output_dir=pyproject.toml"], ["--output_dir=pyproject.toml is a file"]),
     (["launch", "--output_dir=/proc/no-such-dir"],
      ["--output_dir=/proc/no-such-dir is not a writable directory"]),
 ])
@@ -99,7 +99,10 @@ def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):
     import keras
     from tf_asyncps.app import job
     monkeypatch.setattr(keras, "__version__", "3.99.0")
-    with pytest.raises(ValueError, match=r"--keras=3: Keras 3\.99\.0 is outside .*>= 3\.15, < 3\.16"):
+    from tf_asyncps.compat.keras import SUPPORTED_RANGE
+    (lo_a, lo_b), (hi_a, hi_b) = SUPPORTED_RANGE
+    with pytest.raises(ValueError, match=rf"--keras=3: Keras 3\.99\.0 is outside "
+                                         rf".*>= {lo_a}\.{lo_b}, < {hi_a}\.{hi_b}"):
         job.JobConfig(keras="3").validate()
     with pytest.raises(ValueError, match=r"--keras='4' is unknown"):
         job.JobConfig(keras="4").validate()

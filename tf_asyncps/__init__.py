@@ -19,7 +19,13 @@ before TensorFlow is imported.
 
 import importlib
 
-__version__ = "0.1.0"
+from tf_asyncps.compat import versions as _versions
+
+__version__ = "0.1.0"  # the one place (pyproject.toml reads it)
+
+# An unsupported TensorFlow fails here, naming the supported range and the
+# pip command (read from package metadata: TensorFlow is not imported).
+_versions.check()
 
 _LAZY = {
     "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),

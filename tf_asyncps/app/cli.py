@@ -417,7 +417,16 @@ def _run_chief(c, args, env, deadline) -> int:
                         full=FLAGS.console == "full")
 
 
+flags.DEFINE_boolean("version", False, "Print tf_asyncps's version, the installed "
+                     "TensorFlow/tf_keras/Keras and the supported ranges, then exit.")
+
+
 def main(argv):
+    if FLAGS["version"].value:  # readable unparsed (tests call main directly)
+        import tf_asyncps
+        from tf_asyncps.compat import versions
+        print(versions.describe(tf_asyncps.__version__))
+        return
     if not FLAGS["verbosity"].present:
         # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
         logging.set_verbosity(logging.WARNING)

@@ -7,16 +7,17 @@ TensorFlow upgrade has one place to look (``tests/test_architecture.py``
 checks it). One module per library, each stating the versions it was tested
 with:
 
-* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.21.0
+* :mod:`tf_asyncps.compat.versions`: the supported ranges, checked at import.
+* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.18.1-2.21.0
   (ParameterServerStrategy internals and the ``extended`` hooks a subclass
   may use, ClusterCoordinator internals and its RemoteValue's ``get``,
   per-worker variables, resource-variable ops, autograph, graphs; and what
   tf_asyncps adds to any TensorFlow/Keras object: method hooks and untracked
   attributes).
-* :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.21.0 (LossScaleOptimizer,
+* :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, the
   optimizers' ``apply_gradients`` hook).
-* :mod:`tf_asyncps.compat.keras`: Keras 3.15.1 (Keras 3 variables and
+* :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables and
   optimizer counters, the optimizers' ``apply`` hook, TensorBoard's
   profiling range, frames of Keras 3's own code).
 

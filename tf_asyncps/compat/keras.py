@@ -1,7 +1,9 @@
 """Keras 3 internals used by tf_asyncps, in one place.
 
-Tested with Keras 3.15.1 (what TensorFlow 2.21 installs). Importing this
-module imports nothing; functions import Keras when called.
+Tested with Keras 3.10.0 (the oldest accepted), 3.12.4 (the oldest TensorFlow
+2.21 accepts) and 3.15.1 (what pip installs with each of TensorFlow
+2.16-2.21); :data:`SUPPORTED_RANGE` is what ``tf_asyncps/keras3`` accepts.
+Importing this module imports nothing; functions import Keras when called.
 
 Used by ``tf_asyncps/keras3/`` (model.fit on parameter servers): the frame of
 ``Trainer.compile`` (to find the model being compiled under the strategy),
@@ -17,17 +19,21 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "called_from_keras3", "compiling_model", "constructing_model", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
            "loss_scale_variable",
-           "symbolic_build", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
+           "symbolic_build", "metrics_in_order", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
            "train_step_on", "lookup_rows_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
            "hook_apply", "tensorboard_profiles"]
 
-TESTED_VERSIONS = ("3.15.1",)
+# tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
+TESTED_VERSIONS = ("3.10.0", "3.12.4", "3.15.1")
 # Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
 # _symbolic_build's arguments in 3.5 (DESIGN section 9): only releases this
-# module was run against are accepted.
-SUPPORTED_RANGE = ((3, 15), (3, 16))  # [3.15, 3.16)
+# module was run against are accepted. Below 3.10: Keras 3.5.0 fails
+# tests/test_keras3.py (mixed_float16 loss scaling counts 0 of 60 steps, two
+# replicas differ from one process by 0.08); 3.6-3.9 were not run whole.
+# 3.10-3.13: get_metrics_result() sorts its keys (metrics_in_order).
+SUPPORTED_RANGE = ((3, 10), (3, 16))  # [3.10, 3.16)
 
 
 def version():
@@ -86,6 +92,16 @@ def symbolic_build(model, element_spec) -> None:
     dataset's ``element_spec`` (``(x, y[, sample_weight])`` of TensorSpecs),
     without running a batch: Keras 3's ``Trainer._symbolic_build``."""
     model._symbolic_build(data_batch=element_spec)
+
+
+def metrics_in_order(model, logs):
+    """``evaluate``'s list form of ``logs`` (a ``{name: value}`` dict), as
+    Keras 3's own ``evaluate`` returns it: ``Trainer._flatten_metrics_in_order``
+    (the loss, then the compiled metrics in ``compile`` order, then the other
+    names sorted); one value alone is returned bare. Keras 3.10-3.13's
+    ``get_metrics_result`` sorts its keys by name (``accuracy`` before
+    ``loss``), so the dict's own order is not Keras' (3.14 and 3.15 keep it)."""
+    return model._flatten_metrics_in_order(logs)
 
 
 def compile_state(model):

@@ -1,6 +1,8 @@
 """Private TensorFlow APIs used by tf_asyncps, in one place.
 
-Tested with TensorFlow 2.21.0 (``setup.py`` pins ``tensorflow>=2.21,<2.22``).
+Tested with TensorFlow 2.18.1, 2.19.1, 2.20.0 and 2.21.0 (``pyproject.toml``
+asks for ``tensorflow>=2.18,<2.22``; README "Compatibility"): nothing below
+differs between them.
 Each function imports TensorFlow when called, so importing this module is
 free (the CLI validates flags before TensorFlow loads). What each group is
 for:
@@ -37,7 +39,7 @@ __all__ = [
     "import_without_keras", "serving_runtime", "replace_sparse_read", "colocate_only_with",
 ]
 
-TESTED_VERSIONS = ("2.21.0",)
+TESTED_VERSIONS = ("2.18.1", "2.19.1", "2.20.0", "2.21.0")
 
 
 def import_without_keras():

@@ -1,6 +1,7 @@
 """Private tf_keras APIs used by tf_asyncps, in one place.
 
-Tested with tf_keras 2.21.0 (``setup.py`` pins ``tf_keras>=2.21,<2.22``).
+Tested with tf_keras 2.18.0, 2.19.0, 2.20.1 and 2.21.0 (``pyproject.toml`` asks
+for ``tf_keras>=2.18,<2.22``, the one of TensorFlow's minor).
 Importing this module imports nothing; each function imports tf_keras when
 called.
 """
@@ -14,7 +15,7 @@ __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale
            "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
            "pss_evaluation_shards", "hook_apply_gradients"]
 
-TESTED_VERSIONS = ("2.21.0",)
+TESTED_VERSIONS = ("2.18.0", "2.19.0", "2.20.1", "2.21.0")
 
 
 def loss_scale_optimizer_classes() -> tuple:

@@ -469,8 +469,9 @@ class Keras3Trainer:
         cb_list.on_test_end(logs)
         if return_dict:
             return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        # Keras' own order (loss, then compile's metrics), not the dict's:
+        # Keras 3.10-3.13 return get_metrics_result() sorted by name.
+        return keras_compat.metrics_in_order(self.model, logs)
 
     # -- predict --------------------------------------------------------------
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):

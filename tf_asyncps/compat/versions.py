@@ -1,0 +1,134 @@
+"""The TensorFlow, tf_keras and Keras 3 releases tf_asyncps supports.
+
+``import tf_asyncps`` calls :func:`check`: a TensorFlow outside
+:data:`TENSORFLOW` (or a tf_keras of another minor than TensorFlow's) raises
+an ImportError naming the supported range and the install command, before
+anything fails deep inside a private API. Versions are read from the
+installed packages' metadata, so the check imports neither TensorFlow nor
+Keras (``tf-asyncps --help`` stays fast). Keras 3 is checked where it is used
+(``tf_asyncps/keras3``: :data:`tf_asyncps.compat.keras.SUPPORTED_RANGE`), as a
+tf_keras user does not need it.
+
+What differs between the supported TensorFlow minors lives in the other
+``compat`` modules, each difference named with the versions it covers;
+:data:`TESTED` lists the releases the version matrix (``scripts/matrix.sh``)
+ran. ``pyproject.toml`` states the same ranges (tests/test_packaging.py keeps
+them equal).
+"""
+
+import os
+import sys
+
+__all__ = ["TENSORFLOW", "TESTED", "SKIP_ENV", "installed", "unsupported", "check", "describe"]
+
+#: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds.
+#: tf_keras follows TensorFlow's minor (each tf_keras release pins one).
+#: Below 2.18 (2.16.2 and 2.17.1 measured: the fast tier and the smoke jobs of
+#: scripts/matrix.sh pass) a partitioned model's BackupAndRestore does not
+#: resume exactly: tests/test_sharded.py::test_backup_and_restore_resumes_a_
+#: crashed_fit_exactly finds half the embedding table (80 of 160 values, one
+#: of 2 shards) up to 0.16 off the uninterrupted fit on 2.17.1; on 2.16.2 it
+#: stopped earlier, at a checkpoint written with MaxShardSizePolicy ("Duplicate
+#: tensor keyed by", tf#73836). 2.18.1 passes. A silent loss on resume, so 2.16
+#: and 2.17 are refused (TF_ASYNCPS_SKIP_VERSION_CHECK=1 runs them anyway).
+TENSORFLOW = ((2, 18), (2, 22))
+
+#: TensorFlow minor -> (TensorFlow, tf_keras, Keras) releases the matrix ran.
+TESTED = {
+    "2.18": ("2.18.1", "2.18.0", "3.15.1"),
+    "2.19": ("2.19.1", "2.19.0", "3.15.1"),
+    "2.20": ("2.20.0", "2.20.1", "3.15.1"),
+    "2.21": ("2.21.0", "2.21.0", "3.15.1"),
+}
+
+#: Set to 1 to import with another TensorFlow anyway (e.g. to try a nightly).
+SKIP_ENV = "TF_ASYNCPS_SKIP_VERSION_CHECK"
+
+# Distributions that install the ``tensorflow`` module (the first one found is used).
+_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-intel", "tensorflow-macos",
+                     "tensorflow-aarch64", "tf-nightly", "tf-nightly-cpu")
+
+
+def _metadata_version(names):
+    from importlib import metadata
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed():
+    """The installed versions, read without importing the libraries.
+
+    Returns:
+      A dict with ``tensorflow``, ``tf_keras`` and ``keras`` version strings
+      (None where not installed). An already imported TensorFlow reports its
+      own ``__version__``.
+    """
+    tf = sys.modules.get("tensorflow")
+    tf_version = getattr(tf, "__version__", None) or _metadata_version(_TF_DISTRIBUTIONS)
+    return {"tensorflow": tf_version, "tf_keras": _metadata_version(("tf_keras", "tf-keras")),
+            "keras": _metadata_version(("keras",))}
+
+
+def _major_minor(version):
+    try:
+        return tuple(int(p) for p in str(version).split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _range_text(bounds):
+    (lo_major, lo_minor), (hi_major, hi_minor) = bounds
+    return f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+
+
+def unsupported(tensorflow, tf_keras=None):
+    """Why these installed versions cannot run tf_asyncps, or None.
+
+    Args:
+      tensorflow: TensorFlow's version string (None: not installed, not checked).
+      tf_keras: tf_keras's version string (None: not installed, not checked).
+
+    Returns:
+      A message naming the supported range and the pip command that installs
+      it, or None when the versions are supported.
+    """
+    spec = _range_text(TENSORFLOW)
+    tf_mm = _major_minor(tensorflow) if tensorflow else None
+    if tensorflow and (tf_mm is None or not TENSORFLOW[0] <= tf_mm < TENSORFLOW[1]):
+        (lo_a, lo_b), (hi_a, hi_b) = TENSORFLOW
+        return (f"tf_asyncps supports TensorFlow {spec} ({lo_a}.{lo_b} through {hi_a}."
+                f"{hi_b - 1}); found TensorFlow {tensorflow}. Install a "
+                f"supported one with its tf_keras: pip install \"tensorflow{spec}\" "
+                f"\"tf_keras{spec}\" (or set {SKIP_ENV}=1 to try this one anyway).")
+    if tensorflow and tf_keras and _major_minor(tf_keras) != tf_mm:
+        minor = f"{tf_mm[0]}.{tf_mm[1]}"
+        return (f"tf_asyncps needs the tf_keras of TensorFlow's minor: found TensorFlow "
+                f"{tensorflow} with tf_keras {tf_keras}. Install the matching one: "
+                f"pip install \"tf_keras~={minor}.0\" (or set {SKIP_ENV}=1 to try anyway).")
+    return None
+
+
+def check():
+    """Raises ImportError when the installed TensorFlow/tf_keras is unsupported
+    (:func:`unsupported`); nothing when ``TF_ASYNCPS_SKIP_VERSION_CHECK=1``."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return
+    v = installed()
+    message = unsupported(v["tensorflow"], v["tf_keras"])
+    if message:
+        raise ImportError(message)
+
+
+def describe(version):
+    """One line for ``tf-asyncps --version``: tf_asyncps's ``version``, the
+    installed TensorFlow/tf_keras/Keras and the supported ranges."""
+    from tf_asyncps.compat import keras as keras_compat
+    v = installed()
+    found = ", ".join(f"{name} {v[key] or 'not installed'}" for name, key in
+                      (("TensorFlow", "tensorflow"), ("tf_keras", "tf_keras"), ("Keras", "keras")))
+    return (f"tf-asyncps {version} ({found}; supported: TensorFlow {_range_text(TENSORFLOW)} "
+            f"with its tf_keras, Keras 3 {_range_text(keras_compat.SUPPORTED_RANGE)})")
