@@ -91,21 +91,34 @@ def _num_elements(t) -> int:
 
 def _source(t):
     """The tensor a function's captured placeholder stands for (through
-    nested functions: a ``tf.cond`` branch inside the step), else ``t``."""
+    nested functions: a ``tf.cond`` branch inside the step; an eager tensor
+    such as a variable's handle), else ``t``."""
     graph = t.graph
     while t.op.type == "Placeholder" and getattr(graph, "captures", None):
         outer = next((ext for ext, inner in graph.captures if inner is t), None)
-        if outer is None or not hasattr(outer, "graph"):  # an eager capture
+        if outer is None:
             break
+        if not hasattr(outer, "graph"):  # an eager capture: a variable's handle
+            return outer
         t, graph = outer, outer.graph
     return t
 
 
-def _ps_device(t) -> str:
-    try:
-        device = _source(t).op.device
-    except AttributeError:  # an eager tensor (a variable's handle)
-        return ""
+#: Ops that run where their first input is when they name no device: a
+#: variable read is placed by colocation with its handle, not by a device.
+_FOLLOW_FIRST_INPUT = {"Identity", "ReadVariableOp", "ResourceGather", "Cast"}
+
+
+def _ps_device(t, depth: int = 0) -> str:
+    src = _source(t)
+    if not hasattr(src, "graph"):  # eager: a handle knows its device
+        device = getattr(src, "device", "") or ""
+    else:
+        op = src.op
+        device = op.device
+        if not device and depth < 4 and op.inputs and (
+                op.type in _FOLLOW_FIRST_INPUT or op.inputs[0].dtype == tf.resource):
+            return _ps_device(op.inputs[0], depth + 1)
     return device if "/job:ps" in device else ""
 
 
