@@ -10,6 +10,13 @@ per step. When the policy says an exchange is due, the worker exchanges:
     x_ps ← x_ps + Δ_w        (one assign_add per variable, on the PS)
     x_w, a_w ← x_ps          (read back the merged model)
 
+An exchange moves every copy except the optimizer's slots (the non-scalar
+variables an optimizer creates inside a step: momentum, Adam's moments). They
+are each worker's own state: summed slot deltas of several workers mean
+nothing, and a model-sized slot (tf_keras SGD makes one even at momentum 0)
+would double the bytes of each window. Their PS copies keep their initial
+values.
+
 Staleness is counted in exchanges: the global step g advances once per
 exchange, τ = g just before the exchange − g at the worker's previous
 exchange. ``StalenessStats.applied`` counts exchanges and
@@ -122,8 +129,9 @@ class LocalCopies:
 
     The model's weights and, so that a step needs no PS round trip at all,
     the optimizer's slots and step counter and the metrics' accumulators.
-    Deltas of all of them are pushed (sums and counters stay exact: the PS
-    counter ends at the total number of steps).
+    Deltas of all of them but the slots are pushed (sums and counters stay
+    exact: the PS counter ends at the total number of steps); the slots stay
+    on their worker.
 
     Args:
       policy: the UpdatePolicy (``local_copies`` True); its ``exchange_due``
@@ -135,6 +143,10 @@ class LocalCopies:
         self.policy = policy
         self.skip_nonfinite = skip_nonfinite
         self._copies = {}  # id(variable) -> _Copies, in creation order
+        # Optimizer slots: each worker's own state, never exchanged (ids of
+        # the PS variables; see add_variable).
+        self._worker_only = set()
+        self._in_apply = False
         self._flush_lock = threading.Lock()
         self._flush_key = None
         self._flush_fn = None
@@ -170,9 +182,18 @@ class LocalCopies:
         with tf.init_scope():
             copies = _Copies(var, self.strategy)
         self._copies[id(var)] = copies
+        if self._in_apply and var.shape.rank:
+            # Created by the optimizer inside a step: a slot (momentum, Adam's
+            # moments), model-sized. Summing its deltas across workers has no
+            # meaning and would move it at every exchange; it stays local.
+            self._worker_only.add(id(var))
         step = current_step()
         if step is not None and step.local_state is not None:
             step.local_state.add([copies])
+
+    def exchanged(self, copies):
+        """The copies an exchange moves: all but the optimizer slots."""
+        return [c for c in copies if id(c.master) not in self._worker_only]
 
     # -- graph side --------------------------------------------------------------
     def worker_step(self, engine, fn, worker_index):
@@ -210,8 +231,14 @@ class LocalCopies:
         if top in _CLOSURE_STARTED:
             return
         _CLOSURE_STARTED.add(top)
-        copies, tracker = list(traced.copies), self.tracker
-        local, anchor = list(traced.local), list(traced.anchor)
+        moved = set(map(id, self.exchanged(traced.copies)))
+        copies, local, anchor = [], [], []
+        for c, lh, ah in zip(traced.copies, traced.local, traced.anchor):
+            if id(c) in moved:
+                copies.append(c)
+                local.append(lh)
+                anchor.append(ah)
+        tracker = self.tracker
 
         def pull(g_now):
             ops = []
@@ -262,7 +289,11 @@ class LocalCopies:
         step.applied = True
 
         def applied():
-            _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
+            self._in_apply = True  # variables created now are slots
+            try:
+                _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
+            finally:
+                self._in_apply = False
             with tf.control_dependencies(update_ops):
                 return tf.constant(True)
 
@@ -295,7 +326,7 @@ class LocalCopies:
             since_all = tf_compat.per_worker_values(self._since)
             if since_all is None:  # no worker step has run yet
                 return 0
-            copies = [c for c in self._copies.values()
+            copies = [c for c in self.exchanged(self._copies.values())
                       if tf_compat.per_worker_values(c.local) is not None]
             locals_ = [tf_compat.per_worker_values(c.local) for c in copies]
             anchors = [tf_compat.per_worker_values(c.anchor) for c in copies]
