@@ -10,8 +10,8 @@ per step. When the policy says an exchange is due, the worker exchanges:
     x_ps ← x_ps + Δ_w        (one assign_add per variable, on the PS)
     x_w, a_w ← x_ps          (read back the merged model)
 
-An exchange moves every copy except the optimizer's slots (the non-scalar
-variables an optimizer creates inside a step: momentum, Adam's moments). They
+An exchange moves every copy except the optimizer's slots (the variables an
+optimizer makes per model variable: momentum, Adam's moments). They
 are each worker's own state: summed slot deltas of several workers mean
 nothing, and a model-sized slot (tf_keras SGD makes one even at momentum 0)
 would double the bytes of each window. Their PS copies keep their initial
@@ -50,6 +50,7 @@ from typing import List
 import tensorflow as tf
 from absl import logging
 
+from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core.locking import run_collecting_ops
@@ -146,7 +147,6 @@ class LocalCopies:
         # Optimizer slots: each worker's own state, never exchanged (ids of
         # the PS variables; see add_variable).
         self._worker_only = set()
-        self._in_apply = False
         self._flush_lock = threading.Lock()
         self._flush_key = None
         self._flush_fn = None
@@ -182,10 +182,10 @@ class LocalCopies:
         with tf.init_scope():
             copies = _Copies(var, self.strategy)
         self._copies[id(var)] = copies
-        if self._in_apply and var.shape.rank:
-            # Created by the optimizer inside a step: a slot (momentum, Adam's
-            # moments), model-sized. Summing its deltas across workers has no
-            # meaning and would move it at every exchange; it stays local.
+        if keras_compat.creating_optimizer_slot():
+            # A slot (momentum, Adam's moments), model-sized. Summing its
+            # deltas across workers has no meaning and would move it at every
+            # exchange; it stays each worker's own.
             self._worker_only.add(id(var))
         step = current_step()
         if step is not None and step.local_state is not None:
@@ -289,11 +289,7 @@ class LocalCopies:
         step.applied = True
 
         def applied():
-            self._in_apply = True  # variables created now are slots
-            try:
-                _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
-            finally:
-                self._in_apply = False
+            _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
             with tf.control_dependencies(update_ops):
                 return tf.constant(True)
 
