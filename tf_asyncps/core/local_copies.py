@@ -62,19 +62,22 @@ __all__ = ["LocalCopies"]
 class _Copies:
     """The per-worker local copy and anchor of one PS variable."""
 
-    def __init__(self, master, strategy):
+    def __init__(self, master, strategy, exchanged: bool):
         self.master = master
         # ParameterServerStrategy wraps its variables (CachingVariable); the
         # handle to swap is the wrapped ResourceVariable's.
         self.inner = tf_compat.unwrap_caching_variable(master)
         self.handle = self.inner.handle  # the PS handle, kept while swapped
         self.dtype = master.dtype
-        # A restarted worker re-creates its copies from this value and then
-        # pulls the PS copy (its ``fresh`` flag is re-created False).
+        # A worker (also a restarted one) pulls an exchanged copy at its first
+        # closure (its ``fresh`` flag is created False): zeros made on the
+        # worker, no initial value crosses. A slot starts from its value.
+        shape, dtype = master.shape, master.dtype
         try:
-            init = tf.identity(master.read_value())
+            init = (lambda: tf.zeros(shape, dtype)) if exchanged else tf.identity(
+                master.read_value())
         except (tf.errors.OpError, ValueError):  # lifted initializer not run yet
-            init = tf.zeros(master.shape, master.dtype)
+            init = tf.zeros(shape, dtype)
         self.local = tf_compat.per_worker_variable(strategy, init, "asyncps_local")
         self.anchor = tf_compat.per_worker_variable(strategy, init, "asyncps_anchor")
 
@@ -179,14 +182,15 @@ class LocalCopies:
         """
         if not (var.dtype.is_floating or var.dtype.is_integer):
             return  # e.g. bool flags: stay shared on the PS
-        with tf.init_scope():
-            copies = _Copies(var, self.strategy)
-        self._copies[id(var)] = copies
-        if keras_compat.creating_optimizer_slot():
+        slot = keras_compat.creating_optimizer_slot()
+        if slot:
             # A slot (momentum, Adam's moments), model-sized. Summing its
             # deltas across workers has no meaning and would move it at every
             # exchange; it stays each worker's own.
             self._worker_only.add(id(var))
+        with tf.init_scope():
+            copies = _Copies(var, self.strategy, exchanged=not slot)
+        self._copies[id(var)] = copies
         step = current_step()
         if step is not None and step.local_state is not None:
             step.local_state.add([copies])
