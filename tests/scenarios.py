@@ -258,6 +258,27 @@ def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4, chain
 
 
 @scenario(shares_cluster=True)
+def local_sgd_momentum_slots(num_workers=2, steps=40, lr=0.1, momentum=0.5, sync_every=4):
+    """local_sgd with SGD momentum on loss = sum(w): the momentum slot is each
+    worker's own state. Returns the PS copy of the slot after the drain and
+    the names of the variables an exchange moves."""
+    policy = tf_asyncps.policies.get("local_sgd", sync_every=sync_every)
+    with _cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.fill([4], 2.0), name="w")
+            opt = tf_keras.optimizers.SGD(lr, momentum=momentum)
+        _run_steps(coord, _step_fn(strategy, [w], opt, lambda: tf.reduce_sum(w)), steps)
+        local = strategy.extended.engine.local
+        slots = [v for v in opt.variables if v.shape.rank]
+        return {"w": w.numpy().tolist(), "iterations": int(opt.iterations.numpy()),
+                "slots_on_ps": [v.numpy().tolist() for v in slots],
+                "exchanged": sorted(c.master.name for c in local.exchanged(local._copies.values())),
+                "stats": _stats(strategy)}
+
+
+@scenario(shares_cluster=True)
 def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40):
     """tf_asyncps.straggler.slow_dataset_fn: closures taken by each worker,
     counted on the PS (ClusterCoordinator gives closures to free workers)."""

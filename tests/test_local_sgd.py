@@ -85,3 +85,20 @@ def test_several_workers_sum_exactly_and_pull_chief_changes_also_inside_a_chain(
     # After the chief's assign, workers continued from 100, not from their copies.
     assert r["w"] == [100.0 - 0.5 * 60] * 4
     assert r["iterations"] == 120 and s["local_steps"] == 120
+
+
+@pytest.mark.cluster
+def test_optimizer_slots_stay_on_the_worker():
+    """#24: an exchange moves the model, not the optimizer's slots (tf_keras
+    SGD makes a model-sized momentum slot even at momentum 0; exchanging it
+    moved two models each way per window). Summed slot deltas of several
+    workers meant nothing anyway: the PS copy of the slot keeps its initial
+    value, and each worker's momentum carries across its exchanges."""
+    r = run_scenario("local_sgd_momentum_slots", shared=(2, 1), num_workers=2, steps=40,
+                     lr=0.1, momentum=0.5, sync_every=4)
+    assert r["slots_on_ps"] == [[0.0] * 4]
+    assert r["exchanged"] == ["iteration:0", "learning_rate:0", "w:0"]
+    assert r["iterations"] == 40 and r["stats"]["local_steps"] == 40
+    # Each step moves w by m_k = -lr (1 - 0.5^k) / 0.5 for the worker's k-th
+    # step: between -0.1 and -0.2; 40 steps in all.
+    assert all(2.0 - 0.2 * 40 <= x <= 2.0 - 0.1 * 40 for x in r["w"])

@@ -274,6 +274,23 @@ def called_from_keras3(depth: int = 2, frames: int = 6) -> bool:
     return False
 
 
+def creating_optimizer_slot(frames: int = 60) -> bool:
+    """Whether an optimizer is creating a slot variable on this thread: its
+    ``add_variable_from_reference`` (Keras 3.15.1's BaseOptimizer and TF
+    backend optimizer, tf_keras 2.21's Optimizer) or ``add_slot`` (tf_keras's
+    legacy OptimizerV2) is on the stack, lazily inside a step or eagerly in a
+    build before the first one."""
+    f = sys._getframe(1)
+    for _ in range(frames):
+        if f is None:
+            return False
+        if (f.f_code.co_name in ("add_variable_from_reference", "add_slot")
+                and f.f_globals.get("__name__", "").startswith(("keras.", "tf_keras."))):
+            return True
+        f = f.f_back
+    return False
+
+
 def backing_variable(var):
     """The tf.Variable behind a Keras 3 ``Variable`` (its ``value``), else ``var``."""
     inner = getattr(var, "value", None)

@@ -10,6 +10,13 @@ per step. When the policy says an exchange is due, the worker exchanges:
     x_ps ← x_ps + Δ_w        (one assign_add per variable, on the PS)
     x_w, a_w ← x_ps          (read back the merged model)
 
+An exchange moves every copy except the optimizer's slots (the variables an
+optimizer makes per model variable: momentum, Adam's moments). They
+are each worker's own state: summed slot deltas of several workers mean
+nothing, and a model-sized slot (tf_keras SGD makes one even at momentum 0)
+would double the bytes of each window. Their PS copies keep their initial
+values.
+
 Staleness is counted in exchanges: the global step g advances once per
 exchange, τ = g just before the exchange − g at the worker's previous
 exchange. ``StalenessStats.applied`` counts exchanges and
@@ -43,6 +50,7 @@ from typing import List
 import tensorflow as tf
 from absl import logging
 
+from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core.locking import run_collecting_ops
@@ -54,19 +62,22 @@ __all__ = ["LocalCopies"]
 class _Copies:
     """The per-worker local copy and anchor of one PS variable."""
 
-    def __init__(self, master, strategy):
+    def __init__(self, master, strategy, exchanged: bool):
         self.master = master
         # ParameterServerStrategy wraps its variables (CachingVariable); the
         # handle to swap is the wrapped ResourceVariable's.
         self.inner = tf_compat.unwrap_caching_variable(master)
         self.handle = self.inner.handle  # the PS handle, kept while swapped
         self.dtype = master.dtype
-        # A restarted worker re-creates its copies from this value and then
-        # pulls the PS copy (its ``fresh`` flag is re-created False).
+        # A worker (also a restarted one) pulls an exchanged copy at its first
+        # closure (its ``fresh`` flag is created False): zeros made on the
+        # worker, no initial value crosses. A slot starts from its value.
+        shape, dtype = master.shape, master.dtype
         try:
-            init = tf.identity(master.read_value())
+            init = (lambda: tf.zeros(shape, dtype)) if exchanged else tf.identity(
+                master.read_value())
         except (tf.errors.OpError, ValueError):  # lifted initializer not run yet
-            init = tf.zeros(master.shape, master.dtype)
+            init = tf.zeros(shape, dtype)
         self.local = tf_compat.per_worker_variable(strategy, init, "asyncps_local")
         self.anchor = tf_compat.per_worker_variable(strategy, init, "asyncps_anchor")
 
@@ -122,8 +133,9 @@ class LocalCopies:
 
     The model's weights and, so that a step needs no PS round trip at all,
     the optimizer's slots and step counter and the metrics' accumulators.
-    Deltas of all of them are pushed (sums and counters stay exact: the PS
-    counter ends at the total number of steps).
+    Deltas of all of them but the slots are pushed (sums and counters stay
+    exact: the PS counter ends at the total number of steps); the slots stay
+    on their worker.
 
     Args:
       policy: the UpdatePolicy (``local_copies`` True); its ``exchange_due``
@@ -135,6 +147,9 @@ class LocalCopies:
         self.policy = policy
         self.skip_nonfinite = skip_nonfinite
         self._copies = {}  # id(variable) -> _Copies, in creation order
+        # Optimizer slots: each worker's own state, never exchanged (ids of
+        # the PS variables; see add_variable).
+        self._worker_only = set()
         self._flush_lock = threading.Lock()
         self._flush_key = None
         self._flush_fn = None
@@ -167,12 +182,22 @@ class LocalCopies:
         """
         if not (var.dtype.is_floating or var.dtype.is_integer):
             return  # e.g. bool flags: stay shared on the PS
+        slot = keras_compat.creating_optimizer_slot()
+        if slot:
+            # A slot (momentum, Adam's moments), model-sized. Summing its
+            # deltas across workers has no meaning and would move it at every
+            # exchange; it stays each worker's own.
+            self._worker_only.add(id(var))
         with tf.init_scope():
-            copies = _Copies(var, self.strategy)
+            copies = _Copies(var, self.strategy, exchanged=not slot)
         self._copies[id(var)] = copies
         step = current_step()
         if step is not None and step.local_state is not None:
             step.local_state.add([copies])
+
+    def exchanged(self, copies):
+        """The copies an exchange moves: all but the optimizer slots."""
+        return [c for c in copies if id(c.master) not in self._worker_only]
 
     # -- graph side --------------------------------------------------------------
     def worker_step(self, engine, fn, worker_index):
@@ -210,8 +235,14 @@ class LocalCopies:
         if top in _CLOSURE_STARTED:
             return
         _CLOSURE_STARTED.add(top)
-        copies, tracker = list(traced.copies), self.tracker
-        local, anchor = list(traced.local), list(traced.anchor)
+        moved = set(map(id, self.exchanged(traced.copies)))
+        copies, local, anchor = [], [], []
+        for c, lh, ah in zip(traced.copies, traced.local, traced.anchor):
+            if id(c) in moved:
+                copies.append(c)
+                local.append(lh)
+                anchor.append(ah)
+        tracker = self.tracker
 
         def pull(g_now):
             ops = []
@@ -295,7 +326,7 @@ class LocalCopies:
             since_all = tf_compat.per_worker_values(self._since)
             if since_all is None:  # no worker step has run yet
                 return 0
-            copies = [c for c in self._copies.values()
+            copies = [c for c in self.exchanged(self._copies.values())
                       if tf_compat.per_worker_values(c.local) is not None]
             locals_ = [tf_compat.per_worker_values(c.local) for c in copies]
             anchors = [tf_compat.per_worker_values(c.anchor) for c in copies]

@@ -31,8 +31,9 @@ class LocalSteps(UpdatePolicy):
 
     Every numeric variable created in the strategy's scope gets a local copy:
     the model's weights, the optimizer's slots and step counter and the
-    metrics' accumulators. Deltas of all of them are pushed, so sums and
-    counters stay exact (the PS counter ends at the total number of steps).
+    metrics' accumulators. Deltas of all of them but the optimizer's slots
+    (each worker's own state) are pushed, so sums and counters stay exact
+    (the PS counter ends at the total number of steps).
 
     Args:
       sync_every: local worker steps between two exchanges with the PS
