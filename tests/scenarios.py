@@ -133,7 +133,8 @@ def single_worker_fits(cases):
 
 
 def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=0.1,
-                       epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1):
+                       epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1,
+                       wire_dtype=None):
     x, y = _small_problem(n=steps_per_epoch * batch)
     rng = np.random.RandomState(1)
     w0 = [rng.uniform(-0.5, 0.5, shape).astype(np.float32)
@@ -146,7 +147,8 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
         return ds.batch(batch).repeat()
 
     strategy = tf_asyncps.AsyncParameterServerStrategy(
-        c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})),
+        wire_dtype=wire_dtype)
     # Reference: plain single-process tf_keras training on the same batches
     # (runs on the chief's own CPU, outside the strategy's scope).
     ref = _mlp()
@@ -167,6 +169,9 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
     return {"max_abs_diff": max(diffs), "moved": max(moved),
             "iterations": int(model.optimizer.iterations.numpy()),
             "steps_per_execution_device": model._steps_per_execution.device,
+            "dtypes": sorted({v.dtype.name for v in model.weights + model.optimizer.variables()
+                              if v.dtype.is_floating}),
+            "slots": len(model.optimizer.variables()),
             "stats": _stats(strategy)}
 
 

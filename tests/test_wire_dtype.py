@@ -125,3 +125,20 @@ def test_a_bad_wire_dtype_is_refused_with_the_field_name(bad):
     assert str(err.value) == (
         "wire_dtype must be one of None, 'float32', 'bfloat16' (the dtype float32 "
         f"gradients and table rows cross the network in), got {bad!r}.")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_one_worker_fit_over_a_bfloat16_wire_trains_and_keeps_float32_on_the_ps():
+    from conftest import run_scenario
+    bf16, f32 = run_scenario("single_worker_fits", shared=(1, 1), cases=[
+        {"optimizer": "adam", "lr": 0.01, "wire_dtype": "bfloat16"},
+        {"optimizer": "adam", "lr": 0.01}])["runs"]
+    for r in (bf16, f32):
+        assert r["stats"]["applied"] == r["stats"]["global_step"] == 40
+        assert r["moved"] > 1e-2  # training really changed the weights
+        # Variables and Adam's m and v (and its counter) are float32 on the ps.
+        assert r["dtypes"] == ["float32"] and r["slots"] == 9
+    assert f32["max_abs_diff"] < 1e-5  # the float32 wire: the single-process run
+    # bfloat16 gradients: Adam's updates move, but by much less than training does.
+    assert 1e-5 < bf16["max_abs_diff"] < 0.1 * bf16["moved"]
