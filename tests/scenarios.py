@@ -1535,18 +1535,25 @@ def _cluster_tcp_bytes(c):
 
 
 @scenario
-def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
+def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2,
+                      wire_dtypes=(None,)):
     """TCP bytes per worker step (all the cluster's tasks) of an embedding model whose table has
     each of ``rows_list`` rows (split over ``num_ps`` ps tasks), every step
-    touching ``ids_per_step`` ids: sparse reads and updates keep it flat."""
+    touching ``ids_per_step`` ids: sparse reads and updates keep it flat.
+    Each rows value is run once per ``wire_dtypes`` entry (the strategy's
+    ``wire_dtype``), on the same ids."""
     rng = np.random.RandomState(0)
     out = []
+    runs = [(rows, wire) for rows in rows_list for wire in wire_dtypes]
+    data_of = {rows: (rng.randint(0, rows, size=(steps * ids_per_step, 1)).astype(np.int64),
+                      rng.uniform(size=(steps * ids_per_step, 1)).astype(np.float32))
+               for rows in rows_list}
     with _cluster(num_workers=1, num_ps=num_ps) as c:
-        for rows in rows_list:
-            ids = rng.randint(0, rows, size=(steps * ids_per_step, 1)).astype(np.int64)
-            ys = rng.uniform(size=(steps * ids_per_step, 1)).astype(np.float32)
+        for rows, wire in runs:
+            ids, ys = data_of[rows]
             strategy = tf_asyncps.AsyncParameterServerStrategy(
-                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps))
+                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps),
+                wire_dtype=wire)
             with strategy.scope():
                 model = tf_keras.Sequential([
                     tf_keras.Input(shape=(1,), dtype=tf.int64),
@@ -1561,7 +1568,7 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
             before = _cluster_tcp_bytes(c)
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
             out.append({"rows": rows, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
-                        "table_bytes": rows * dim * 4})
+                        "table_bytes": rows * dim * 4, "wire_dtype": wire})
     return {"runs": out}
 
 
