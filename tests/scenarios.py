@@ -133,7 +133,8 @@ def single_worker_fits(cases):
 
 
 def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=0.1,
-                       epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1):
+                       epochs=2, steps_per_epoch=20, batch=16, steps_per_execution=1,
+                       wire_dtype=None):
     x, y = _small_problem(n=steps_per_epoch * batch)
     rng = np.random.RandomState(1)
     w0 = [rng.uniform(-0.5, 0.5, shape).astype(np.float32)
@@ -146,7 +147,8 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
         return ds.batch(batch).repeat()
 
     strategy = tf_asyncps.AsyncParameterServerStrategy(
-        c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})),
+        wire_dtype=wire_dtype)
     # Reference: plain single-process tf_keras training on the same batches
     # (runs on the chief's own CPU, outside the strategy's scope).
     ref = _mlp()
@@ -167,6 +169,9 @@ def _single_worker_fit(c, policy="async", policy_args=None, optimizer="sgd", lr=
     return {"max_abs_diff": max(diffs), "moved": max(moved),
             "iterations": int(model.optimizer.iterations.numpy()),
             "steps_per_execution_device": model._steps_per_execution.device,
+            "dtypes": sorted({v.dtype.name for v in model.weights + model.optimizer.variables()
+                              if v.dtype.is_floating}),
+            "slots": len(model.optimizer.variables()),
             "stats": _stats(strategy)}
 
 
@@ -1551,18 +1556,25 @@ def _cluster_tcp_bytes(c):
 
 
 @scenario
-def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
+def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2,
+                      wire_dtypes=(None,)):
     """TCP bytes per worker step (all the cluster's tasks) of an embedding model whose table has
     each of ``rows_list`` rows (split over ``num_ps`` ps tasks), every step
-    touching ``ids_per_step`` ids: sparse reads and updates keep it flat."""
+    touching ``ids_per_step`` ids: sparse reads and updates keep it flat.
+    Each rows value is run once per ``wire_dtypes`` entry (the strategy's
+    ``wire_dtype``), on the same ids."""
     rng = np.random.RandomState(0)
     out = []
+    runs = [(rows, wire) for rows in rows_list for wire in wire_dtypes]
+    data_of = {rows: (rng.randint(0, rows, size=(steps * ids_per_step, 1)).astype(np.int64),
+                      rng.uniform(size=(steps * ids_per_step, 1)).astype(np.float32))
+               for rows in rows_list}
     with _cluster(num_workers=1, num_ps=num_ps) as c:
-        for rows in rows_list:
-            ids = rng.randint(0, rows, size=(steps * ids_per_step, 1)).astype(np.int64)
-            ys = rng.uniform(size=(steps * ids_per_step, 1)).astype(np.float32)
+        for rows, wire in runs:
+            ids, ys = data_of[rows]
             strategy = tf_asyncps.AsyncParameterServerStrategy(
-                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps))
+                c.resolver(), variable_partitioner=_partitioner("fixed", num_ps),
+                wire_dtype=wire)
             with strategy.scope():
                 model = tf_keras.Sequential([
                     tf_keras.Input(shape=(1,), dtype=tf.int64),
@@ -1577,7 +1589,7 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2):
             before = _cluster_tcp_bytes(c)
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
             out.append({"rows": rows, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
-                        "table_bytes": rows * dim * 4})
+                        "table_bytes": rows * dim * 4, "wire_dtype": wire})
     return {"runs": out}
 
 

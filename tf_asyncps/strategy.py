@@ -26,7 +26,7 @@ into a TimeoutError.
 
 import dataclasses
 import threading
-from typing import List, Union
+from typing import List, Optional, Union
 
 import tensorflow as tf
 from absl import logging
@@ -85,6 +85,19 @@ class _WorkerInputContext(tf.distribute.InputContext):
         return tf.distribute.coordinator.experimental_get_current_worker_index()
 
 
+WIRE_DTYPES = (None, "float32", "bfloat16")
+
+
+def _wire_dtype(wire_dtype):
+    """``wire_dtype`` -> None (float32 as it is) or tf.bfloat16; ValueError else."""
+    name = getattr(wire_dtype, "name", wire_dtype)  # a tf.DType too
+    if isinstance(name, bool) or name not in WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype must be one of None, 'float32', 'bfloat16' (the dtype float32 "
+            f"gradients and table rows cross the network in), got {wire_dtype!r}.")
+    return tf.bfloat16 if name == "bfloat16" else None
+
+
 class _AsyncExtended(tf_compat.pss_extended_base()):
     """The strategy's ``extended``: StrategyExtended hooks, the rest in ``engine``."""
 
@@ -92,6 +105,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.engine = engine
         self.deduplicate_lookups = True
+        self.wire_dtype = None  # None or tf.bfloat16 (see the strategy's Args)
 
     @property
     def policy(self):
@@ -176,8 +190,10 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
-                if trainable and self.deduplicate_lookups:
-                    lookup.read_distinct_rows(part)  # a table's distinct ids only cross
+                if trainable and (self.deduplicate_lookups or self.wire_dtype is not None):
+                    # A table's distinct ids only cross; rows in wire_dtype.
+                    lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups,
+                                              wire_dtype=self.wire_dtype)
         return var
 
     # -- the worker step ------------------------------------------------------
@@ -367,6 +383,18 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         worker; the gradient then carries one row per distinct id
         (core/lookup.py). Same values and updates; False: TensorFlow's gather
         (every id, every row), as vanilla ParameterServerStrategy.
+      wire_dtype: None or "float32" (default: float32 crosses as it is), or
+        "bfloat16": the float32 gradients a worker pushes (dense tensors, the
+        values of IndexedSlices) are cast to bfloat16 on the worker and back
+        to float32 on their variable's ps, and the rows a worker reads of the
+        tables created in the scope (row reads: ``tf.nn.embedding_lookup``,
+        tf_keras and Keras 3 ``Embedding``) are cast to bfloat16 on the ps and
+        back to float32 on the worker: half the bytes of those values on the
+        wire, rounded to bfloat16 (8 significant bits, relative error <=
+        2^-8). Variables, optimizer slots, policies and the non-finite check
+        stay float32. Dense reads (a Dense kernel) still cross as float32:
+        README, "bfloat16 on the wire". No effect on local_sgd (whole
+        variables move, core/local_copies.py) nor on non-float32 values.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 
@@ -379,13 +407,15 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
                  connect_timeout_s: float = 30.0, skip_nonfinite: bool = True,
-                 deduplicate_lookups: bool = True, _connect_timeout_name: str = ""):
+                 deduplicate_lookups: bool = True, wire_dtype: Optional[str] = None,
+                 _connect_timeout_name: str = ""):
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise TypeError(
                 "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
                 "(e.g. tf_asyncps.cluster.cluster_resolver() for TF_CONFIG, or "
                 f"LocalCluster(...).resolver()), got {cluster_resolver!r}.")
         policy = policies_lib.get(update_policy)
+        wire = _wire_dtype(wire_dtype)
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ValueError(
                 f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
@@ -418,6 +448,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                               is_locking=is_locking, lock_timeout=lock_timeout)
         extended = _AsyncExtended(self, cluster_resolver, variable_partitioner, engine)
         extended.deduplicate_lookups = bool(deduplicate_lookups)
+        extended.wire_dtype = engine.wire_dtype = wire
         tf_compat.replace_extended(self, extended)
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(

@@ -74,6 +74,10 @@ flags.DEFINE_string("gpus", None,
                     "train/server: the GPUs this task sees, as CUDA_VISIBLE_DEVICES takes them "
                     "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
                     "CUDA_VISIBLE_DEVICES. launch assigns GPUs with --gpus_per_worker instead.")
+flags.DEFINE_enum("wire_dtype", "float32", ["float32", "bfloat16"],
+                  "dtype the float32 gradients and embedding-table rows cross the network "
+                  "in; bfloat16 halves those bytes (variables and slots stay float32 on the "
+                  "ps; README 'bfloat16 on the wire').")
 flags.DEFINE_enum("mixed_precision", "none",
                   ["none", "mixed_float16", "mixed_bfloat16", "auto"],
                   "tf_keras mixed-precision policy of the model (variables stay float32); "
@@ -136,7 +140,8 @@ def _job_config():
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
         max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
-        mixed_precision=FLAGS.mixed_precision, backup_dir=FLAGS.backup_dir,
+        mixed_precision=FLAGS.mixed_precision, wire_dtype=FLAGS.wire_dtype,
+        backup_dir=FLAGS.backup_dir,
         embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes,
         keras=FLAGS.keras)
     cfg.validate()

@@ -21,6 +21,7 @@ Every flag with its help: tf-asyncps --helpfull (bench's: tf-asyncps bench --hel
 JOB_FLAGS = ("keras", "model", "dataset", "hidden", "embedding_dim", "min_shard_bytes",
              "epochs", "steps_per_epoch", "batch_size", "learning_rate", "optimizer",
              "policy", "policy_args", "locking", "steps_per_execution", "mixed_precision",
+             "wire_dtype",
              "max_tracked_staleness", "connect_timeout_s", "backup_dir", "seed", "output_dir")
 COMMAND_HELP = (
     ("launch", "start a local cluster (ps, workers, chief as processes) and train",

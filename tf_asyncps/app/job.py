@@ -60,6 +60,7 @@ class JobConfig:
     max_tracked_staleness: int = 32
     locking: bool = False
     mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
+    wire_dtype: str = "float32"  # or "bfloat16": AsyncParameterServerStrategy(wire_dtype=)
     backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
     embedding_dim: int = 32  # recommender: width of each embedding table
     # variable_partitioner: MinSizePartitioner(min_shard_bytes, max_shards=num_ps);
@@ -117,6 +118,8 @@ class JobConfig:
                 raise ValueError(f"--keras=3: {message}")
         policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
         mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
+        if self.wire_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--wire_dtype must be float32 or bfloat16, got {self.wire_dtype!r}.")
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
 
 
@@ -295,7 +298,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
         resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
         variable_partitioner=partitioner(cfg.min_shard_bytes, num_ps),
         connect_timeout_s=cfg.connect_timeout_s, _connect_timeout_name="--connect_timeout_s",
-        max_tracked_staleness=cfg.max_tracked_staleness)
+        max_tracked_staleness=cfg.max_tracked_staleness, wire_dtype=cfg.wire_dtype)
     precision = mixed_precision.resolve(cfg.mixed_precision, strategy.gpus_per_worker)
     mixed_precision.check_local_copies(strategy.update_policy, precision=precision)
     k = models.keras_module(cfg.keras)
@@ -399,6 +402,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "policy": strategy.update_policy.name,
         "policy_args": dict(cfg.policy_args),
         "locking": bool(cfg.locking),
+        "wire_dtype": cfg.wire_dtype,
         "num_workers": num_workers,
         "num_ps": num_ps,
         "epochs": cfg.epochs,

@@ -73,6 +73,9 @@ class PolicyEngine:
         self.tracker = tracker
         self.num_workers = num_workers
         self.skip_nonfinite = bool(skip_nonfinite)
+        # None or tf.bfloat16: the dtype float32 gradients cross to the ps in
+        # (AsyncParameterServerStrategy(wire_dtype=...)).
+        self.wire_dtype = None
         self._is_locking, self._lock_timeout = is_locking, lock_timeout
         self.local = LocalCopies(policy, skip_nonfinite) if policy.local_copies else None
         self.lock: Optional[PSLock] = None
@@ -259,7 +262,10 @@ class PolicyEngine:
         # then never waits for a worker that may die, and the decision's
         # tf.cond runs entirely on the PS (measured faster).
         device = self.tracker.device
-        grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device)
+        # wire_dtype: float32 values cross as bfloat16, float32 again on the
+        # ps (after the finite check above, which sees the worker's values).
+        grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device,
+                                   wire_dtype=self.wire_dtype)
                  for g, v in zip(grads, variables)]
         w = grads_lib.copy_to(step.worker_index, device)
         finite = None if finite is None else grads_lib.copy_to(finite, device)

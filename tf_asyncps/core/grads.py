@@ -60,13 +60,33 @@ def unique_rows(grad):
     return tf.IndexedSlices(values, unique, grad.dense_shape)
 
 
-def copy_to(value, device):
-    """``tf.identity`` of a tensor or IndexedSlices, placed on ``device``."""
+def copy_to(value, device, wire_dtype=None):
+    """``tf.identity`` of a tensor or IndexedSlices, placed on ``device``.
+
+    Args:
+      value: a tensor or IndexedSlices (its values are what cross).
+      device: where the copy is placed (a ps task).
+      wire_dtype: None, or a dtype ("bfloat16") the float32 values cross in:
+        cast where ``value`` is (the worker), copied, cast back to float32 on
+        ``device``, so what runs there sees float32 (rounded to the wire's
+        precision). Other dtypes (int counters, float64, float16) cross as
+        they are.
+
+    Returns:
+      The copy on ``device``, of ``value``'s dtype.
+    """
+    wire = None if wire_dtype is None else tf.as_dtype(wire_dtype)
+    values = value.values if isinstance(value, tf.IndexedSlices) else value
+    cast = wire is not None and wire != tf.float32 and values.dtype == tf.float32
+    if cast:
+        values = tf.cast(values, wire)  # on the worker: half the bytes cross
     with tf.device(device):
+        values = tf.identity(values)
+        if cast:
+            values = tf.cast(values, tf.float32)
         if isinstance(value, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.identity(value.values), tf.identity(value.indices),
-                                    value.dense_shape)
-        return tf.identity(value)
+            return tf.IndexedSlices(values, tf.identity(value.indices), value.dense_shape)
+        return values
 
 
 def sum_parts(parts):

@@ -25,9 +25,22 @@ Every path that reads rows of such a variable goes through its
 see keras3/trainer.py), so that is the one method replaced, on these
 variables only (``compat.tensorflow.replace_sparse_read``). In eager code
 (the chief reading a table) nothing changes.
+
+With ``AsyncParameterServerStrategy(wire_dtype="bfloat16")`` the rows read
+cross as bfloat16: cast on the ps (colocated with the read), float32 again on
+the worker, so the table stays float32 and only the bytes on the wire halve
+(also with ``deduplicate_lookups=False``: then every id's row). Only row
+reads: a dense read of a variable (a Dense kernel, a bias) is the variable's
+``ReadVariableOp``, which layers call through ``var.value()`` /
+``tf.convert_to_tensor(var)`` and whose tensor TensorFlow hands to the
+worker's ops directly; casting it on the ps would mean replacing the
+variable's read path itself (``_dense_var_to_tensor``, ``value``,
+``read_value``, the handle's gradient), not one method of it, so dense reads
+stay float32.
 """
 
 import contextlib
+import functools
 import threading
 
 import tensorflow as tf
@@ -56,29 +69,45 @@ def every_id():
         _local.every_id = before
 
 
-def distinct_rows_gather(sparse_read, indices, name=None):
+def _over_wire(rows, ids_op, wire_dtype):
+    """float32 ``rows`` (read on the ps) cast to ``wire_dtype`` there and back
+    to float32 with ``ids_op`` (the worker); other dtypes as they are."""
+    if wire_dtype is None or rows.dtype != tf.float32 or tf.as_dtype(wire_dtype) == tf.float32:
+        return rows
+    with tf_compat.colocate_only_with(rows.op):
+        rows = tf.cast(rows, wire_dtype)
+    with tf_compat.colocate_only_with(ids_op):
+        return tf.cast(rows, tf.float32)
+
+
+def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
+                         wire_dtype=None):
     """``sparse_read(indices)`` with each distinct index read once.
 
     Args:
       sparse_read: the variable's own ``sparse_read(indices, name=None)``.
       indices: int32/int64 tensor of any shape, row ids.
       name: passed on to ``sparse_read``.
+      distinct: False: every id read, as TensorFlow's gather (only the wire
+        cast below applies).
+      wire_dtype: None, or the dtype ("bfloat16") float32 rows cross in: cast
+        on the ps, float32 again on the worker (inside functions only).
 
     Returns:
       The rows, shape ``indices.shape + var.shape[1:]``, dtype of the variable,
       as ``sparse_read(indices)`` returns them.
     """
     indices = tf.convert_to_tensor(indices)
-    if getattr(_local, "every_id", False):
-        return sparse_read(indices, name=name)
     op = getattr(indices, "op", None) if tf_compat.inside_function() else None
     if op is None:  # eager: a read on the chief, nothing to save
         return sparse_read(indices, name=name)
+    if getattr(_local, "every_id", False) or not distinct:
+        return _over_wire(sparse_read(indices, name=name), op, wire_dtype)
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
     with tf_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
-    rows = sparse_read(unique, name=name)
+    rows = _over_wire(sparse_read(unique, name=name), op, wire_dtype)
     with tf_compat.colocate_only_with(op):
         out = tf.gather(rows, position)
         shape = tf.concat([tf.shape(indices, out_type=tf.int32),
@@ -88,15 +117,20 @@ def distinct_rows_gather(sparse_read, indices, name=None):
         return out
 
 
-def read_distinct_rows(var) -> bool:
+def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
     """Makes ``var``'s row reads in functions read each distinct id once.
 
     Args:
       var: a ``tf.Variable`` of rank >= 2 (a table, or one shard of one).
+      distinct: False: every id read (only ``wire_dtype`` applies).
+      wire_dtype: None, or the dtype float32 rows cross in ("bfloat16").
 
     Returns:
       True if its reads were replaced (rank >= 2), else False.
     """
     if var.shape.rank is None or var.shape.rank < 2:
         return False
-    return tf_compat.replace_sparse_read(var, distinct_rows_gather)
+    if distinct and wire_dtype is None:
+        return tf_compat.replace_sparse_read(var, distinct_rows_gather)
+    return tf_compat.replace_sparse_read(var, functools.partial(
+        distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype))
