@@ -91,6 +91,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.engine = engine
+        self.deduplicate_lookups = True  # set by the strategy's __init__
 
     @property
     def policy(self):
@@ -175,8 +176,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
-                if trainable:  # a table's rows: distinct ids only cross
-                    lookup.read_distinct_rows(part)
+                if trainable and self.deduplicate_lookups:
+                    lookup.read_distinct_rows(part)  # a table's rows: distinct ids only cross
         return var
 
     # -- the worker step ------------------------------------------------------
@@ -360,6 +361,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
       skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
         step whose gradients hold NaN or Inf, so the shared model never
         receives a non-finite update.
+      deduplicate_lookups: row reads (``tf.gather``, embedding lookups) of
+        the trainable variables created in the scope send each distinct id
+        once per read and expand the rows on the worker (core/lookup.py);
+        False reads every id's row as vanilla PSS does (bytes on the wire:
+        ids x (8 + 4 x columns) B instead of distinct ids x that). Bool.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 
@@ -372,7 +378,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def __init__(self, cluster_resolver, update_policy: Union[str, "policies_lib.UpdatePolicy"] = "async",
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
                  connect_timeout_s: float = 30.0, skip_nonfinite: bool = True,
-                 _connect_timeout_name: str = ""):
+                 deduplicate_lookups: bool = True, _connect_timeout_name: str = ""):
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise TypeError(
                 "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
@@ -382,6 +388,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ValueError(
                 f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
+        if not isinstance(deduplicate_lookups, bool):
+            raise TypeError(f"deduplicate_lookups must be True or False, got "
+                            f"{deduplicate_lookups!r}.")
         spec = cluster_resolver.cluster_spec().as_dict()
         task_type = cluster_resolver.task_type
         # A coordinator whose resolver names no task may have no "chief" job,
@@ -411,6 +420,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                               is_locking=is_locking, lock_timeout=lock_timeout)
         tf_compat.replace_extended(
             self, _AsyncExtended(self, cluster_resolver, variable_partitioner, engine))
+        self.extended.deduplicate_lookups = deduplicate_lookups
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
