@@ -323,6 +323,8 @@ def test_embedding_table_reports_bytes_beside_vanilla_and_the_limit():
            "42.5 (40.0-45.0) | 42.5 (40.0-45.0) | 85.0 (80.0-90.0) | 0.71 (0.67-0.75) | " \
            "50.0 | 1.70 (1.60-1.80) |" in md
     assert "Digits MLP" not in md  # only embedding runs: only their table
+    doc["settings"]["bench_wall_time_s"] = 264.0
+    assert bench_report.markdown(doc).endswith("The bench ran 4.4 min (2 runs x 2 repeat(s)).\n")
 
 
 @pytest.mark.skipif(NETNS_MISSING is not None,

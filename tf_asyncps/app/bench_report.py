@@ -167,8 +167,12 @@ def markdown(bench: Dict[str, Any]) -> str:
     s = bench["settings"]
     emb = [r for r in bench["results"] if r.get("model") == "emb"]
     bench = dict(bench, results=[r for r in bench["results"] if r.get("model") != "emb"])
-    if not bench["results"]:
-        return "\n".join(_emb_table(emb, s, bench["machine"])) + "\n"
+    if not bench["results"]:  # embedding runs only: their table, memory and time
+        lines = _emb_table(emb, s, bench["machine"]) + _memory_table(emb)
+        if s.get("bench_wall_time_s") is not None:
+            lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
+                      f"({len(emb)} runs x {s.get('repeats', 1)} repeat(s))."]
+        return "\n".join(lines) + "\n"
     net = any(r.get("bytes_sent_per_step") is not None for r in bench["results"])
     where = (f"each task on a host of its own (Linux network namespace), links limited "
              f"to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf); "
