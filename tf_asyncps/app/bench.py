@@ -359,7 +359,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     tasks) are started once and shared by every run of that shape, as a
     chief re-run reconnects to them (started again if a task died). The
     tasks' peak memory is reset before each run, so each run reports its own.
-    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``),
+    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, P)``, P the most ps),
     each task runs on its host and each child on the chief's.
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``
