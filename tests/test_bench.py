@@ -232,9 +232,12 @@ def test_runs_share_a_cluster_per_shape_until_a_task_dies(monkeypatch):
 def test_hosts_runs_and_their_targets():
     runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
-                                         "local_sgd@1m"]
-    assert [r.get("steps") for r in runs] == [None, None, None, 1920]
-    assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs)
+                                         "local_sgd@1m", "vanilla@emb", "async@emb",
+                                         "async+dedup@emb"]
+    assert [r.get("steps") for r in runs] == [None, None, None, 1920, None, None, None]
+    assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs[:4])
+    assert all(r["model"] == "emb" and r["num_ps"] == 2 for r in runs[4:])
+    assert [r.get("dedup") for r in runs[4:]] == [None, False, True]
     with pytest.raises(ValueError, match="bench_hosts"):
         bench.hosts_configs(only=["single"])
     settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 320,
@@ -270,6 +273,60 @@ def test_hosts_runs_and_their_targets():
     assert "| 4600 | 4600 |" in md and "| 290 | 290 |" in md
 
 
+def test_embedding_runs_are_selected_by_the_group_name_emb():
+    names = [r["name"] for r in bench.hosts_configs(only=["emb"])]
+    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb"]
+    # local_sgd@emb (whole-table exchanges) only when named.
+    names = [r["name"] for r in bench.hosts_configs(only=["emb", "local_sgd@emb"])]
+    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb"]
+    with pytest.raises(ValueError, match=r"unknown run\(s\) \['async@embb'\]"):
+        bench.hosts_configs(only=["async@embb"])
+
+
+def test_wire_limit_of_an_id_stream_is_distinct_ids_times_272_bytes_plus_the_head():
+    from tf_asyncps.app import bench_emb
+    ids = [[3, 3, 7, 9], [5, 5, 5, 5]]  # 3 and 1 distinct ids: 2 per batch on average
+    # 2 x (8 B id + 4 x 32 B row) x 2 (read, push) + 33 head float32 x 4 B x 2.
+    assert bench_emb.limit_bytes_per_step(ids) == 2 * 272 + 264
+    assert bench_emb.limit_bytes_per_step(ids, dim=4, head_params=0) == 2 * (8 + 16) * 2
+    with pytest.raises(ValueError, match=r"ids must be \[batches, batch\]"):
+        bench_emb.limit_bytes_per_step([1, 2])
+    # The stream: seeded, in range, far fewer distinct ids than ids (Zipf 1.2).
+    a, b = bench_emb.id_stream(0, batches=8), bench_emb.id_stream(0, batches=8)
+    assert a.shape == (8, 512) and a.dtype == "int64" and (a == b).all()
+    assert 0 <= a.min() and a.max() < bench_emb.ROWS
+    assert bench_emb.limit_bytes_per_step(a) < 0.6 * 512 * 272
+
+
+def test_embedding_table_reports_bytes_beside_vanilla_and_the_limit():
+    settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 320,
+                "eval_every": 64, "target_accuracy": 0.9, "repeats": 2, "hosts": True,
+                "bandwidth_mbit": 100.0}
+
+    def entry(name, rates, nbytes):
+        reps = [dict(_result(name, r, acc=None), bytes_sent_per_step=b / 2,
+                     bytes_received_per_step=b / 2, bytes_per_step=b,
+                     limit_bytes_per_step=50e3) for r, b in zip(rates, nbytes)]
+        return dict(bench.aggregate_repeats({"name": name, "num_workers": 2, "spe": 16},
+                                            reps), model="emb")
+
+    doc = bench_report.summarize([entry("vanilla@emb", [10.0, 12.0], [120e3, 120e3]),
+                                  entry("async+dedup@emb", [15.0, 12.0], [80e3, 90e3])],
+                                 settings)
+    r = doc["results"][1]
+    assert r["x_vanilla"] == pytest.approx(13.5 / 11) and r["x_vanilla_range"] == [1.0, 1.5]
+    assert r["x_vanilla_bytes"] == pytest.approx(85 / 120)
+    assert r["x_limit"] == pytest.approx(1.7) and r["x_limit_range"] == [1.6, 1.8]
+    assert doc["checks"] == []
+    md = bench_report.markdown(doc)
+    assert "| async+dedup@emb | 2 | 16 | 13.5 (12.0-15.0) | 1.23 (1.00-1.50) | " \
+           "42.5 (40.0-45.0) | 42.5 (40.0-45.0) | 85.0 (80.0-90.0) | 0.71 (0.67-0.75) | " \
+           "50.0 | 1.70 (1.60-1.80) |" in md
+    assert "Digits MLP" not in md  # only embedding runs: only their table
+    doc["settings"]["bench_wall_time_s"] = 264.0
+    assert bench_report.markdown(doc).endswith("The bench ran 4.4 min (2 runs x 2 repeat(s)).\n")
+
+
 @pytest.mark.skipif(NETNS_MISSING is not None,
                     reason=f"needs network namespaces and tc tbf: {NETNS_MISSING}")
 @pytest.mark.cluster
@@ -292,6 +349,31 @@ def test_tiny_hosts_bench_counts_the_bytes_each_policy_sends(tmp_path):
     # epoch-end flush): 1 or 2 models per worker per 32 steps.
     ls = by["local_sgd@1m"]["bytes_sent_per_step"]
     assert params_bytes * 2 / 32 <= ls <= 1.1 * params_bytes * 2 * 2 / 32, ls
+
+
+@pytest.mark.skipif(NETNS_MISSING is not None,
+                    reason=f"needs network namespaces and tc tbf: {NETNS_MISSING}")
+@pytest.mark.cluster
+def test_tiny_embedding_bench_reads_distinct_rows_only_with_dedup(tmp_path):
+    from tf_asyncps.app import bench_emb
+    out = tmp_path / "bench"
+    rc, output = run_command([sys.executable, "-m", "tf_asyncps", "bench",
+                              "--bench_hosts=netns", "--bench_bandwidth_mbit=400",
+                              "--bench_only=async@emb,async+dedup@emb", "--bench_steps=64",
+                              "--bench_eval_every=32", "--bench_repeats=1",
+                              f"--output_dir={out}"], timeout=280)
+    by = {x["name"]: x for x in json.load(open(out / "bench.json"))["results"]}
+    limit = bench_emb.limit_bytes_per_step(bench_emb.id_stream(0))  # --seed's default
+    row = 4 * bench_emb.DIM
+    for r in by.values():
+        assert r["limit_bytes_per_step"] == limit
+        # Nothing below the limit; nothing above every id's row and id both
+        # ways plus the head, with headers (< 10%).
+        assert limit <= r["bytes_per_step"] <= 1.1 * (bench_emb.BATCH * (8 + row) * 2 + 264), r
+    # Without de-duplication a worker receives every id's row; with it about
+    # the distinct ones' (half the limit), plus headers.
+    assert by["async@emb"]["bytes_received_per_step"] >= bench_emb.BATCH * row
+    assert by["async+dedup@emb"]["bytes_received_per_step"] <= 1.5 * limit / 2
 
 
 @pytest.mark.cluster

@@ -323,3 +323,17 @@ def test_the_strategy_timeout_names_the_argument_the_caller_used():
     assert msg.endswith("(to wait longer: AsyncParameterServerStrategy(connect_timeout_s=...))")
     assert "--connect_timeout_s" not in msg
     assert f"cannot reach ps:0 at 127.0.0.1:{ps}, worker:0 at 127.0.0.1:{worker}" in msg
+
+
+@pytest.mark.parametrize("value", [0, "no", None])
+def test_deduplicate_lookups_must_be_a_bool_and_is_checked_before_connecting(value):
+    import tensorflow as tf
+    import tf_asyncps
+    spec = tf.train.ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+                                 "chief": ["127.0.0.1:3"]})
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+    want = f"deduplicate_lookups must be True or False, got {value!r}."
+    with pytest.raises(TypeError) as e:
+        tf_asyncps.AsyncParameterServerStrategy(resolver, deduplicate_lookups=value)
+    assert str(e.value) == want

@@ -419,6 +419,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ValueError(
                 f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
+        if not isinstance(deduplicate_lookups, bool):
+            raise TypeError(f"deduplicate_lookups must be True or False, got "
+                            f"{deduplicate_lookups!r}.")
         spec = cluster_resolver.cluster_spec().as_dict()
         task_type = cluster_resolver.task_type
         # A coordinator whose resolver names no task may have no "chief" job,

@@ -138,7 +138,10 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
                   only: Optional[List[str]] = None,
                   local_sgd_steps: Optional[int] = None) -> List[Dict[str, Any]]:
     """The runs of ``--bench_hosts=netns``: HOSTS_RUNS on "mlp_1m", named
-    NAME@1m, with ``num_workers`` workers and 1 ps, each task on its own host.
+    NAME@1m, with ``num_workers`` workers and 1 ps, each task on its own host,
+    then the embedding runs (:mod:`tf_asyncps.app.bench_emb`, NAME@emb, 2 ps;
+    ``local_sgd@emb`` only when named). In ``only``, ``emb`` stands for the
+    default embedding runs.
     ``local_sgd_steps`` (if set) is local_sgd's run length in worker steps
     (its ``"steps"``), in place of the bench's: at equal steps it lags (each
     worker sees the others' updates once per window), so its accuracy is
@@ -154,7 +157,12 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
         for r in runs:
             if r.get("policy") == "local_sgd":
                 r["steps"] = local_sgd_steps
-    return _only(runs, only, " for --bench_hosts=netns")
+    from tf_asyncps.app import bench_emb
+    runs += bench_emb.emb_configs(num_workers, sync_every, steps_per_execution)
+    if not only:
+        return [r for r in runs if r["model"] != "emb"
+                or r["name"] in bench_emb.DEFAULT_EMB_RUNS]
+    return _only(runs, bench_emb.expand_only(only), " for --bench_hosts=netns")
 
 
 def scaling_configs(steps_per_execution: int = 16,
@@ -212,6 +220,11 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
       the workers' link counters (bytes on the wire, headers included) over
       the steps measured, per worker step.
     """
+    if run.get("model") == "emb":
+        from tf_asyncps.app import bench_emb
+        out = bench_emb.run_one(run, settings)
+        out["peak_rss_mb"] = peak_rss_mb(dict(out["task_pids"], chief=os.getpid()))
+        return out
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import tf_keras
@@ -346,7 +359,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
     tasks) are started once and shared by every run of that shape, as a
     chief re-run reconnects to them (started again if a task died). The
     tasks' peak memory is reset before each run, so each run reports its own.
-    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, 1)``),
+    With ``hosts`` (a ``NetnsHosts`` holding ``LocalCluster.host_names(N, P)``, P the most ps),
     each task runs on its host and each child on the chief's.
 
     A run that fails or outlives ``timeout_s`` is reported with an ``error``
@@ -389,8 +402,10 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
                     per_run[i].append({"error": error})
                 else:
                     per_run[i].append(result)
-                    say(f"    {result['steps_per_sec']:.0f} steps/s, test accuracy "
-                        f"{result['test_accuracy']:.3f} ({time.perf_counter() - t0:.0f} s; "
+                    acc = result["test_accuracy"]
+                    say(f"    {result['steps_per_sec']:.0f} steps/s"
+                        + ("" if acc is None else f", test accuracy {acc:.3f}")
+                        + f" ({time.perf_counter() - t0:.0f} s; "
                         f"{time.perf_counter() - t_start:.0f} s so far)")
     finally:
         for c in clusters.values():
@@ -462,7 +477,7 @@ def _run_child(run, settings, timeout_s, hosts=None):
 #: Per-repeat numbers reported as a median and a [min, max] range.
 SPREAD_KEYS = ("steps_per_sec", "examples_per_sec", "updates_per_sec", "test_accuracy",
                "steps_to_target", "seconds_to_target", "bytes_sent_per_step",
-               "bytes_received_per_step")
+               "bytes_received_per_step", "bytes_per_step", "limit_bytes_per_step")
 
 
 def spread(values) -> Optional[Dict[str, float]]:

@@ -15,7 +15,8 @@ __all__ = ["cmd_bench"]
 FLAGS = flags.FLAGS
 
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
-                  "single,vanilla,async,local_sgd.")
+                  "single,vanilla,async,local_sgd; with --bench_hosts=netns, emb: the "
+                  "embedding runs vanilla@emb,async@emb,async+dedup@emb.")
 flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
 flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)
@@ -41,7 +42,9 @@ flags.DEFINE_enum("bench_hosts", "local", ["local", "netns"],
                   "bench: local: every task on loopback (all runs); netns: each task on "
                   "a host of its own (a Linux network namespace, needs root) with links "
                   "of --bench_bandwidth_mbit, comparing vanilla, async, local_sgd and "
-                  "sync_replicas on the 1.1M-parameter MLP (defaults then: "
+                  "sync_replicas on the 1.1M-parameter MLP, and vanilla, async without "
+                  "and with lookup de-duplication on a 1M x 32 embedding over 2 ps "
+                  "(NAME@emb; --bench_only=emb runs just those) (defaults then: "
                   "--bench_steps=320 --bench_eval_every=64).")
 flags.DEFINE_integer("bench_hosts_local_sgd_steps", 1920, "bench --bench_hosts=netns: "
                      "worker steps of the local_sgd run (0: --bench_steps). At equal steps "
@@ -139,7 +142,9 @@ def cmd_bench(argv):
             from tf_asyncps.cluster import LocalCluster, NetnsHosts
             settings["hosts"] = True
             settings["bandwidth_mbit"] = FLAGS.bench_bandwidth_mbit or None
-            hosts = stack.enter_context(NetnsHosts(LocalCluster.host_names(FLAGS.num_workers, 1),
+            num_ps = max(r.get("num_ps", 1) for r in runs)  # 2 for the NAME@emb runs
+            hosts = stack.enter_context(NetnsHosts(LocalCluster.host_names(FLAGS.num_workers,
+                                                                           num_ps),
                                                    rate_mbit=settings["bandwidth_mbit"]))
             print(f"tf-asyncps bench: hosts {hosts}", flush=True)
         t0 = time.perf_counter()

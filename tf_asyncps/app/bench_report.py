@@ -70,7 +70,7 @@ def _by_name(results):
 
 
 def _suffix(model):
-    return "" if model == "mlp" else "@1m"
+    return {"mlp": "", "emb": "@emb"}.get(model, "@1m")
 
 
 def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -84,6 +84,14 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
         for name, base in (("x_vanilla", ok.get("vanilla" + sfx)),
                            ("x_single", ok.get("single" + sfx))):
             r[name], r[f"{name}_range"] = ratio(r, base) if base else (None, None)
+        base = ok.get("vanilla" + sfx)
+        r["x_vanilla_bytes"], r["x_vanilla_bytes_range"] = (
+            ratio(r, base, "bytes_per_step") if base else (None, None))
+        # Bytes over the limit of the run's id stream (one stream: one limit).
+        lim = r.get("limit_bytes_per_step")
+        if lim and r.get("bytes_per_step") is not None:
+            r["x_limit"] = r["bytes_per_step"] / lim
+            r["x_limit_range"] = [x / lim for x in r["bytes_per_step_range"]]
     checks = []
 
     def check(what, value, value_range, target):
@@ -148,15 +156,23 @@ def _rate(v):
     return ".1f" if v is not None and v < 100 else ".0f"
 
 
-def _kb(r, key):
+def _kb(r, key, spec=".0f"):
     v, rng = r.get(key), r.get(f"{key}_range")
     return _fmt_range(v / 1e3 if v is not None else None,
-                      [x / 1e3 for x in rng] if rng else None, ".0f")
+                      [x / 1e3 for x in rng] if rng else None, spec)
 
 
 def markdown(bench: Dict[str, Any]) -> str:
     """The bench table (and target checks) as markdown."""
     s = bench["settings"]
+    emb = [r for r in bench["results"] if r.get("model") == "emb"]
+    bench = dict(bench, results=[r for r in bench["results"] if r.get("model") != "emb"])
+    if not bench["results"]:  # embedding runs only: their table, memory and time
+        lines = _emb_table(emb, s, bench["machine"]) + _memory_table(emb)
+        if s.get("bench_wall_time_s") is not None:
+            lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
+                      f"({len(emb)} runs x {s.get('repeats', 1)} repeat(s))."]
+        return "\n".join(lines) + "\n"
     net = any(r.get("bytes_sent_per_step") is not None for r in bench["results"])
     where = (f"each task on a host of its own (Linux network namespace), links limited "
              f"to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf); "
@@ -201,6 +217,8 @@ def markdown(bench: Dict[str, Any]) -> str:
             + (f" {_kb(r, 'bytes_sent_per_step')} | {_kb(r, 'bytes_received_per_step')} |"
                if net else ""))
     lines += _memory_table(bench["results"])
+    if emb:
+        lines += [""] + _emb_table(emb, s, bench["machine"])
     if s.get("bench_wall_time_s") is not None:
         lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
                   f"({len(bench['results'])} runs x {s.get('repeats', 1)} repeat(s))."]
@@ -215,6 +233,43 @@ def markdown(bench: Dict[str, Any]) -> str:
                   "the aim, not met when all of it falls short, and unclear when it "
                   "straddles the aim."]
     return "\n".join(lines) + "\n"
+
+
+def _emb_table(results, s, machine) -> List[str]:
+    """The embedding runs (NAME@emb): steps/s and bytes per worker step
+    beside vanilla's and the id stream's limit."""
+    from tf_asyncps.app import bench_emb as e
+    where = (f"links limited to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf)"
+             if s.get("bandwidth_mbit") else "unlimited links")
+    lines = [
+        f"Embedding({e.ROWS:,}, {e.DIM}) on {e.NUM_PS} ps (FixedShardsPartitioner), Dense(1), "
+        f"Adagrad(0.1), {e.BATCH} Zipf({e.ZIPF_A}) ids per worker step, "
+        f"{s['steps']} worker steps per run, each task on a host of its own, {where}; "
+        f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
+        f"{machine['cpus']} CPUs, TensorFlow {machine['tensorflow']}. Limit: the id "
+        f"stream's distinct ids per batch x 272 B (id and row read, id and gradient row "
+        f"pushed) plus the head, headers excluded.",
+        "",
+        "| run | workers | steps/closure | steps/s | × vanilla | KB sent / worker step | "
+        "KB received / worker step | KB / worker step | × vanilla bytes | limit KB | "
+        "× limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['num_workers']} | {r['spe']} | failed: "
+                         f"{r['error'].splitlines()[0]} |" + " |" * 7)
+            continue
+        lim = r.get("limit_bytes_per_step")
+        lines.append(
+            f"| {r['name']} | {r['num_workers']} | {r['spe']} | "
+            f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), '.1f')} | "
+            f"{_fmt_range(r.get('x_vanilla'), r.get('x_vanilla_range'))} | "
+            f"{_kb(r, 'bytes_sent_per_step', '.1f')} | "
+            f"{_kb(r, 'bytes_received_per_step', '.1f')} | {_kb(r, 'bytes_per_step', '.1f')} | "
+            f"{_fmt_range(r.get('x_vanilla_bytes'), r.get('x_vanilla_bytes_range'))} | "
+            f"{_fmt(None if lim is None else lim / 1e3, '.1f')} | "
+            f"{_fmt_range(r.get('x_limit'), r.get('x_limit_range'))} |")
+    return lines
 
 
 def peak_by_kind(r) -> Dict[str, Any]:
@@ -287,6 +342,8 @@ def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in ok:
+        if r["segments"][0].get("test_accuracy") is None:
+            continue  # NAME@emb: no test set
         xs, ys, t = [], [], 0.0
         for seg in r["segments"]:
             t += seg["seconds"]
@@ -296,7 +353,8 @@ def write_outputs(bench: Dict[str, Any], output_dir: str) -> List[str]:
     ax.axhline(bench["settings"]["target_accuracy"], color="gray", linestyle="--")
     ax.set_xlabel("training seconds")
     ax.set_ylabel("test accuracy")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(paths[3], dpi=100)
     plt.close(fig)

@@ -1,0 +1,167 @@
+"""The bench's embedding workload (runs NAME@emb, ``--bench_hosts=netns``).
+
+A 1M x 32 float32 table (``Embedding(1_000_000, 32)``, 128 MB) split over 2
+ps tasks (``FixedShardsPartitioner(2)``), a ``Dense(1)`` head, Adagrad(0.1),
+mean squared error; each worker step reads the rows of 512 ids drawn from a
+Zipf(1.2) law and hashed over the table (a hot head and a long tail, as the
+ids of a recommender), so a batch holds far fewer distinct ids than ids.
+
+Beside the bytes each worker step moves (the workers' link counters) the
+run reports the limit computed from the id stream: a step must read the
+rows of its batch's distinct ids and push their gradient rows, each
+crossing with its int64 id: distinct ids x (8 + 4 x 32) B x 2 = 272 B per
+distinct id, plus the head (33 float32 read and 33 pushed).
+"""
+
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+__all__ = ["ROWS", "DIM", "NUM_PS", "BATCH", "ZIPF_A", "STREAM_BATCHES", "EMB_RUNS",
+           "DEFAULT_EMB_RUNS", "id_stream", "expand_only", "limit_bytes_per_step", "emb_configs", "run_one"]
+
+ROWS, DIM, NUM_PS = 1_000_000, 32, 2
+#: Ids per worker step, the Zipf exponent, and the batches of the stream a
+#: worker cycles through (its dataset repeats them).
+BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
+#: Every embedding run; ``local_sgd@emb`` only by name (--bench_only): its
+#: exchanges move the whole table and its Adagrad accumulator (2 x 128 MB
+#: each way), about 20 s per exchange and worker at 100 Mbit/s.
+EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb")
+#: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
+DEFAULT_EMB_RUNS = EMB_RUNS[:3]
+_HASH = 2654435761  # Knuth's multiplicative hash: hot ids spread over both shards
+
+
+def id_stream(seed: int, batches: int = STREAM_BATCHES, batch: int = BATCH,
+              rows: int = ROWS, a: float = ZIPF_A) -> np.ndarray:
+    """The ids a worker reads: int64 [batches, batch], each in [0, rows):
+    Zipf(``a``) draws (1, 2, ...) hashed over the table, seeded by ``seed``."""
+    z = np.random.default_rng(seed).zipf(a, size=(batches, batch))
+    return ((z % rows) * _HASH % rows).astype(np.int64)
+
+
+def limit_bytes_per_step(ids: np.ndarray, dim: int = DIM, head_params: int = DIM + 1) -> float:
+    """Bytes (sent + received) a worker step cannot go below, averaged over
+    the batches of ``ids`` (int [batches, batch]): each distinct id of a
+    batch crosses twice with its row (read, then its gradient pushed),
+    ``(8 + 4 * dim) * 2`` B, and the ``head_params`` float32 of the dense
+    head are read and pushed once, ``8 * head_params`` B. Headers excluded."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[0] == 0:
+        raise ValueError(f"ids must be [batches, batch] with batches >= 1, got shape "
+                         f"{ids.shape}.")
+    distinct = np.mean([len(np.unique(b)) for b in ids])
+    return float(distinct * (8 + 4 * dim) * 2 + 8 * head_params)
+
+
+def emb_configs(num_workers: int = 2, sync_every: int = 16,
+                steps_per_execution: int = 16) -> List[Dict[str, Any]]:
+    """Every embedding run (EMB_RUNS), on ``num_workers`` workers and 2 ps:
+    ``vanilla@emb`` (ParameterServerStrategy), ``async@emb`` (policy
+    ``async``, ``deduplicate_lookups=False``: every id's row read),
+    ``async+dedup@emb`` (the default: distinct ids only), ``local_sgd@emb``."""
+    base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
+            "locking": False, "spe": steps_per_execution, "batch": BATCH}
+    return [dict(base, name="vanilla@emb", kind="vanilla"),
+            dict(base, name="async@emb", kind="policy", policy="async", policy_args={},
+                 dedup=False),
+            dict(base, name="async+dedup@emb", kind="policy", policy="async",
+                 policy_args={}, dedup=True),
+            dict(base, name="local_sgd@emb", kind="policy", policy="local_sgd",
+                 policy_args={"sync_every": sync_every}, spe=sync_every, dedup=True)]
+
+
+def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One embedding run (in its own process; called by ``bench.run_one``,
+    whose ``settings`` it takes). Returns ``bench.run_one``'s keys but
+    ``peak_rss_mb`` (accuracy ones None: the ids carry no test set), plus ``bytes_per_step`` (sent +
+    received), ``limit_bytes_per_step`` and per segment ``loss``."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf_keras
+
+    from tf_asyncps import cluster as cluster_lib
+    from tf_asyncps import policies
+    from tf_asyncps.cluster.netns import NetnsHosts
+    from tf_asyncps.strategy import AsyncParameterServerStrategy
+
+    steps_total, eval_every = run.get("steps", settings["steps"]), settings["eval_every"]
+    ids = id_stream(settings["seed"])
+    labels = (ids % 2).astype(np.float32)
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((ids.reshape(-1, 1), labels.reshape(-1, 1)))
+        return ds.batch(BATCH, drop_remainder=True).repeat().prefetch(2)
+
+    shared = settings["cluster"]
+    hosts = NetnsHosts(spec=settings["hosts"]) if settings.get("hosts") else None
+    config = cluster_lib.validate_tf_config(shared["tf_config"])
+    part = tf.distribute.experimental.partitioners.FixedShardsPartitioner(NUM_PS)
+    if run["kind"] == "vanilla":
+        cluster_lib.wait_for_tasks(config, 30.0)
+        cluster_lib.configure_local_context(run["num_workers"])
+        strategy = tf.distribute.ParameterServerStrategy(
+            cluster_lib.cluster_resolver(config), variable_partitioner=part)
+    else:
+        strategy = AsyncParameterServerStrategy(
+            cluster_lib.cluster_resolver(config),
+            update_policy=policies.get(run["policy"], **run["policy_args"]),
+            variable_partitioner=part, deduplicate_lookups=run["dedup"])
+    tf_keras.utils.set_random_seed(settings["seed"])
+    with strategy.scope():
+        model = tf_keras.Sequential([
+            tf_keras.Input([1], dtype="int64"), tf_keras.layers.Embedding(ROWS, DIM),
+            tf_keras.layers.Flatten(), tf_keras.layers.Dense(1)])
+        model.compile(tf_keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=run["spe"])
+
+    workers = [f"worker:{i}" for i in range(run["num_workers"])]
+    segments = []
+
+    class Probe(tf_keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self.t0
+            c = [hosts.counters(w) for w in workers] if hosts else []
+            gs = (strategy.staleness_stats().global_step
+                  if isinstance(strategy, AsyncParameterServerStrategy) else None)
+            segments.append({"steps": eval_every, "seconds": seconds, "global_step": gs,
+                             "loss": float((logs or {}).get("loss", float("nan"))),
+                             "test_accuracy": None,
+                             **({"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
+                                 "worker_rx_bytes": sum(x["rx_bytes"] for x in c)} if c else {})})
+
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn),
+              epochs=max(2, steps_total // eval_every), steps_per_epoch=eval_every, verbose=0,
+              callbacks=[Probe()])
+    steady = segments[1:]  # the first segment includes tracing and the first reads
+    secs, steps = sum(s["seconds"] for s in steady), sum(s["steps"] for s in steady)
+    out = {"segments": segments, "steps_per_sec": steps / secs,
+           "examples_per_sec": steps * BATCH / secs, "updates_per_sec": None,
+           "test_accuracy": None, "steps_to_target": None, "seconds_to_target": None,
+           "staleness": None, "limit_bytes_per_step": limit_bytes_per_step(ids),
+           "task_pids": shared["pids"]}  # bench.run_one adds peak_rss_mb
+    if "worker_tx_bytes" in segments[0]:
+        for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
+                          ("worker_rx_bytes", "bytes_received_per_step")):
+            out[name] = (segments[-1][key] - segments[0][key]) / steps
+        out["bytes_per_step"] = out["bytes_sent_per_step"] + out["bytes_received_per_step"]
+    if isinstance(strategy, AsyncParameterServerStrategy):
+        out["updates_per_sec"] = (segments[-1]["global_step"] -
+                                  segments[0]["global_step"]) / secs
+        out["staleness"] = strategy.staleness_stats().to_dict()
+    return out
+
+
+def expand_only(only: Optional[List[str]]) -> Optional[List[str]]:
+    """``--bench_only`` with the group name ``emb`` replaced by DEFAULT_EMB_RUNS."""
+    if not only:
+        return only
+    out = []
+    for o in only:
+        out += [n for n in (DEFAULT_EMB_RUNS if o == "emb" else (o,)) if n not in out]
+    return out
