@@ -14,6 +14,7 @@ GPU workers: launch --gpus_per_worker=K (K GPUs per worker process);
 train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). See README.md.
 
 Every flag with its help: tf-asyncps --helpfull (bench's: tf-asyncps bench --helpfull)
+Versions (tf_asyncps, TensorFlow, tf_keras, Keras; the supported ranges): tf-asyncps --version
 """
 
 #: What --help says of each command: what it does, an example, its flags.
