@@ -50,10 +50,15 @@ def test_without_backup_every_update_waits_for_the_straggler():
     r = run_scenario("sync_straggler", shared=(3, 1), replicas_to_aggregate=3, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
     s = r["stats"]
-    assert s["applied"] + s["dropped"] == 60 and s["global_step"] * 3 == s["applied"]
+    assert s["applied"] + s["dropped"] == 60
     # A gradient can be stale only after a release at the end of the schedule
     # (fast workers ran out of closures): seen once in a fresh-clone run.
     assert s["dropped"] <= r["released_reads"]
+    # Every round is complete, unless such a drop left the last one open with
+    # at most replicas_to_aggregate - 1 accepted gradients (seen under load:
+    # 59 applied, 19 rounds, 1 dropped).
+    open_round = s["applied"] - 3 * s["global_step"]
+    assert open_round == 0 or (s["dropped"] > 0 and 0 < open_round <= 2), s
     assert r["rounds"] <= r["sent"][0] + r["released_reads"]
 
 
