@@ -17,18 +17,8 @@ from tf_asyncps.core.staleness import StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout
 
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
-
-
-def _engine(policy, num_workers=1, **kwargs):
-    install_optimizer_hooks()
-    tracker = StalenessTracker(max_tracked=4, device=CPU)
-    policy = policies.get(policy, **kwargs)
-    policy.build(num_workers, CPU)
-    engine = PolicyEngine(policy, tracker, num_workers=num_workers, skip_nonfinite=True,
-                          is_locking=is_locking, lock_timeout=lock_timeout)
-    engine.strategy = tf.distribute.get_strategy()  # the default strategy
-    return engine
+# The one-process engine of the engine tests (a policy on the default strategy).
+from test_engine import CPU, _engine  # noqa: E402
 
 
 def _index():
