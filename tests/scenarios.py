@@ -1351,18 +1351,18 @@ def _state_placement(strategy):
 
 def _sharded_run(c, num_ps, policy="async", policy_args=None, optimizer="sgd", lr=0.5,
                  partitioner="fixed", locking=False, steps=12, full_batch=False,
-                 reference=True, mixed=False):
+                 reference=True, mixed=False, wire_dtype=None):
     if mixed:  # mixed_float16: float32 shards, float16 compute, loss scaling
         tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         return _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner,
-                            locking, steps, full_batch, reference)
+                            locking, steps, full_batch, reference, wire_dtype)
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
 
 
 def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, locking, steps,
-                 full_batch, reference):
+                 full_batch, reference, wire_dtype=None):
     ids, ys, emb0, k0 = _embedding_problem(steps)
     batch = len(ids) if full_batch else EMB_BATCH
     loss = "mse"
@@ -1375,7 +1375,7 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
 
     strategy = tf_asyncps.AsyncParameterServerStrategy(
         c.resolver(), variable_partitioner=_partitioner(partitioner, num_ps),
-        update_policy=_policy(policy, policy_args))
+        update_policy=_policy(policy, policy_args), wire_dtype=wire_dtype)
     with strategy.scope():
         model = _embedding_model(emb0, k0)
         opt = _optimizer(optimizer, lr)

@@ -36,6 +36,9 @@ ONE_WORKER.update({
     "sync_replicas_min_full_batch": dict(policy="sync_replicas", partitioner="min",
                                          full_batch=True),
     "async_max": dict(policy="async", partitioner="max"),
+    # local_sgd reads the worker's local copies: a bfloat16 wire rounds nothing.
+    "local_sgd_bfloat16_wire": dict(policy="local_sgd", policy_args={"sync_every": 3},
+                                    wire_dtype="bfloat16"),
     # mixed_float16: tf_keras cannot autocast a partitioned Dense kernel
     # (AutoCastVariable wraps ResourceVariables only), so only the table splits.
     "mixed_async": dict(policy="async", partitioner="min", mixed=True),

@@ -190,10 +190,13 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
-                if trainable and (self.deduplicate_lookups or self.wire_dtype is not None):
+                # local_sgd: a step reads the worker's local copy, nothing
+                # crosses; a wire dtype would only round the values.
+                wire = self.wire_dtype if self.engine.local is None else None
+                if trainable and (self.deduplicate_lookups or wire is not None):
                     # A table's distinct ids only cross; rows in wire_dtype.
                     lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups,
-                                              wire_dtype=self.wire_dtype)
+                                              wire_dtype=wire)
         return var
 
     # -- the worker step ------------------------------------------------------
