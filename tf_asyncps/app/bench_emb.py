@@ -27,8 +27,8 @@ ROWS, DIM, NUM_PS = 1_000_000, 32, 2
 #: worker cycles through (its dataset repeats them).
 BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: Every embedding run; ``local_sgd@emb`` only by name (--bench_only): its
-#: exchanges move the whole table and its Adagrad accumulator (2 x 128 MB
-#: each way), about 20 s per exchange and worker at 100 Mbit/s.
+#: exchanges move the whole table (128 MB each way; optimizer slots stay on
+#: the worker), about 10 s per exchange and worker at 100 Mbit/s.
 EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb")
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
 DEFAULT_EMB_RUNS = EMB_RUNS[:3]
