@@ -290,6 +290,11 @@ class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         raised as the OutOfRangeError it follows, explained."""
         if isinstance(e, tf.errors.OutOfRangeError):
             self._input_ran_out = True
+            if not (e.message or "").startswith(INPUT_RAN_OUT_MESSAGE):
+                # Raised itself (before any cancellation): explained too.
+                raise tf.errors.OutOfRangeError(
+                    e.node_def, e.op, f"{INPUT_RAN_OUT_MESSAGE} (TensorFlow: "
+                    f"{(e.message or '').strip().splitlines()[-1][:300]})") from e
         elif isinstance(e, tf.errors.CancelledError) and self._input_ran_out:
             self._input_ran_out = False
             raise tf.errors.OutOfRangeError(
