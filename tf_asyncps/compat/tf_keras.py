@@ -111,18 +111,7 @@ def creating_steps_per_execution(frames: int = 12) -> bool:
     thread. ``fit``/``evaluate`` read that variable on the coordinator before
     every closure (``DataHandler.steps`` and the scheduled call's argument)
     and never inside a step."""
-    training = sys.modules.get("tf_keras.src.engine.training")
-    if training is None:
-        return False
-    f = sys._getframe(1)
-    for _ in range(frames):
-        if f is None:
-            return False
-        if f.f_code.co_name == "_configure_steps_per_execution" and \
-                f.f_code.co_filename == training.__file__:
-            return True
-        f = f.f_back
-    return False
+    return _training_frame("_configure_steps_per_execution", frames) is not None
 
 
 def evaluate_call(frames: int = 8):
@@ -131,16 +120,26 @@ def evaluate_call(frames: int = 8):
     builds any input), else None. tf_keras 2.21.0: the locals ``self``, ``x``
     and ``steps`` of ``training.Model.evaluate``; ``fit``'s validation calls it
     too."""
+    f = _training_frame("evaluate", frames)
+    if f is None:
+        return None
+    loc = f.f_locals
+    return loc.get("self"), loc.get("x"), loc.get("steps")
+
+
+def _training_frame(function: str, frames: int):
+    """The nearest of the ``frames`` callers above the caller's caller that
+    runs ``function`` of ``tf_keras/src/engine/training.py`` (tf_keras
+    2.18-2.21), else None."""
     training = sys.modules.get("tf_keras.src.engine.training")
     if training is None:
         return None
-    f = sys._getframe(1)
+    f = sys._getframe(2)
     for _ in range(frames):
         if f is None:
             return None
-        if f.f_code.co_name == "evaluate" and f.f_code.co_filename == training.__file__:
-            loc = f.f_locals
-            return loc.get("self"), loc.get("x"), loc.get("steps")
+        if f.f_code.co_name == function and f.f_code.co_filename == training.__file__:
+            return f
         f = f.f_back
     return None
 
