@@ -130,7 +130,5 @@ def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
     """
     if var.shape.rank is None or var.shape.rank < 2:
         return False
-    if distinct and wire_dtype is None:
-        return tf_compat.replace_sparse_read(var, distinct_rows_gather)
     return tf_compat.replace_sparse_read(var, functools.partial(
         distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype))
