@@ -226,7 +226,7 @@ def test_resume_progress_read_at_an_epoch_end_is_never_an_epoch_ahead(tmp_path):
     epoch's end. Before: a read between the two moves saw the new base with
     the old count and recorded steps_done one epoch too high (20 for 10)."""
     import types
-    from tf_asyncps.recovery import ResumeTracker
+    from tf_asyncps.callbacks.recovery import ResumeTracker
     tracker = ResumeTracker(str(tmp_path), steps_per_epoch=10, period_s=3600)
     done, seen = [0], []
 

@@ -11,7 +11,7 @@ Public API (see README.md):
   parameter servers (a model compiled in the strategy's scope gets them);
   :class:`DatasetFn`, its per-worker input.
 * :class:`ResumeTracker`: counts chief runs and redone steps across crashes
-  (with tf_keras ``BackupAndRestore``; :mod:`tf_asyncps.recovery`).
+  (with tf_keras ``BackupAndRestore``; :mod:`tf_asyncps.callbacks.recovery`).
 
 Submodules load on first use, so the command line can reject bad input
 before TensorFlow is imported.
@@ -36,10 +36,10 @@ _LAZY = {
     "cluster": ("tf_asyncps.cluster", None),
     "callbacks": ("tf_asyncps.callbacks", None),
     "optimizers": ("tf_asyncps.optimizers", None),
-    "recovery": ("tf_asyncps.recovery", None),
+    "recovery": ("tf_asyncps.callbacks.recovery", None),
     "keras3": ("tf_asyncps.keras3", None),
     "DatasetFn": ("tf_asyncps.keras3.data", "DatasetFn"),
-    "ResumeTracker": ("tf_asyncps.recovery", "ResumeTracker"),
+    "ResumeTracker": ("tf_asyncps.callbacks.recovery", "ResumeTracker"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

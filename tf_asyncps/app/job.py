@@ -19,8 +19,9 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import files
+from tf_asyncps.callbacks import recovery
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import policies, recovery
+from tf_asyncps import policies
 from tf_asyncps.app import datasets
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import mixed_precision

@@ -12,7 +12,8 @@ Plain Keras 3 code with only the strategy added::
 A model compiled inside ``AsyncParameterServerStrategy.scope()`` gets this
 package's ``fit``/``evaluate``/``predict`` (``trainer.py``); input forms are
 in ``data.py`` (``DatasetFn``: one pipeline per worker), the callback rules
-in ``callbacks.py``. Keras internals it needs are in ``tf_asyncps/compat/keras.py``.
+in ``tf_asyncps/callbacks/keras3.py``. Keras internals it needs are in
+``tf_asyncps/compat/keras.py``.
 """
 
 from tf_asyncps.keras3.data import DatasetFn

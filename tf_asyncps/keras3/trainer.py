@@ -32,7 +32,7 @@ import keras
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import lookup
-from tf_asyncps.keras3 import callbacks as callbacks_lib
+from tf_asyncps.callbacks import keras3 as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
 __all__ = ["Keras3Trainer", "attach", "guard", "trainable_shards", "unsupported_version",

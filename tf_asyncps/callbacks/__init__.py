@@ -1,0 +1,38 @@
+"""Callbacks for ``model.fit`` under AsyncParameterServerStrategy.
+
+Steps run as closures on the workers, so every callback here works at epoch
+level and reads the parameter servers' counters (``strategy.staleness_stats()``)
+or the chief's closure counts, never a batch.
+
+* ``tf_keras.py``: :class:`StalenessLogger` (epoch lines, TensorBoard) and
+  :class:`ProgressLine` (a live line): tf_keras callbacks that Keras 3's
+  ``fit`` runs as well;
+* ``keras3.py``: which callbacks Keras 3's ``fit`` accepts, and its epoch line;
+* ``recovery.py``: :class:`ResumeTracker`, redone steps across crashes.
+
+Names load on first use (as in the package root): importing one module here
+does not import the other frameworks'.
+"""
+
+import importlib
+
+_LAZY = {
+    "StalenessLogger": "tf_asyncps.callbacks.tf_keras",
+    "ProgressLine": "tf_asyncps.callbacks.tf_keras",
+    "format_value": "tf_asyncps.callbacks.tf_keras",
+    "ResumeTracker": "tf_asyncps.callbacks.recovery",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tf_asyncps.callbacks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
