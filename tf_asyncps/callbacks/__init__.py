@@ -4,6 +4,7 @@ Steps run as closures on the workers, so every callback here works at epoch
 level and reads the parameter servers' counters (``strategy.staleness_stats()``)
 or the chief's closure counts, never a batch.
 
+* ``common.py``: what they share (console values, the strategy check);
 * ``tf_keras.py``: :class:`StalenessLogger` (epoch lines, TensorBoard) and
   :class:`ProgressLine` (a live line): tf_keras callbacks that Keras 3's
   ``fit`` runs as well;
@@ -19,7 +20,7 @@ import importlib
 _LAZY = {
     "StalenessLogger": "tf_asyncps.callbacks.tf_keras",
     "ProgressLine": "tf_asyncps.callbacks.tf_keras",
-    "format_value": "tf_asyncps.callbacks.tf_keras",
+    "format_value": "tf_asyncps.callbacks.common",
     "ResumeTracker": "tf_asyncps.callbacks.recovery",
 }
 

@@ -13,6 +13,7 @@ import time
 
 import keras
 
+from tf_asyncps.callbacks.common import format_value
 from tf_asyncps.compat import keras as keras_compat
 
 __all__ = ["BATCH_HOOKS", "check_callbacks", "EpochLine"]
@@ -115,7 +116,6 @@ class EpochLine(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         dt = max(time.perf_counter() - self._t0, 1e-9)
-        from tf_asyncps.callbacks import format_value
         metrics = " ".join(f"{k}={format_value(v)}" for k, v in (logs or {}).items())
         out = self.stream or sys.stdout
         out.write(f"Epoch {epoch + 1}/{self.epochs}: {metrics} ({dt:.1f} s, "

@@ -14,33 +14,9 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-__all__ = ["StalenessLogger", "ProgressLine", "format_value"]
+from tf_asyncps.callbacks.common import format_value, plain_value, strategy_of
 
-
-def format_value(v) -> str:
-    """A log value for a console line: ``0.4121``; a vector metric (e.g.
-    Precision at several thresholds) as ``[0.5000, 0.7500]``."""
-    import numpy as np
-    a = np.asarray(v, dtype=float)
-    if a.ndim == 0:
-        return f"{float(a):.4f}"
-    return "[" + ", ".join(f"{x:.4f}" for x in a.ravel()) + "]"
-
-
-def _plain(v):
-    """A float for a scalar log value, else a list of floats (JSON-ready)."""
-    import numpy as np
-    a = np.asarray(v, dtype=float)
-    return float(a) if a.ndim == 0 else a.tolist()
-
-
-def _strategy_of(model):
-    strategy = getattr(model, "distribute_strategy", None)
-    if strategy is None or not hasattr(strategy, "staleness_stats"):
-        raise ValueError(
-            "tf_asyncps callbacks need a model built under "
-            "AsyncParameterServerStrategy.scope().")
-    return strategy
+__all__ = ["StalenessLogger", "ProgressLine"]
 
 
 class StalenessLogger(tf_keras.callbacks.Callback):
@@ -95,7 +71,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         self._thread = None
 
     def on_train_begin(self, logs=None):
-        self._strategy = _strategy_of(self.model)
+        self._strategy = strategy_of(self.model)
         if self.log_dir:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.every_n_seconds:
@@ -137,7 +113,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
             "tau_max_so_far": s.max, "applied": applied, "dropped": dropped,
             "closures_per_worker": list(self._strategy.closures_done_per_worker()),
         }
-        rec.update({k: _plain(v) for k, v in logs.items()})
+        rec.update({k: plain_value(v) for k, v in logs.items()})
         self.epochs.append(rec)
         total = self.params.get("epochs", "?") if self.params else "?"
         metrics = " ".join(f"{k}={format_value(v)}" for k, v in logs.items())
@@ -151,7 +127,7 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         if self._writer:
             with self._writer.as_default(step=epoch + 1):
                 for k, v in logs.items():
-                    v = _plain(v)
+                    v = plain_value(v)
                     if isinstance(v, list):  # a vector metric: one scalar per entry
                         for i, x in enumerate(v):
                             tf.summary.scalar(f"epoch/{k}/{i}", x)
@@ -208,7 +184,7 @@ class ProgressLine(tf_keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if not self.enabled:
             return
-        self._strategy = _strategy_of(self.model)
+        self._strategy = strategy_of(self.model)
         self._base = self._strategy.staleness_stats().worker_steps
         self._t0 = time.perf_counter()
         self._stop.clear()
