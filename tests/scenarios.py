@@ -287,7 +287,7 @@ def local_sgd_momentum_slots(num_workers=2, steps=40, lr=0.1, momentum=0.5, sync
 def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40):
     """tf_asyncps.straggler.slow_dataset_fn: closures taken by each worker,
     counted on the PS (ClusterCoordinator gives closures to free workers)."""
-    from tf_asyncps.straggler import slow_dataset_fn
+    from tf_asyncps.app.straggler import slow_dataset_fn
     with _cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)

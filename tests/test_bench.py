@@ -12,7 +12,7 @@ import pytest
 from conftest import run_command, run_scenario, wait_dead
 from tf_asyncps.app import bench, bench_report
 from tf_asyncps.cluster import netns
-from tf_asyncps.straggler import StopContCycler, slow_dataset_fn
+from tf_asyncps.app.straggler import StopContCycler, slow_dataset_fn
 
 pytestmark = pytest.mark.timeout(300)
 NETNS_MISSING = netns.unavailable(rate=True)

@@ -31,7 +31,7 @@ _LAZY = {
     "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),
     "StalenessStats": ("tf_asyncps.core.staleness", "StalenessStats"),
     "SyncReplicasAggregator": ("tf_asyncps.policies.sync_replicas", "SyncReplicasAggregator"),
-    "straggler": ("tf_asyncps.straggler", None),
+    "straggler": ("tf_asyncps.app.straggler", None),
     "policies": ("tf_asyncps.policies", None),
     "cluster": ("tf_asyncps.cluster", None),
     "callbacks": ("tf_asyncps.callbacks", None),

@@ -3,7 +3,8 @@ and the bundled datasets and models.
 
 * ``cli.py``: ``app.run(main)`` and the commands (launch, train, server, bench);
 * ``job.py``: the training job the chief runs (``model.fit``, metrics, export);
-* ``bench.py``: the benchmark suite;
+* ``bench.py``: the benchmark suite; ``straggler.py``: its straggler injection
+  (public as ``tf_asyncps.straggler``);
 * ``datasets.py``, ``models.py``: the bundled data (scikit-learn digits, MNIST)
   and tf_keras models.
 

@@ -229,7 +229,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     import tensorflow as tf
     import tf_keras
 
-    from tf_asyncps import policies, straggler
+    from tf_asyncps import policies
+    from tf_asyncps.app import straggler
     from tf_asyncps.app import datasets
     from tf_asyncps.app import models
     from tf_asyncps import cluster as cluster_lib
