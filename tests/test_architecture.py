@@ -371,6 +371,22 @@ def test_every_module_and_root_name_imports_first_in_a_fresh_package():
     assert len(names) > 40 and "tf_asyncps.policies.sync_replicas" in names
 
 
+def test_public_names_of_moved_modules_still_resolve():
+    """The README's names outlive the layout moves of issue #26 (callbacks/,
+    app/straggler.py): each is the moved module's object, not a copy."""
+    import tf_asyncps
+    from tf_asyncps.app import straggler
+    from tf_asyncps.callbacks import common, recovery, tf_keras
+    assert tf_asyncps.straggler is straggler
+    assert tf_asyncps.recovery is recovery
+    assert tf_asyncps.ResumeTracker is tf_asyncps.callbacks.ResumeTracker is recovery.ResumeTracker
+    assert (tf_asyncps.callbacks.StalenessLogger, tf_asyncps.callbacks.ProgressLine,
+            tf_asyncps.callbacks.format_value) == (tf_keras.StalenessLogger,
+                                                   tf_keras.ProgressLine, common.format_value)
+    with pytest.raises(AttributeError, match="'tf_asyncps.callbacks' has no attribute 'Nope'"):
+        tf_asyncps.callbacks.Nope  # noqa: B018
+
+
 @pytest.mark.parametrize("module", ["tf_asyncps.cluster.config", "tf_asyncps.app.cli",
                                     "tf_asyncps.compat.tensorflow"])
 def test_tools_import_without_tensorflow(module):
