@@ -124,9 +124,9 @@ def cmd_bench(argv):
                 "tracing and is left out of steps/s); e.g. "
                 f"--bench_eval_every={_eval_every_for(steps, runs)}.")
     out = FLAGS.output_dir or os.path.join("runs", "bench")
-    from tf_asyncps import files
+    from tf_asyncps.app.flag_checks import check_writable_dir
     # Now, not after the runs:
-    files.check_writable_dir(out, "--output_dir", "bench.json, bench.md and the plots")
+    check_writable_dir(out, "--output_dir", "bench.json, bench.md and the plots")
     settings = {"batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
                 "seed": FLAGS.seed, "steps": FLAGS.bench_steps,
                 "eval_every": FLAGS.bench_eval_every,

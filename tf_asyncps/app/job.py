@@ -18,11 +18,11 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
-from tf_asyncps import files
 from tf_asyncps.callbacks import recovery
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies
 from tf_asyncps.app import datasets
+from tf_asyncps.app.flag_checks import check_writable_dir
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
@@ -102,13 +102,13 @@ class JobConfig:
             raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
                              f"variable_partitioner), got {self.min_shard_bytes!r}.")
         if self.backup_dir is not None:
-            files.check_writable_dir(
+            check_writable_dir(
                 self.backup_dir, "--backup_dir", "checkpoints",
                 if_empty="leave the flag out for none (launch --restart_failed_tasks then "
                          "uses OUTPUT_DIR/backup)")
         if self.output_dir:
-            files.check_writable_dir(self.output_dir, "--output_dir",
-                                     "metrics.json, logs and the SavedModel")
+            check_writable_dir(self.output_dir, "--output_dir",
+                               "metrics.json, logs and the SavedModel")
         if self.keras not in models.KERAS_CHOICES:
             raise ValueError(f"--keras={self.keras!r} is unknown; choose one of "
                              f"{list(models.KERAS_CHOICES)}.")
