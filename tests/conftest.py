@@ -14,6 +14,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+#: ``python SCENARIOS NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
+SCENARIOS = os.path.join(HERE, "scenarios")
 
 
 def _env():
@@ -97,7 +99,7 @@ def wait_dead(pids, timeout=20.0):
 
 
 class SharedCluster:
-    """``tests/scenarios.py serve``: one process holding a cluster of one shape
+    """``tests/scenarios serve``: one process holding a cluster of one shape
     for the whole session, running scenarios on it on request.
 
     A request that fails or runs past its timeout stops the process (by its
@@ -118,7 +120,7 @@ class SharedCluster:
         self._lines = queue.Queue()
         self._tail = []
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "scenarios.py"), "serve",
+            [sys.executable, SCENARIOS, "serve",
              json.dumps(self.shape)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True, text=True)
         threading.Thread(target=self._read, args=(self.proc.stdout, self._lines),
@@ -193,7 +195,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
-    """Runs ``script NAME kwargs`` (default tests/scenarios.py) in a fresh
+    """Runs ``script NAME kwargs`` (default tests/scenarios) in a fresh
     process and returns its RESULT.
 
     Also checks that every cluster task the scenario started is gone.
@@ -214,7 +216,7 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's
         # optimizers with TensorFlow (1.4 s of CPU each).
         env.setdefault("TF_USE_LEGACY_KERAS", "1")
-    _, out = run_command([sys.executable, script or os.path.join(HERE, "scenarios.py"), name,
+    _, out = run_command([sys.executable, script or SCENARIOS, name,
                           json.dumps(kwargs)], timeout=timeout, env=env)
     for line in out.splitlines():
         if line.startswith("RESULT: "):

@@ -4,7 +4,7 @@ A worker with K GPUs runs K replicas per step. The K gradients must meet
 once, in one update through the policy, counted once: so one worker with K
 replicas equals one-process training on batches K times as large, and the
 counters count worker steps, not replicas. On CPU the test stand-in in
-scenarios._fake_multi_replica_workers gives each worker K CPU devices.
+scenarios.common.fake_multi_replica_workers gives each worker K CPU devices.
 """
 
 import pytest

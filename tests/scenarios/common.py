@@ -1,0 +1,147 @@
+"""Helpers that scenarios of several test modules share: the small
+problems and models, the scheduled step, optimizers by name."""
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.compat import tensorflow as tf_compat
+
+
+def stats_of(strategy):
+    return strategy.staleness_stats().to_dict()
+
+
+def step_fn(strategy, params, opt, loss_fn, with_batch=False):
+    """A scheduled worker step: one gradient step of ``opt`` on ``loss_fn``.
+
+    ``loss_fn()`` (or ``loss_fn(batch)`` with ``with_batch``, the batch coming
+    from the per-worker iterator passed to the step) runs inside the replica.
+    """
+    @tf.function
+    def step(iterator=None):
+        batch = next(iterator) if with_batch else ()
+
+        def replica_fn(*batch):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(*batch)
+            opt.apply_gradients(zip(tape.gradient(loss, params), params))
+            return loss
+        return strategy.run(replica_fn, args=tuple(batch))
+
+    return step
+
+
+def run_steps(coord, step, steps, iterator=None):
+    for _ in range(steps):
+        coord.schedule(step, args=(iterator,) if iterator is not None else ())
+    coord.join()
+
+
+def small_problem(n=320, features=8, classes=3, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, features).astype(np.float32)
+    w = rng.randn(features, classes).astype(np.float32)
+    y = np.argmax(x @ w, axis=1).astype(np.int64)
+    return x, y
+
+
+def mlp(features=8, classes=3):
+    return tf_keras.Sequential([
+        tf_keras.Input(shape=(features,)),
+        tf_keras.layers.Dense(16, activation="tanh"),
+        tf_keras.layers.Dense(classes)])
+
+
+def make_optimizer(name, lr):
+    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
+            "momentum": lambda: tf_keras.optimizers.SGD(lr, momentum=0.9),
+            "adam": lambda: tf_keras.optimizers.Adam(lr),
+            "adagrad": lambda: tf_keras.optimizers.Adagrad(lr),
+            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
+            # A learning-rate schedule reads optimizer.iterations every step.
+            "momentum_schedule": lambda: tf_keras.optimizers.SGD(
+                tf_keras.optimizers.schedules.ExponentialDecay(lr, 5, 0.9), momentum=0.9),
+            }[name]()
+
+
+def least_squares(n=64, features=5, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, features).astype(np.float32)
+    y = (x @ rng.randn(features, 1) + 0.1 * rng.randn(n, 1)).astype(np.float32)
+    return x, y
+
+
+def train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps, lr=0.01):
+    """Full-batch least squares; ``slow_worker``'s input pipeline sleeps
+    ``delay_ms`` before each batch (tf.data, chosen by worker index)."""
+    from tensorflow.python.data.experimental.ops import testing as data_testing
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+        opt = tf_keras.optimizers.SGD(lr)
+
+    def dataset_fn():
+        me = tf.distribute.coordinator.experimental_get_current_worker_index()
+        delay_us = tf.where(tf.equal(me, slow_worker), delay_ms * 1000, 0)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        return ds.apply(data_testing.sleep(tf.cast(delay_us, tf.int64)))
+
+    step = step_fn(strategy, [w], opt, with_batch=True,
+                   loss_fn=lambda xb, yb: tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb)))
+    run_steps(coord, step, steps, iter(coord.create_per_worker_dataset(dataset_fn)))
+
+
+def fake_multi_replica_workers(replicas):
+    """Makes ParameterServerStrategy see ``replicas`` devices per worker on CPU.
+
+    The strategy counts GPUs to decide its replicas per worker; on a machine
+    without GPUs this test stand-in reports ``replicas`` and names the worker
+    servers' logical CPUs instead (the servers are made with that many CPU
+    devices, see :func:`in_process_cluster`). The multi-replica code path
+    (one replica thread per device, merge_call, AggregatingVariable) is then
+    the one a K-GPU worker takes.
+    """
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
+    ext = pss_v2.ParameterServerStrategyV2Extended
+
+    def _set_num_gpus(self):
+        self._num_gpus_per_worker = replicas
+
+    ext._set_num_gpus = _set_num_gpus
+    ext.worker_devices = property(
+        lambda self: tuple(f"/device:CPU:{i}" for i in range(replicas)))
+
+
+def in_process_cluster(num_workers, cpus_per_worker=1, num_ps=1):
+    """ps and worker servers in this process (TensorFlow's own PS tests do
+    this); each worker server has ``cpus_per_worker`` CPU devices."""
+    import portpicker
+    from tf_asyncps import cluster as cluster_lib
+    ports = [portpicker.pick_unused_port() for _ in range(num_workers + num_ps + 1)]
+    spec = tf.train.ClusterSpec({
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{p}" for p in ports[1:1 + num_ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1 + num_ps:]]})
+    servers = []
+    for job, n in (("ps", num_ps), ("worker", num_workers)):
+        for i in range(n):
+            cfg = cluster_lib.server_config(num_workers)
+            if job == "worker":
+                cfg.device_count["CPU"] = cpus_per_worker
+            servers.append(tf.distribute.Server(spec, job_name=job, task_index=i, config=cfg,
+                                                protocol="grpc", start=True))
+    return servers, tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+
+
+def make_partitioner(name, num_ps):
+    p = tf.distribute.experimental.partitioners
+    return {"fixed": lambda: p.FixedShardsPartitioner(num_ps),
+            "min": lambda: p.MinSizePartitioner(min_shard_bytes=64, max_shards=num_ps),
+            "max": lambda: p.MaxSizePartitioner(max_shard_bytes=256)}[name]()
+
+
+def full_value(var):
+    """The full value of a ShardedVariable (its shards concatenated) or variable."""
+    return np.concatenate([np.asarray(p.numpy()) for p in tf_compat.shards(var) or [var]],
+                          axis=0)

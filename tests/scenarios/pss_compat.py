@@ -1,0 +1,80 @@
+"""Scenarios of tests/test_pss_compat.py (its tutorial scenario is in that file)."""
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
+
+from scenarios import cluster, scenario
+
+
+@scenario(shares_cluster=True)
+def input_runs_out(keras_lib="tf_keras"):
+    """A fit whose DatasetCreator / Dataset does not repeat (4 batches for
+    2 epochs x 3 steps): the error raised, and the ERROR records TensorFlow's
+    logger let through meanwhile."""
+    import logging as py_logging
+    records = []
+
+    class Count(py_logging.Handler):
+        def emit(self, record):
+            if record.levelno >= py_logging.ERROR:
+                records.append(record.getMessage()[:200])
+
+    handler = Count()
+    tf.get_logger().addHandler(handler)
+    x, y = np.zeros((32, 4), np.float32), np.zeros((32, 1), np.float32)
+
+    def finite_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+    try:
+        with cluster(num_workers=1, num_ps=1) as c:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+            if keras_lib == "3":
+                import keras
+                with strategy.scope():
+                    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                    model.compile(keras.optimizers.SGD(0.1), "mse")
+                from tf_asyncps.keras3 import DatasetFn
+                data = DatasetFn(finite_fn)
+            else:
+                with strategy.scope():
+                    model = tf_keras.Sequential([tf_keras.Input((4,)),
+                                                 tf_keras.layers.Dense(1)])
+                    model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+                data = tf_keras.utils.experimental.DatasetCreator(finite_fn)
+            try:
+                model.fit(data, epochs=2, steps_per_epoch=3, verbose=0)
+                error = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = {"type": type(e).__name__, "message": str(e)}
+            return {"error": error, "error_records": records}
+    finally:
+        tf.get_logger().removeHandler(handler)
+
+
+@scenario(shares_cluster=True)
+def tf_keras_evaluate_finite():
+    """tf_keras evaluate of a finite Dataset without steps or
+    pss_evaluation_shards: refused before any closure runs; with steps= on
+    the repeated dataset it runs."""
+    x, y = np.ones((32, 4), np.float32), np.zeros((32, 1), np.float32)
+    finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    out = {}
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        with strategy.scope():
+            model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(
+                1, kernel_initializer="ones")])
+            model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+        for name, call in (("finite", lambda: model.evaluate(finite, verbose=0)),
+                           ("steps", lambda: model.evaluate(finite.repeat(), steps=2,
+                                                            verbose=0))):
+            try:
+                out[name] = {"loss": call()}
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[name] = {"error": type(e).__name__, "message": str(e)}
+            out[name]["closures"] = sum(strategy.closures_done_per_worker())
+    return out
