@@ -18,7 +18,10 @@ ROOT = os.path.dirname(HERE)
 SCENARIOS = os.path.join(HERE, "scenarios")
 
 
-def _env():
+def subprocess_env():
+    """The environment for a process a test starts: this checkout first on
+    PYTHONPATH, TensorFlow's C++ logs errors only, no GPU unless
+    ASYNCPS_TEST_CUDA_VISIBLE_DEVICES names some."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -49,7 +52,7 @@ def run_command(args, timeout, env=None, check=True):
     Returns (returncode, combined output).
     """
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env or _env(), cwd=ROOT, start_new_session=True,
+                            env=env or subprocess_env(), cwd=ROOT, start_new_session=True,
                             text=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -115,7 +118,7 @@ class SharedCluster:
         self._tail = []
 
     def _start(self, deadline):
-        env = _env()
+        env = subprocess_env()
         env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 comes in by `import keras`
         self._lines = queue.Queue()
         self._tail = []
@@ -211,7 +214,7 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
             _SHARED_CLUSTERS[shape] = SharedCluster(*shape)
         _SHARED_CLUSTERS.move_to_end(shape)
         return _SHARED_CLUSTERS[shape].run(name, kwargs, timeout)
-    env = _env()
+    env = subprocess_env()
     if "keras3" not in name and "keras3" not in json.dumps(kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's
         # optimizers with TensorFlow (1.4 s of CPU each).

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import _env, run_command
+from conftest import run_command, subprocess_env
 from tf_asyncps.app import datasets
 from tf_asyncps.app import job
 
@@ -56,7 +56,7 @@ def test_bad_flags_fail_before_any_process_starts(args, words):
 
 @pytest.mark.cluster
 def test_train_with_bad_tf_config_fails_with_the_cluster_it_read():
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"ps": ["127.0.0.1:2001"],
                                                "worker": ["127.0.0.1:2002"]},
                                    "task": {"type": "worker", "index": 0}})

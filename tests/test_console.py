@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, run_command, stop_process, wait_dead
+from conftest import ROOT, run_command, stop_process, subprocess_env, wait_dead
 from tf_asyncps.app import console
 
 # Lines as TensorFlow 2.21 writes them (from a chief whose worker:1 was SIGKILLed).
@@ -120,7 +120,7 @@ def test_a_killed_worker_shows_one_line_and_the_full_text_stays_on_disk(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "tf_asyncps", "launch", "--flagfile=configs/digits_async.flags",
          "--epochs=6", "--steps_per_execution=10", f"--output_dir={out}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=subprocess_env(),
         start_new_session=True)
     lines, killed = [], None
     try:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import _env, run_command
+from conftest import run_command, subprocess_env
 from tf_asyncps.cluster import devices
 
 pytestmark = pytest.mark.timeout(240)
@@ -119,7 +119,7 @@ def _cli(*args, env=None):
 
 
 def _env_with_gpus(tmp_path, gpus):
-    env = _env()
+    env = subprocess_env()
     env.pop("CUDA_VISIBLE_DEVICES")  # let the launcher count the (fake) GPUs
     env["PATH"] = _fake_nvidia_smi(tmp_path, gpus) + os.pathsep + env["PATH"]
     return env
@@ -146,7 +146,7 @@ def test_launch_gpu_errors_come_before_any_process_starts(tmp_path, gpus, args, 
 
 @pytest.mark.cluster
 def test_server_rejects_a_bad_gpus_flag_before_tensorflow_loads():
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"chief": ["127.0.0.1:2000"],
                                                "ps": ["127.0.0.1:2001"],
                                                "worker": ["127.0.0.1:2002"]},

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _env, poll_until, run_command, stop_process
+from conftest import ROOT, poll_until, run_command, stop_process, subprocess_env
 from tf_asyncps.cluster import netns
 from tf_asyncps.cluster.netns import NetnsHosts
 
@@ -141,7 +141,7 @@ def test_a_rate_limit_bounds_throughput_and_the_counters_count_the_bytes(hosts_f
 def test_namespaces_of_a_sigkilled_owner_are_removed_by_the_next_one(hosts_factory):
     code = ("import sys; from tf_asyncps.cluster.netns import NetnsHosts\n"
             "h = NetnsHosts(['x', 'y']); print('up', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(), cwd=ROOT,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "up"
@@ -169,7 +169,7 @@ def test_the_own_address_check_refuses_another_hosts_address(hosts_factory):
     h = hosts_factory(["worker:0", "worker:1", "ps:0"])
     cluster = {"chief": ["198.18.0.9:2222"], "ps": [f"{h.address('ps:0')}:2222"],
                "worker": [f"{h.address('worker:1')}:2222", f"{h.address('worker:0')}:2222"]}
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
     # worker:0's address in the cluster is worker:1's host: refused before serving.
     rc, out = run_command(h.exec_argv("worker:0", [sys.executable, "-m", "tf_asyncps",
@@ -188,7 +188,7 @@ def test_the_own_address_check_refuses_another_hosts_address(hosts_factory):
 def _launch(out, *flags):
     cmd = [sys.executable, "-m", "tf_asyncps", "launch", "--hosts=netns", "--hidden=64",
            "--seed=0", f"--output_dir={out}", *flags]
-    return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _env, pid_alive, run_command, wait_dead
+from conftest import ROOT, pid_alive, run_command, subprocess_env, wait_dead
 from tf_asyncps.cluster import PROBE_OK, probe_grpc
 from tf_asyncps.cluster import spawn as spawn_lib
 
@@ -32,7 +32,7 @@ _GONE = ("def gone(t, timeout_s=10):\n"
 
 def _launcher(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+                            stdin=subprocess.PIPE, text=True, cwd=ROOT, env=subprocess_env())
 
 
 def _line(p: subprocess.Popen) -> dict:
@@ -176,7 +176,7 @@ def test_a_task_server_starts_without_tensorflows_api_package():
         "      if m in ('tensorflow', 'tensorflow._api.v2')})), flush=True)\n"
         "server.join()\n")
     server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=_env())
+                              stderr=subprocess.DEVNULL, text=True, env=subprocess_env())
     try:
         line = server.stdout.readline()  # printed once the server is up (or EOF)
         assert line.startswith("MODULES "), line

@@ -10,7 +10,7 @@ import numpy as np
 import portpicker
 import pytest
 
-from conftest import ROOT, _env, run_command, stop_process, wait_dead
+from conftest import ROOT, run_command, stop_process, subprocess_env, wait_dead
 from tf_asyncps.app.console import is_runtime_noise
 
 pytestmark = pytest.mark.timeout(400)
@@ -98,13 +98,13 @@ def test_job_by_hand_four_train_processes(tmp_path):
     procs = []
     try:
         for job, i in (("ps", 0), ("worker", 0), ("worker", 1)):
-            env = _env()
+            env = subprocess_env()
             env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                            "task": {"type": job, "index": i}})
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tf_asyncps", "train"] + common, env=env, cwd=ROOT,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        env = _env()
+        env = subprocess_env()
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "chief",
                                                                     "index": 0}})
         env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # TensorFlow's C++ notices, for the filter

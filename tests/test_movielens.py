@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, run_command
+from conftest import ROOT, run_command, subprocess_env
 from tf_asyncps.app import datasets, job
 
 
@@ -88,7 +88,7 @@ def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(
             "print('MAXDIFF', float(np.max(np.abs(p - ref))))\n")
     r = subprocess.run([sys.executable, "-c", code, str(out / "saved_model"),
                         str(out / "test_predictions.npy")], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=120)
+                       env=subprocess_env(), cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("MAXDIFF")[1])
     assert diff < 1e-5

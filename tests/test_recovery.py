@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, SCENARIOS, _env, poll_until, run_command, run_scenario,
-                      stop_process)
+from conftest import (ROOT, SCENARIOS, poll_until, run_command, run_scenario, stop_process,
+                      subprocess_env)
 from tf_asyncps import recovery
 from tf_asyncps.cluster import LocalCluster
 
@@ -55,7 +55,7 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
 
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=2"),
-                            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT,
                             start_new_session=True)
     progress = os.path.join(out, "backup", recovery.PROGRESS_FILE)
     try:

@@ -16,7 +16,7 @@ import time
 import portpicker
 import pytest
 
-from conftest import ROOT, _env, run_command, stop_process, wait_dead
+from conftest import ROOT, run_command, stop_process, subprocess_env, wait_dead
 from tf_asyncps import cluster
 from tf_asyncps.cluster import validate_tf_config
 
@@ -33,7 +33,7 @@ def _config(ps="127.0.0.1:2001", worker="127.0.0.1:2002", chief="127.0.0.1:2000"
 
 
 def _cli(*args, tf_config, timeout=60):
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
     t0 = time.perf_counter()
     rc, out = run_command([sys.executable, "-m", "tf_asyncps", *args], timeout=timeout,
@@ -74,7 +74,7 @@ def test_cli_validates_before_importing_tensorflow():
             "from tf_asyncps.app import cli\n"
             "try:\n    cli.run()\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
             "print('TF_IMPORTED', 'tensorflow' in sys.modules)\n")
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = json.dumps(_config(ps="127.0.0.1:0"))
     _, out = run_command([sys.executable, "-c", code], timeout=60, env=env)
     assert 'cluster["ps"][0] = "127.0.0.1:0"' in out
@@ -92,7 +92,7 @@ def test_probe_passes_for_a_real_tensorflow_server_and_evaluator_is_left_out(tmp
     cfg = _config(ps=f"127.0.0.1:{ports[0]}", worker=f"127.0.0.1:{ports[1]}",
                   chief=f"127.0.0.1:{ports[2]}", task=("ps", 0),
                   evaluator=[f"127.0.0.1:{ports[3]}"])
-    env = _env()
+    env = subprocess_env()
     env["TF_CONFIG"] = json.dumps(cfg)
     log = tmp_path / "ps.log"
     with open(log, "wb") as f:

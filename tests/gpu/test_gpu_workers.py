@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import _env, run_command, run_scenario
+from conftest import run_command, run_scenario, subprocess_env
 from tf_asyncps.cluster import devices
 
 GPU_IDS = devices.available_gpus()  # nvidia-smi -L; CUDA is not touched here
@@ -23,7 +23,7 @@ GPU_IDS = devices.available_gpus()  # nvidia-smi -L; CUDA is not touched here
 @functools.lru_cache(maxsize=None)
 def _tensorflow_gpus() -> int:
     """GPUs TensorFlow sees, asked in a subprocess (never initialise CUDA here)."""
-    env = dict(_env(), CUDA_VISIBLE_DEVICES=",".join(GPU_IDS))
+    env = dict(subprocess_env(), CUDA_VISIBLE_DEVICES=",".join(GPU_IDS))
     rc, out = run_command(
         [sys.executable, "-c", "import tensorflow as tf; "
          "print('NGPU', len(tf.config.list_physical_devices('GPU')))"],
@@ -56,7 +56,7 @@ def _record(name, data):
 
 
 def _launch_env(**extra):
-    env = _env()
+    env = subprocess_env()
     env.pop("CUDA_VISIBLE_DEVICES")  # the launcher hands out the GPUs
     env.update(extra)
     return env
