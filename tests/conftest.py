@@ -81,11 +81,22 @@ def poll_until(cond, proc, timeout_s, what):
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def proc_state(pid: int) -> str:
+    """The one-letter state of ``pid`` in /proc/PID/stat ("T": stopped,
+    "Z": zombie), read after the command name (which may hold spaces and
+    parentheses). The tests' one reader of that file.
+
+    Raises:
+      OSError: no such process (or no /proc).
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_state(pid) != "Z"
     except OSError:
         return False
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import run_command, run_scenario, wait_dead
+from conftest import proc_state, run_command, run_scenario, wait_dead
 from tf_asyncps.app import bench, bench_report
 from tf_asyncps.cluster import netns
 from tf_asyncps.app.straggler import StopContCycler, slow_dataset_fn
@@ -427,20 +427,15 @@ def test_straggler_injection_slows_the_chosen_worker():
     assert slow * 2 < fast
 
 
-def _state(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_stop_cont_cycler_pauses_and_always_continues():
     proc = subprocess.Popen(["sleep", "60"])
     try:
         with StopContCycler(proc.pid, stop_s=5.0, period_s=10.0) as cyc:
             deadline = time.monotonic() + 5  # bounded poll for the first SIGSTOP
-            while _state(proc.pid) != "T" and time.monotonic() < deadline:
+            while proc_state(proc.pid) != "T" and time.monotonic() < deadline:
                 pass
-            assert _state(proc.pid) == "T" and cyc.cycles >= 1
-        assert _state(proc.pid) != "T"  # continued on exit, before stop_s elapsed
+            assert proc_state(proc.pid) == "T" and cyc.cycles >= 1
+        assert proc_state(proc.pid) != "T"  # continued on exit, before stop_s elapsed
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)

@@ -8,14 +8,9 @@ import tf_keras
 
 import tf_asyncps
 
+from conftest import proc_state
 from scenarios import cluster, scenario
 from scenarios.common import mlp, small_problem, stats_of
-
-
-def _proc_state(pid):
-    """The one-letter state in /proc/PID/stat ("T": stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @scenario
@@ -62,10 +57,10 @@ def sigstop_worker(policy="async", policy_args=None, num_workers=2, steps=80,
                 return
             c.kill("worker:1", signal.SIGSTOP)
             t_stop = time.monotonic()
-            while _proc_state(pid) != "T" and not done.wait(0.01):  # delivery is async
+            while proc_state(pid) != "T" and not done.wait(0.01):  # delivery is async
                 if time.monotonic() - t_stop > 2:
                     break
-            ev["state_stopped"] = _proc_state(pid)
+            ev["state_stopped"] = proc_state(pid)
             ev["g_stop"] = strategy.staleness_stats().global_step
             done.wait(stop_s)  # the fault lasts stop_s (fit ending early cuts it short)
             ev["g_cont"] = strategy.staleness_stats().global_step
