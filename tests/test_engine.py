@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from scenarios.common import make_optimizer
 from tf_asyncps import policies
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import StalenessTracker
@@ -114,13 +115,6 @@ def test_sync_replicas_means_exactly_n_gradients_per_update():
     engine.stop_watchdogs()
 
 
-def _optimizer(name, lr):
-    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
-            "momentum": lambda: tf_keras.optimizers.SGD(lr, momentum=0.9),
-            "adam": lambda: tf_keras.optimizers.Adam(lr),
-            "adagrad": lambda: tf_keras.optimizers.Adagrad(lr)}[name]()
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adagrad"])
 @pytest.mark.parametrize("policy,args", [
     ("async", {}), ("drop_stale", {"max_staleness": 0}), ("staleness_aware", {}),
@@ -136,7 +130,7 @@ def test_one_worker_under_every_policy_equals_the_plain_optimizer(policy, args, 
     w0 = rng.randn(4, 1).astype(np.float32)
     w, w_ref = tf.Variable(w0), tf.Variable(w0)
     engine.track_variable(w, trainable=True)
-    opt, opt_ref = _optimizer(optimizer, 0.05), _optimizer(optimizer, 0.05)
+    opt, opt_ref = make_optimizer(optimizer, 0.05), make_optimizer(optimizer, 0.05)
 
     def grads_of(var):
         with tf.GradientTape() as tape:
@@ -224,18 +218,13 @@ def test_sparse_gradients_stay_sparse_and_equal_the_dense_reference(policy, args
     assert s.applied == 6 and s.global_step == 6 // workers
 
 
-def _keras3_opt(name):
-    import keras
-    return {"sgd": lambda: keras.optimizers.SGD(0.1),
-            "adagrad": lambda: keras.optimizers.Adagrad(0.1)}[name]()
-
-
 @pytest.mark.parametrize("make,warns,fix", [
     (lambda: tf_keras.optimizers.SGD(0.1), True, "legacy.SGD"),
     (lambda: tf_keras.optimizers.legacy.SGD(0.1), False, None),
     (lambda: tf_keras.optimizers.Adagrad(0.1), False, None),
-    (lambda: _keras3_opt("adagrad"), True, "keras.optimizers.SGD without momentum"),
-    (lambda: _keras3_opt("sgd"), False, None)],
+    (lambda: make_optimizer("adagrad", 0.1, "keras3"), True,
+     "keras.optimizers.SGD without momentum"),
+    (lambda: make_optimizer("sgd", 0.1, "keras3"), False, None)],
     ids=["tf_keras-sgd", "tf_keras-legacy-sgd", "tf_keras-adagrad", "keras3-adagrad",
          "keras3-sgd"])
 def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warns, fix,

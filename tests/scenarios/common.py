@@ -53,16 +53,35 @@ def mlp(features=8, classes=3):
         tf_keras.layers.Dense(classes)])
 
 
-def make_optimizer(name, lr):
-    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
-            "momentum": lambda: tf_keras.optimizers.SGD(lr, momentum=0.9),
-            "adam": lambda: tf_keras.optimizers.Adam(lr),
-            "adagrad": lambda: tf_keras.optimizers.Adagrad(lr),
-            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
+def make_optimizer(name, lr, keras_name="tf_keras"):
+    """A new optimizer by name: the tests' one table of them.
+
+    Args:
+      name: "sgd", "momentum" (SGD, momentum 0.9), "adam" or "adagrad"; for
+        tf_keras also "legacy_sgd", "legacy_adam" and "momentum_schedule"
+        (momentum SGD whose learning rate decays by 0.9 every 5 steps).
+      lr: the learning rate (float).
+      keras_name: "tf_keras" or "keras3" (Keras 3).
+
+    Raises:
+      KeyError: a name that this table has not.
+    """
+    if keras_name == "keras3":
+        import keras
+        opt = keras.optimizers
+    else:
+        opt = tf_keras.optimizers
+    makers = {"sgd": lambda: opt.SGD(lr), "momentum": lambda: opt.SGD(lr, momentum=0.9),
+              "adam": lambda: opt.Adam(lr), "adagrad": lambda: opt.Adagrad(lr)}
+    if keras_name != "keras3":
+        makers.update({
+            "legacy_sgd": lambda: opt.legacy.SGD(lr), "legacy_adam": lambda: opt.legacy.Adam(lr),
             # A learning-rate schedule reads optimizer.iterations every step.
-            "momentum_schedule": lambda: tf_keras.optimizers.SGD(
-                tf_keras.optimizers.schedules.ExponentialDecay(lr, 5, 0.9), momentum=0.9),
-            }[name]()
+            "momentum_schedule": lambda: opt.SGD(
+                opt.schedules.ExponentialDecay(lr, 5, 0.9), momentum=0.9)})
+    if name not in makers:
+        raise KeyError(f"no {keras_name} optimizer {name!r} in this table: {sorted(makers)}")
+    return makers[name]()
 
 
 def least_squares(n=64, features=5, seed=0):

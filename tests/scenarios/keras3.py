@@ -8,7 +8,8 @@ import tensorflow as tf
 import tf_asyncps
 
 from scenarios import cluster, scenario
-from scenarios.common import fake_multi_replica_workers, in_process_cluster, stats_of
+from scenarios.common import (fake_multi_replica_workers, in_process_cluster, make_optimizer,
+                              stats_of)
 
 
 @scenario(shares_cluster=True)
@@ -73,8 +74,8 @@ def _k3_model(optimizer="sgd", lr=0.1, steps_per_execution=1, dropout=0.0, seed=
         layers.append(keras.layers.Dropout(dropout, seed=seed))
     layers.append(keras.layers.Dense(2))
     model = keras.Sequential(layers, name="k3")
-    opt = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer](lr)
-    model.compile(opt, "mse", metrics=["mae"], steps_per_execution=steps_per_execution)
+    model.compile(make_optimizer(optimizer, lr, "keras3"), "mse", metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -436,9 +437,8 @@ def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdi
         model = keras.Sequential([keras.Input((3,), dtype="int32"),
                                   keras.layers.Embedding(60, 4, name="table"),
                                   keras.layers.Flatten(), keras.layers.Dense(2, name="out")])
-        opt = {"sgd": keras.optimizers.SGD(0.5), "adam": keras.optimizers.Adam(0.05),
-               "adagrad": keras.optimizers.Adagrad(0.5)}[optimizer]
-        model.compile(opt, "mse", metrics=["mae"])
+        lr = {"sgd": 0.5, "adam": 0.05, "adagrad": 0.5}[optimizer]
+        model.compile(make_optimizer(optimizer, lr, "keras3"), "mse", metrics=["mae"])
         return model
 
     with cluster(num_workers=1, num_ps=num_ps) as c:

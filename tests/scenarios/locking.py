@@ -7,18 +7,7 @@ import tf_keras
 import tf_asyncps
 
 from scenarios import cluster, scenario
-from scenarios.common import mlp, run_steps, small_problem, stats_of, step_fn
-
-
-def _make_opt(keras_name, name, lr):
-    if keras_name == "keras3":
-        import keras
-        return {"sgd": lambda: keras.optimizers.SGD(lr),
-                "adam": lambda: keras.optimizers.Adam(lr)}[name]()
-    return {"sgd": lambda: tf_keras.optimizers.SGD(lr),
-            "adam": lambda: tf_keras.optimizers.Adam(lr),
-            "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(lr),
-            "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(lr)}[name]()
+from scenarios.common import make_optimizer, mlp, run_steps, small_problem, stats_of, step_fn
 
 
 @scenario(shares_cluster=True)
@@ -31,7 +20,7 @@ def case002(keras_name="tf_keras", optimizer="sgd", locking=False, num_workers=4
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             w = tf.Variable(tf.zeros([dim]), name="w")
-            opt = _make_opt(keras_name, optimizer, lr)
+            opt = make_optimizer(optimizer, lr, keras_name)
             if locking:
                 opt = tf_asyncps.optimizers.LockingOptimizer(opt, timeout_s=60)
             if keras_name == "keras3":
@@ -41,7 +30,7 @@ def case002(keras_name="tf_keras", optimizer="sgd", locking=False, num_workers=4
         got = w.numpy()
         # Reference: the same optimizer, `steps` sequential steps, in this process.
         ref_w = tf.Variable(tf.zeros([dim]))
-        ref_opt = _make_opt(keras_name, optimizer, lr)
+        ref_opt = make_optimizer(optimizer, lr, keras_name)
         for _ in range(steps):
             ref_opt.apply_gradients([(tf.ones([dim]), ref_w)])
         it = opt.iterations
