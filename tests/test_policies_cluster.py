@@ -60,12 +60,26 @@ def test_drop_stale_zero_is_sequential_gradient_descent():
 
 @pytest.mark.cluster
 def test_async_full_batch_is_really_stale():
-    """The contrast to the test above: async with 4 workers applies stale gradients."""
+    """The contrast to the test above: async with 4 workers applies stale
+    gradients, and τ says how stale, within the bound 4 workers allow."""
     r = run_scenario("full_batch_policy", shared=(4, 1), policy="async", num_workers=4,
                      steps=60)
-    s = r["stats"]
+    s, h = r["stats"], r["stats"]["histogram"]
     assert s["applied"] == s["global_step"] == 60 and s["dropped"] == 0
-    assert sum(s["histogram"]) == 60
+    assert sum(h) == 60
+    # Some gradients were computed on a model that other workers had updated since;
+    # the first update cannot be stale (none landed before it).
+    assert sum(h[1:]) >= 1 and s["max"] >= 1 and h[0] >= 1
+    # The exact mean and max agree with the histogram (below its last, ">=" bin).
+    assert s["max"] == max(t for t, n in enumerate(h) if n) < len(h) - 1
+    assert s["mean"] == pytest.approx(sum(t * n for t, n in enumerate(h)) / 60)
+    # τ of a step counts the updates landing between its read and its apply. A
+    # worker runs one step at a time, so an update lands inside at most one step
+    # of each other worker: Σ τ <= 3 * 60, mean τ <= 3 (an overcount breaks it).
+    assert 0 < s["mean"] <= 3
+    # The staleness is real: the weights are not sequential gradient descent's
+    # (they are, to 1e-5, when every τ is 0: the test above).
+    assert np.max(np.abs(np.subtract(r["w"], r["ref"]))) > 1e-5
 
 
 @pytest.mark.cluster
