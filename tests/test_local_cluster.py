@@ -156,7 +156,7 @@ def test_supervisor_restarted_task_outlives_supervision_and_dies_with_launcher(t
         _cleanup(launcher, pids)
 
 
-
+@pytest.mark.cluster  # starts a TensorFlow server (a worker task)
 def test_a_task_server_starts_without_tensorflows_api_package():
     """A ps/worker task imports only TensorFlow's server and config modules
     (compat.serving_runtime: ~0.6 s of CPU instead of ~3.5 s for
