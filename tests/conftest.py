@@ -14,8 +14,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-#: ``python SCENARIOS NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
-SCENARIOS = os.path.join(HERE, "scenarios")
+#: ``python SCENARIOS_DIR NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
+SCENARIOS_DIR = os.path.join(HERE, "scenarios")
 
 
 def subprocess_env():
@@ -134,7 +134,7 @@ class SharedCluster:
         self._lines = queue.Queue()
         self._tail = []
         self.proc = subprocess.Popen(
-            [sys.executable, SCENARIOS, "serve",
+            [sys.executable, SCENARIOS_DIR, "serve",
              json.dumps(self.shape)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True, text=True)
         threading.Thread(target=self._read, args=(self.proc.stdout, self._lines),
@@ -230,7 +230,7 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's
         # optimizers with TensorFlow (1.4 s of CPU each).
         env.setdefault("TF_USE_LEGACY_KERAS", "1")
-    _, out = run_command([sys.executable, script or SCENARIOS, name,
+    _, out = run_command([sys.executable, script or SCENARIOS_DIR, name,
                           json.dumps(kwargs)], timeout=timeout, env=env)
     for line in out.splitlines():
         if line.startswith("RESULT: "):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, SCENARIOS, poll_until, run_command, run_scenario, stop_process,
+from conftest import (ROOT, SCENARIOS_DIR, poll_until, run_command, run_scenario, stop_process,
                       subprocess_env)
 from tf_asyncps import recovery
 from tf_asyncps.cluster import LocalCluster
@@ -98,7 +98,7 @@ def test_crash_inside_a_checkpoint_save_leaves_the_previous_one_latest(tmp_path,
     import numpy as np
     import tensorflow as tf
     backup = str(tmp_path / "backup")
-    rc, out = run_command([sys.executable, SCENARIOS,
+    rc, out = run_command([sys.executable, SCENARIOS_DIR,
                            "checkpoint_crash",
                            json.dumps({"backup_dir": backup, "crash_at": crash_at})],
                           timeout=90, check=False)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SCENARIOS, run_command, run_scenario, wait_dead
+from conftest import SCENARIOS_DIR, run_command, run_scenario, wait_dead
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -159,7 +159,7 @@ def test_backup_and_restore_resumes_a_crashed_fit_exactly(tmp_path):
     exactly where an uninterrupted fit ends. The same model written with a
     checkpoint sharding callback (tf#73836) reads back into a third one."""
     backup = str(tmp_path / "backup")
-    rc, out = run_command([sys.executable, SCENARIOS, "sharded_backup",
+    rc, out = run_command([sys.executable, SCENARIOS_DIR, "sharded_backup",
                            json.dumps({"backup_dir": backup, "crash_after_epoch": 1})],
                           timeout=180, check=False)
     assert rc == 17 and "crashing after epoch 1" in out, out[-3000:]
