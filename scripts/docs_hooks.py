@@ -1,14 +1,22 @@
-"""MkDocs hook (mkdocs.yml `hooks:`): API pages name public objects as the
-package root exports them (``::: tf_asyncps.ResumeTracker``), and this hook
-points each such line at the module that defines the object, read from
-``_LAZY`` in ``tf_asyncps/__init__.py`` (parsed, not imported: the docs build
-imports no TensorFlow). A module moved inside the package then needs only its
-``_LAZY`` entry changed, not the docs.
+"""The docs build's two additions (mkdocs.yml names this file twice).
+
+As a MkDocs hook (`hooks:`): API pages name public objects as the package root
+exports them (``::: tf_asyncps.ResumeTracker``), and the hook points each such
+line at the module that defines the object, read from ``_LAZY`` in
+``tf_asyncps/__init__.py`` (parsed, not imported: the docs build imports no
+TensorFlow). A module moved inside the package then needs only its ``_LAZY``
+entry changed, not the docs.
+
+As a griffe extension (mkdocstrings' `extensions:`): the docstrings' Sphinx
+roles (:class:`X`, :func:`~a.b`) become code spans (`X`, `b`), which Markdown
+shows as names instead of the role's raw text.
 """
 
 import ast
 import os
 import re
+
+import griffe
 
 _INIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "tf_asyncps", "__init__.py")
@@ -58,3 +66,20 @@ def resolve(markdown, exports=None):
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
     return resolve(markdown)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|obj|exc):`(~?)([^`]+)`")
+
+
+def plain_roles(text):
+    """``:class:`X``` -> ```X```; ``:func:`~a.b``` -> ```b``` (Sphinx's ~)."""
+    return _ROLE.sub(lambda m: "`" + (m.group(2).rsplit(".", 1)[-1] if m.group(1)
+                                      else m.group(2)) + "`", text)
+
+
+class SphinxRoles(griffe.Extension):
+    """Rewrites each loaded object's docstring with :func:`plain_roles`."""
+
+    def on_object(self, *, obj, **kwargs):
+        if obj.docstring is not None:
+            obj.docstring.value = plain_roles(obj.docstring.value)

@@ -117,3 +117,10 @@ def test_the_hook_points_root_names_at_their_module():
     # The real table: every root export is there, read without importing the package.
     assert set(docs_hooks.root_exports()) >= {"AsyncParameterServerStrategy", "policies",
                                               "ResumeTracker", "DatasetFn"}
+
+
+def test_sphinx_roles_in_docstrings_become_code_spans():
+    assert docs_hooks.plain_roles(
+        "Use :class:`LocalCluster` or :func:`~tf_asyncps.cluster.cluster_resolver`; "
+        ":mod:`tf_asyncps.policies`, ``x``.") == (
+        "Use `LocalCluster` or `cluster_resolver`; `tf_asyncps.policies`, ``x``.")
