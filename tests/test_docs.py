@@ -15,7 +15,10 @@ import pytest
 from conftest import ROOT, run_command
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import docs_hooks  # noqa: E402
+try:
+    import docs_hooks  # noqa: E402 (imports griffe, of mkdocstrings)
+except ImportError:  # _docs_tools fails every test here with the install command
+    docs_hooks = None
 
 # Runs `mkdocs build --strict` in this interpreter and reports, at exit, whether
 # the build imported TensorFlow.
@@ -28,14 +31,18 @@ runpy.run_module("mkdocs", run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+@pytest.fixture(scope="module", autouse=True)
+def _docs_tools():
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python", "griffe"):
         try:
             __import__(module)
         except ImportError:
             pytest.fail(f"{module} is missing: the docs build needs the test extra "
                         "(pip install -e \".[test]\").")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("site"))
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     env.pop("PYTHONPATH", None)  # mkdocs.yml's `paths: [.]` finds the package
