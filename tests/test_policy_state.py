@@ -169,13 +169,15 @@ def test_beside_places_and_marks_policy_state_untracked():
 
 
 def test_the_readme_custom_policy_scales_sparse_gradients_without_densifying():
-    """README "Update policies": the example policy, as printed there, keeps
-    an IndexedSlices gradient sparse and round-trips its config."""
+    """docs "Update policies" (docs/concepts/policies.md): the example policy,
+    as printed there, keeps an IndexedSlices gradient sparse and round-trips
+    its config."""
     import tf_asyncps
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    page = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "concepts",
+                               "policies.md")).read()
     head = 'import tensorflow as tf\nimport tf_asyncps\n\n@tf_asyncps.policies.register("halve_when_stale")'
-    assert readme.count(head) == 1
-    code = readme.split(head, 1)[1].split("\nstrategy = ", 1)[0]
+    assert page.count(head) == 1
+    code = page.split(head, 1)[1].split("\nstrategy = ", 1)[0]
     namespace = {"tf": tf, "tf_asyncps": tf_asyncps}
     exec('@tf_asyncps.policies.register("halve_when_stale_readme")' + code, namespace)  # noqa: S102
     policy = namespace["HalveWhenStale"](limit=2)

@@ -278,5 +278,5 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
         return self.cluster.sent.numpy()
 
 
-#: The name the README and TF1 users know (``tf_asyncps.SyncReplicasAggregator``).
 SyncReplicasAggregator = SyncReplicas
+"""The name the docs and TF1 users know (``tf_asyncps.SyncReplicasAggregator``)."""
