@@ -74,6 +74,17 @@ def _all_of(module_path):
     raise AssertionError(f"{module_path} has no literal __all__")
 
 
+def _lazy_of(module_path):
+    """The literal ``_LAZY`` table (name -> defining module) of a package
+    whose names load on first use (tf_asyncps.callbacks), else {}."""
+    with open(module_path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_LAZY":
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def _module_file(dotted):
     base = os.path.join(ROOT, *dotted.split("."))
     return base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
@@ -97,7 +108,9 @@ def test_the_api_reference_documents_every_public_name(site):
             wanted.append(f"{module}.{attr}")
         else:
             wanted.append(module)
-            wanted += [f"{module}.{n}" for n in _all_of(_module_file(module))
+            # A lazy subpackage's names are documented where they are defined.
+            lazy = _lazy_of(_module_file(module))
+            wanted += [f"{lazy.get(n, module)}.{n}" for n in _all_of(_module_file(module))
                        if not n.isupper()  # constants: no heading of their own
                        and n not in exports]  # documented under its root name
     # griffe reads `from .chain import chain` in a package as its submodule
