@@ -63,14 +63,15 @@ class _Mixin:
             eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
             initializer=lambda shape: initializer(shape, tf.float32), name=self.name)
         strategy = attach_to_strategy(table)
-        tf_compat.set_untracked_attribute(self, "_dyn_table", table)
+        # Tracked: the map's variables are checkpointed with the layer.
+        self.dynamic_table = table
         tf_compat.set_untracked_attribute(self, "_global_step", global_step(strategy))
         return table
 
     def _dynamic_call(self, ids, training):
         step = self._global_step
         step = None if step is None else step.read_value()
-        return self._dyn_table.lookup(ids, step, training=bool(training))
+        return self.dynamic_table.lookup(ids, step, training=bool(training))
 
     def _dynamic_config(self) -> dict:
         return {"output_dim": self.output_dim, "capacity": self.capacity,
@@ -79,19 +80,14 @@ class _Mixin:
                 "ttl_steps": self.ttl_steps, "initializer": self.initializer_name}
 
     # -- public ---------------------------------------------------------------
-    @property
-    def table(self) -> "dt.DynamicTable":
-        """The :class:`~tf_asyncps.layers.dynamic_table.DynamicTable` (after build)."""
-        return self._dyn_table
-
     def export(self):
         """(ids, rows) of the live rows only: ids ``[n]`` of ``key_dtype``,
         rows float32 ``[n, output_dim]`` (eager, on the chief)."""
-        return self._dyn_table.export()
+        return self.dynamic_table.export()
 
     def stats(self) -> dict:
         """``{"live_rows", "capacity", "evicted", "refused"}`` (ints)."""
-        return self._dyn_table.stats()
+        return self.dynamic_table.stats()
 
 
 class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):

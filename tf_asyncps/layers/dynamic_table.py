@@ -49,7 +49,9 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 2022, for collisionless tables with frequency filtering and expiry).
 """
 
+import functools
 import re
+import types
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
@@ -106,12 +108,18 @@ def _bucket(ids, buckets: int, strong: bool = False):
     return tf.strings.to_hash_bucket_fast(text, buckets)
 
 
-class _Shard:
+class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
-    ``offset + rows - 1`` of the table), all on that shard's ps."""
+    ``offset + rows - 1`` of the table), all on that shard's ps. Its
+    variables are checkpointed (through the layer); the index, its token
+    and the lock are not."""
 
-    def __init__(self, var, offset: int, key_dtype, min_count: int, name: str):
-        self.var, self.offset, self.min_count = var, offset, min_count
+    def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
+                 name: str):
+        super().__init__(name=name)
+        untracked = functools.partial(tf_compat.set_untracked_attribute, self)
+        untracked("var", var)
+        self.offset, self.min_count, self.num_shards = offset, min_count, num_shards
         self.rows = int(var.shape[0])
         self.device = var.device
         zeros = tf.zeros([self.rows], tf.int64)
@@ -132,17 +140,31 @@ class _Shard:
             # Changes with every change of the map; the index was built for
             # `built` (not saved): a restore brings another token back.
             self.token = tf.Variable(_new_token(), trainable=False, name=f"{name}_token")
+            # How many shards wrote a checkpoint: restoring onto another
+            # number of ps shards is refused at the first lookup.
+            self.shards_saved = tf.Variable(tf.constant(num_shards, tf.int64), trainable=False,
+                                            name=f"{name}_num_shards")
         with tf.init_scope(), tf.device(var.device):
-            self.built = tf.Variable(self.token.read_value(), trainable=False,
-                                     name=f"{name}_index_token")
-            self.index = tf.lookup.experimental.MutableHashTable(
-                key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
-            self.lock = placement.critical_section(f"{name}_lock")
+            # Not model state: a plain object, which neither checkpoints nor
+            # Keras's weight lists look into.
+            untracked("process_local", types.SimpleNamespace(
+                built=tf.Variable(self.token.read_value(), trainable=False,
+                                  name=f"{name}_index_token"),
+                index=tf.lookup.experimental.MutableHashTable(
+                    key_dtype, tf.int64, default_value=-1, name=f"{name}_index"),
+                lock=placement.critical_section(f"{name}_lock")))
 
-    def saved_variables(self) -> dict:
-        return {"key": self.key, "count": self.count, "last_step": self.last,
-                "filter": self.filter, "waiting": self.waiting, "refused": self.refused,
-                "passes": self.passes, "evicted": self.evicted, "token": self.token}
+    @property
+    def built(self):
+        return self.process_local.built
+
+    @property
+    def index(self):
+        return self.process_local.index
+
+    @property
+    def lock(self):
+        return self.process_local.lock
 
     # -- inside the critical section, on the ps -------------------------------
     def _changed(self):
@@ -152,7 +174,14 @@ class _Shard:
     def _index_current(self):
         """Rebuilds the index from the rows' keys if they were restored."""
         def rebuild():
-            old, _ = self.index.export()
+            same = tf.debugging.assert_equal(
+                self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
+                    "DynamicEmbedding: this table was restored from a checkpoint written "
+                    f"with another number of table shards (now {self.num_shards}): restore "
+                    "it with the variable_partitioner and number of ps tasks it was saved "
+                    "with, then layer.export() to move its rows."))
+            with tf.control_dependencies([same]):
+                old, _ = self.index.export()
             live = tf.where(self.count > 0)[:, 0]
             with tf.control_dependencies([self.index.remove(old)]):
                 insert = self.index.insert(tf.gather(self.key, live), live + self.offset)
@@ -251,7 +280,7 @@ def _new_token():
     return tf.random.uniform([], minval=tf.int64.min, maxval=tf.int64.max, dtype=tf.int64)
 
 
-class DynamicTable:
+class DynamicTable(tf.Module):
     """The map, metadata and eviction of one dynamic embedding table.
 
     Framework-neutral: the Keras layers (:class:`tf_asyncps.layers.DynamicEmbedding`)
@@ -274,7 +303,8 @@ class DynamicTable:
 
     def __init__(self, table, *, key_dtype, min_count: int, eviction: str, evict_every: int,
                  ttl_steps: Optional[int], initializer, name: str):
-        self.table = table
+        super().__init__(name=name)
+        tf_compat.set_untracked_attribute(self, "table", table)  # the layer's weight
         self.key_dtype = key_dtype
         self.output_dim = int(table.shape[1])
         self.capacity = int(table.shape[0])
@@ -284,7 +314,8 @@ class DynamicTable:
         self.shards: List[_Shard] = []
         offset = 0
         for i, var in enumerate(parts):
-            self.shards.append(_Shard(var, offset, key_dtype, min_count, f"{name}_{i}"))
+            self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
+                                      f"{name}_{i}"))
             offset += int(var.shape[0])
 
     # -- lookups ----------------------------------------------------------------

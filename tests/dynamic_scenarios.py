@@ -1,0 +1,147 @@
+"""Cluster scenarios for DynamicEmbedding (run by tests/test_dynamic_cluster.py
+through ``conftest.run_scenario(name, script=this file)``; one cluster per
+process, as in tests/scenarios.py)."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import scenarios  # noqa: E402  (the runner: scenario registry, clusters, main)
+import tf_asyncps  # noqa: E402
+from tf_asyncps.layers import DynamicEmbedding  # noqa: E402
+
+RAW = np.array([10**12 + 7, -5, 3, 99, 2**40, 17, 123456789, 8, 9, 10], np.int64)
+PARTITIONER = tf.distribute.experimental.partitioners.FixedShardsPartitioner
+
+
+def _optimizer(name):
+    return {"sgd": lambda: tf_keras.optimizers.SGD(0.1),
+            "adagrad": lambda: tf_keras.optimizers.Adagrad(0.1),
+            "adam": lambda: tf_keras.optimizers.Adam(0.01)}[name]()
+
+
+def _data(seed=0, n=64):
+    rng = np.random.default_rng(seed)
+    return rng.choice(RAW, size=(n, 3)), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _model(embedding):
+    i = tf_keras.Input([3], dtype=tf.int64)
+    flat = tf_keras.layers.Flatten()(embedding(i))
+    return tf_keras.Model(i, tf_keras.layers.Dense(1, kernel_initializer="ones")(flat))
+
+
+def _fit(strategy, model, x, y, epochs=2, steps=8):
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps, verbose=0)
+
+
+@scenarios.scenario
+def dynamic_exact(optimizer="sgd", num_ps=2):
+    """1 worker, tables on ``num_ps`` shards, capacity > distinct ids: the
+    predictions of IntegerLookup + Embedding trained the same way."""
+    x, y = _data()
+    with scenarios._cluster(num_workers=1, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        vocab = np.unique(x)
+        looked = tf_keras.Sequential([tf_keras.layers.IntegerLookup(vocabulary=vocab),
+                                      tf_keras.layers.Embedding(len(vocab) + 1, 4,
+                                                                embeddings_initializer="zeros")])
+        ref = _model(looked)
+        ref.compile(_optimizer(optimizer), "mse")
+        ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=16, initializer="zeros"))
+            model.compile(_optimizer(optimizer), "mse")
+        _fit(strategy, model, x, y)
+        layer = model.layers[1]
+        ids = sorted(layer.export()[0].numpy().tolist())
+        return {"max_diff": float(np.abs(model.predict(x, verbose=0)
+                                         - ref.predict(x, verbose=0)).max()),
+                "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
+                "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
+                "shards": len(layer.dynamic_table.shards)}
+
+
+@scenarios.scenario
+def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_workers=2):
+    """Each policy on 2 workers, 2 ps, 10 ids for ``capacity`` rows, an
+    eviction pass every 4 global steps: the table's invariants afterwards."""
+    x, y = _data()
+    out = {}
+    with scenarios._cluster(num_workers=num_workers, num_ps=2) as c:
+        for policy in policies:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(
+                c.resolver(), update_policy=policy, variable_partitioner=PARTITIONER(2))
+            with strategy.scope():
+                model = _model(DynamicEmbedding(4, capacity=capacity, evict_every=4,
+                                                initializer="zeros"))
+                opt = _optimizer(optimizer)
+                model.compile(opt, "mse")
+            _fit(strategy, model, x, y, epochs=2, steps=10)
+            layer = model.layers[1]
+            ids, rows = layer.export()
+            table = layer.dynamic_table
+            # Free rows: fresh initializer values (zeros) and fresh slots.
+            free_rows, free_slots = [], []
+            slots = [s for v in model.trainable_variables[:len(table.shards)]
+                     for s in tf_asyncps.layers.dynamic_table.optimizer_slots(opt, v)]
+            for i, shard in enumerate(table.shards):
+                free = np.flatnonzero(shard.count.numpy() == 0)
+                free_rows.append(float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+                for slot, value in slots:
+                    if slot.device == shard.var.device and slot.shape == shard.var.shape:
+                        free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
+            out[policy] = {"stats": layer.stats(), "ids": ids.numpy().tolist(),
+                           "free_rows_max": max(free_rows), "num_slots": len(slots),
+                           "free_slots_max_diff": max(free_slots, default=0.0),
+                           "global_step": strategy.staleness_stats().global_step,
+                           "loss_finite": bool(np.isfinite(model.predict(x, verbose=0)).all())}
+    return out
+
+
+@scenarios.scenario
+def dynamic_checkpoint(num_workers=2):
+    """Train, save a tf.train.Checkpoint, restore into a new model (same
+    cluster shape): same live ids, rows and predictions; training goes on."""
+    x, y = _data()
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    with scenarios._cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
+            model.compile(_optimizer("adagrad"), "mse")
+        _fit(strategy, model, x, y)
+        saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(path)
+        before = model.layers[1].export()
+        with strategy.scope():
+            again = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
+            again.compile(_optimizer("adagrad"), "mse")
+        tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
+        after = again.layers[1].export()
+        order_b, order_a = np.argsort(before[0].numpy()), np.argsort(after[0].numpy())
+        result = {
+            "ids_equal": before[0].numpy()[order_b].tolist() == after[0].numpy()[order_a].tolist(),
+            "rows_max_diff": float(np.abs(before[1].numpy()[order_b]
+                                          - after[1].numpy()[order_a]).max()),
+            "pred_max_diff": float(np.abs(model.predict(x, verbose=0)
+                                          - again.predict(x, verbose=0)).max()),
+            "live": again.layers[1].stats()["live_rows"]}
+        _fit(strategy, again, x, y, epochs=1)
+        result["stats_after_more_training"] = again.layers[1].stats()
+        return result
+
+
+if __name__ == "__main__":
+    scenarios.main()
