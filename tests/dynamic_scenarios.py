@@ -143,5 +143,41 @@ def dynamic_checkpoint(num_workers=2):
         return result
 
 
+@scenarios.scenario
+def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16):
+    """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
+    predictions of Keras 3 IntegerLookup + Embedding trained the same way."""
+    import keras
+    x, y = _data()
+    vocab = np.unique(x)
+
+    def head(e):
+        return keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.Flatten()(e))
+
+    with scenarios._cluster(num_workers=num_workers, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        i = keras.Input((3,), dtype="int64")
+        looked = keras.layers.IntegerLookup(vocabulary=vocab)(i)
+        ref = keras.Model(i, head(keras.layers.Embedding(
+            len(vocab) + 1, 4, embeddings_initializer="zeros")(looked)))
+        ref.compile(keras.optimizers.SGD(0.1), "mse")
+        ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        with strategy.scope():
+            i = keras.Input((3,), dtype="int64")
+            layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=4,
+                                                       initializer="zeros")
+            model = keras.Model(i, head(layer(i)))
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        model.fit(data, epochs=2, steps_per_epoch=8, verbose=0)
+        ids = sorted(layer.export()[0].numpy().tolist())
+        return {"max_diff": float(np.abs(model.predict(x, verbose=0)
+                                         - ref.predict(x, verbose=0)).max()),
+                "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
+                "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
+                "shards": len(layer.dynamic_table.shards)}
+
+
 if __name__ == "__main__":
     scenarios.main()

@@ -55,3 +55,11 @@ def test_checkpoint_restores_map_rows_and_predictions():
     assert r["rows_max_diff"] == 0.0 and r["pred_max_diff"] == 0.0
     after = r["stats_after_more_training"]
     assert after["live_rows"] <= 8 and after["evicted"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_keras3_fit_one_worker_equals_integer_lookup_and_embedding():
+    r = run_scenario("dynamic_keras3_exact", timeout=280, script=SCRIPT)
+    assert r["shards"] == 2 and r["ids"] == r["distinct"]
+    assert r["stats"] == {"live_rows": 10, "capacity": 16, "evicted": 0, "refused": 0}
+    assert r["ref_max"] > 0.05 and r["max_diff"] <= 1e-6

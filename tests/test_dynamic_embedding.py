@@ -173,3 +173,27 @@ def test_get_config_round_trips():
     for field in ("output_dim", "capacity", "key_dtype", "min_count", "eviction",
                   "evict_every", "ttl_steps", "name"):
         assert getattr(again, field) == getattr(layer, field), field
+
+
+def test_keras3_layer_one_process_equals_integer_lookup_and_embedding():
+    keras = pytest.importorskip("keras")
+    import tf_asyncps
+    x, y = _data(RAW)
+
+    def head(e):
+        return keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.Flatten()(e))
+
+    i = keras.Input((3,), dtype="int64")
+    layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=16, initializer="zeros")
+    dyn = keras.Model(i, head(layer(i)))
+    i = keras.Input((3,), dtype="int64")
+    looked = keras.layers.IntegerLookup(vocabulary=np.unique(x))(i)
+    ref = keras.Model(i, head(keras.layers.Embedding(len(np.unique(x)) + 1, 4,
+                                                     embeddings_initializer="zeros")(looked)))
+    out = []
+    for m in (dyn, ref):
+        m.compile(keras.optimizers.SGD(0.1), "mse")
+        m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        out.append(m.predict(x, verbose=0))
+    np.testing.assert_allclose(out[0], out[1], rtol=0, atol=1e-6)
+    assert layer.stats()["live_rows"] == len(np.unique(x))

@@ -3,8 +3,8 @@ strings) in a table of fixed capacity, with admission and eviction.
 
 The table and its map live on the parameter servers (see
 :mod:`tf_asyncps.layers.dynamic_table` for the design and its sources).
-This module holds the tf_keras layer; :func:`keras3_layer_class` gives the
-Keras 3 one (same arguments, same behaviour).
+This module holds the tf_keras layer; ``tf_asyncps.keras3.DynamicEmbedding``
+is the Keras 3 one (same arguments, same behaviour; :func:`keras3_layer`).
 """
 
 from typing import Optional
@@ -14,7 +14,22 @@ import tensorflow as tf
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.layers import dynamic_table as dt
 
-__all__ = ["DynamicEmbedding", "attach_to_strategy"]
+__all__ = ["DynamicEmbedding", "attach_to_strategy", "keras3_layer"]
+
+
+def reset_initializer(initializer, name):
+    """``fn(shape) -> float32 tensor``: fresh values for evicted rows, in
+    plain TensorFlow ops (they run on the ps, in a critical section). The
+    names Keras gives its common initializers map to the same
+    distributions; any other initializer object is called as it is."""
+    key = name if isinstance(name, str) else None
+    if key in ("zeros", "ones"):
+        return lambda shape: tf.fill(shape, 0.0 if key == "zeros" else 1.0)
+    if key in ("uniform", "random_uniform"):  # both Kerases: [-0.05, 0.05]
+        return lambda shape: tf.random.uniform(shape, -0.05, 0.05)
+    if key in ("normal", "random_normal"):  # both Kerases: stddev 0.05
+        return lambda shape: tf.random.normal(shape, stddev=0.05)
+    return lambda shape: tf.cast(initializer(shape, "float32"), tf.float32)
 
 
 def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
@@ -61,7 +76,7 @@ class _Mixin:
         table = dt.DynamicTable(
             table_var, key_dtype=self.key_dtype, min_count=self.min_count,
             eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
-            initializer=lambda shape: initializer(shape, tf.float32), name=self.name)
+            initializer=reset_initializer(initializer, self.initializer_name), name=self.name)
         strategy = attach_to_strategy(table)
         # Tracked: the map's variables are checkpointed with the layer.
         self.dynamic_table = table
@@ -148,3 +163,64 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         config = super().get_config()
         config.update(self._dynamic_config())
         return config
+
+
+_KERAS3_CLASS = []
+
+
+def keras3_layer():
+    """The Keras 3 ``DynamicEmbedding`` class (made on first use: importing
+    it imports Keras 3). Same arguments and behaviour as the tf_keras layer;
+    under the strategy its table may be partitioned like any Keras 3 weight.
+
+    Known difference: Keras 3's Adam and Adagrad square each row of a
+    repeated id on its own (tf_asyncps.core.lookup.every_id); here the rows
+    of one id in a batch are summed first (the distinct-id read), as tf_keras
+    does. SGD is the same either way.
+    """
+    if _KERAS3_CLASS:
+        return _KERAS3_CLASS[0]
+    import keras
+
+    from tf_asyncps.compat import keras as keras_compat
+
+    class DynamicEmbedding(_Mixin, keras.layers.Layer):
+        __doc__ = _tf_keras_doc()
+
+        def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64,
+                     min_count: int = 1, eviction: str = "lfu", evict_every: int = 1000,
+                     initializer="uniform", name: Optional[str] = None,
+                     ttl_steps: Optional[int] = None, **kwargs):
+            super().__init__(name=name, **kwargs)
+            self._init_dynamic(output_dim, capacity, key_dtype, min_count, eviction,
+                               evict_every, ttl_steps, initializer)
+            self.initializer = keras.initializers.get(initializer)
+
+        def build(self, input_shape):
+            self.embeddings = self.add_weight(
+                shape=(self.capacity, self.output_dim), initializer=self.initializer,
+                dtype="float32", trainable=True, name="embeddings")
+            self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
+
+        def call(self, ids, training=None):
+            return self._dynamic_call(ids, training)
+
+        def compute_output_shape(self, input_shape):
+            return tuple(input_shape) + (self.output_dim,)
+
+        def compute_output_spec(self, ids, training=None):
+            return keras.KerasTensor(tuple(ids.shape) + (self.output_dim,), "float32")
+
+        def get_config(self):
+            config = super().get_config()
+            config.update(self._dynamic_config())
+            return config
+
+    DynamicEmbedding.__module__ = "tf_asyncps.keras3"
+    _KERAS3_CLASS.append(DynamicEmbedding)
+    return DynamicEmbedding
+
+
+def _tf_keras_doc():
+    return DynamicEmbedding.__doc__.replace("(tf_keras)", "(Keras 3)").replace(
+        "a tf_keras initializer", "a Keras 3 initializer")
