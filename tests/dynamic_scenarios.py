@@ -144,6 +144,44 @@ def dynamic_checkpoint(num_workers=2):
 
 
 @scenarios.scenario
+def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
+    """A custom loop (coordinator.schedule, tf.GradientTape) with a
+    LockingOptimizer over Adam: 10 ids for ``capacity`` rows, a pass every 4
+    steps. Returns the table's counters and the global step."""
+    x, y = _data()
+    with scenarios._cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=capacity, evict_every=4)
+            model = _model(layer)
+            opt = tf_asyncps.optimizers.LockingOptimizer(tf_keras.optimizers.Adam(0.01))
+
+        def dataset_fn():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(it):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.run(replica, args=next(it))
+
+        losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+        coordinator.join()
+        ids = layer.export()[0].numpy().tolist()
+        return {"stats": layer.stats(), "ids": ids,
+                "global_step": strategy.staleness_stats().global_step,
+                "losses_finite": bool(np.isfinite([v.fetch() for v in losses]).all())}
+
+
+@scenarios.scenario
 def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16):
     """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
     predictions of Keras 3 IntegerLookup + Embedding trained the same way."""

@@ -63,3 +63,12 @@ def test_keras3_fit_one_worker_equals_integer_lookup_and_embedding():
     assert r["shards"] == 2 and r["ids"] == r["distinct"]
     assert r["stats"] == {"live_rows": 10, "capacity": 16, "evicted": 0, "refused": 0}
     assert r["ref_max"] > 0.05 and r["max_diff"] <= 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
+    r = run_scenario("dynamic_custom_loop", timeout=280, script=SCRIPT, steps=24)
+    assert r["global_step"] == 24 and r["losses_finite"]
+    assert 1 <= r["stats"]["live_rows"] <= 6
+    assert len(r["ids"]) == len(set(r["ids"])) == r["stats"]["live_rows"]
+    assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
