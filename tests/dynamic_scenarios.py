@@ -144,6 +144,28 @@ def dynamic_checkpoint(num_workers=2):
 
 
 @scenarios.scenario
+def dynamic_saved_model(path, num_workers=2):
+    """Train on the cluster, ``tf.saved_model.save`` the model to ``path``;
+    returns the chief's predictions for RAW's ids and two unknown ids (as
+    lists) for a process with no cluster to compare."""
+    x, y = _data()
+    with scenarios._cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=16, evict_every=5))
+            model.compile(_optimizer("adagrad"), "mse")
+        _fit(strategy, model, x, y)
+        query = np.array([[RAW[0], RAW[3], 77777], [RAW[5], -1, RAW[9]]], np.int64)
+        serve = tf.function(lambda ids: model(ids, training=False),
+                            input_signature=[tf.TensorSpec([None, 3], tf.int64, name="ids")])
+        tf.saved_model.save(model, path, signatures={"serving_default": serve})
+        return {"query": query.tolist(),
+                "predictions": model.predict(query, verbose=0).tolist(),
+                "embedding": model.layers[1](tf.constant(query), training=False).numpy().tolist()}
+
+
+@scenarios.scenario
 def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
     """A custom loop (coordinator.schedule, tf.GradientTape) with a
     LockingOptimizer over Adam: 10 ids for ``capacity`` rows, a pass every 4

@@ -72,3 +72,32 @@ def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
     assert 1 <= r["stats"]["live_rows"] <= 6
     assert len(r["ids"]) == len(set(r["ids"])) == r["stats"]["live_rows"]
     assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_saved_model_serves_raw_ids_in_a_process_with_no_cluster(tmp_path):
+    """tf.saved_model.save on the chief; tf.saved_model.load in a fresh
+    process with no cluster gives the chief's predictions for raw ids, and
+    the default row (zeros) for ids that never had one."""
+    import json
+    import sys
+
+    from conftest import _env, run_command
+    path = str(tmp_path / "served")
+    r = run_scenario("dynamic_saved_model", timeout=280, script=SCRIPT, path=path)
+    code = ("import json, sys, numpy as np, tensorflow as tf\n"
+            "m = tf.saved_model.load(sys.argv[1])\n"
+            "q = tf.constant(json.loads(sys.argv[2]), tf.int64)\n"
+            "f = m.signatures['serving_default']\n"
+            "out = list(f(ids=q).values())[0]\n"
+            "print('SERVED ' + json.dumps(out.numpy().tolist()))\n"
+            "print('DEVICES ' + json.dumps([d.name for d in tf.config.list_logical_devices()]))\n")
+    _, out = run_command([sys.executable, "-c", code, path, json.dumps(r["query"])],
+                         timeout=120, env=_env())
+    line = [s for s in out.splitlines() if s.startswith("SERVED ")][0]
+    served = json.loads(line[len("SERVED "):])
+    import numpy as np
+    np.testing.assert_allclose(served, r["predictions"], rtol=0, atol=1e-6)
+    # 77777 and -1 never had a row: their embeddings are the default row.
+    assert r["embedding"][0][2] == [0.0] * 4 and r["embedding"][1][1] == [0.0] * 4
+    assert any(v != 0.0 for v in r["embedding"][0][0])

@@ -84,9 +84,13 @@ class _Mixin:
         return table
 
     def _dynamic_call(self, ids, training):
+        # An export traces inference only (tf_keras also traces training=True
+        # calls): the served function captures nothing of the cluster (no
+        # global step, no lock), so it runs in a process with no cluster.
+        training = bool(training) and not tf_compat.in_save_context()
         step = self._global_step
-        step = None if step is None else step.read_value()
-        return self.dynamic_table.lookup(ids, step, training=bool(training))
+        step = step.read_value() if training and step is not None else None
+        return self.dynamic_table.lookup(ids, step, training=training)
 
     def _dynamic_config(self) -> dict:
         return {"output_dim": self.output_dim, "capacity": self.capacity,

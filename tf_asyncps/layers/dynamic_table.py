@@ -5,8 +5,9 @@ arrive, old ones go cold. A :class:`DynamicTable` keeps a fixed
 ``capacity x output_dim`` table (split over the ps tasks by the strategy's
 ``variable_partitioner``, like any table) and, beside each shard on its ps:
 
-* the id -> row map: a ``tf.lookup.experimental.MutableHashTable`` (an index,
-  rebuilt from the rows' keys whenever they were restored: never saved);
+* the id -> row map: a ``tf.lookup.experimental.MutableHashTable``
+  (checkpointed and exported to a SavedModel with the layer, so a process
+  with no cluster serves raw ids);
 * per row: its key, a count (0: the row is free) and the global step it was
   last seen at (int64 variables of the shard's length);
 * for ``min_count > 1``: a counting filter of the shard's length (one int64
@@ -111,14 +112,16 @@ def _bucket(ids, buckets: int, strong: bool = False):
 class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
     ``offset + rows - 1`` of the table), all on that shard's ps. Its
-    variables are checkpointed (through the layer); the index, its token
-    and the lock are not."""
+    variables and its index are checkpointed (through the layer); the lock
+    is not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
                  name: str):
         super().__init__(name=name)
         untracked = functools.partial(tf_compat.set_untracked_attribute, self)
-        untracked("var", var)
+        # The layer's weight (a shard of it): held where neither checkpoints
+        # nor tf.Module's variable walk (Keras's weight lists) look.
+        untracked("refs", types.SimpleNamespace(var=var))
         self.offset, self.min_count, self.num_shards = offset, min_count, num_shards
         self.rows = int(var.shape[0])
         self.device = var.device
@@ -137,63 +140,38 @@ class _Shard(tf.Module):
             self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
             self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
             self.evicted = tf.Variable(scalar, trainable=False, name=f"{name}_evicted")
-            # Changes with every change of the map; the index was built for
-            # `built` (not saved): a restore brings another token back.
-            self.token = tf.Variable(_new_token(), trainable=False, name=f"{name}_token")
             # How many shards wrote a checkpoint: restoring onto another
             # number of ps shards is refused at the first lookup.
             self.shards_saved = tf.Variable(tf.constant(num_shards, tf.int64), trainable=False,
                                             name=f"{name}_num_shards")
         with tf.init_scope(), tf.device(var.device):
+            self.index = tf.lookup.experimental.MutableHashTable(
+                key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
             # Not model state: a plain object, which neither checkpoints nor
             # Keras's weight lists look into.
             untracked("process_local", types.SimpleNamespace(
-                built=tf.Variable(self.token.read_value(), trainable=False,
-                                  name=f"{name}_index_token"),
-                index=tf.lookup.experimental.MutableHashTable(
-                    key_dtype, tf.int64, default_value=-1, name=f"{name}_index"),
                 lock=placement.critical_section(f"{name}_lock")))
-
-    @property
-    def built(self):
-        return self.process_local.built
-
-    @property
-    def index(self):
-        return self.process_local.index
 
     @property
     def lock(self):
         return self.process_local.lock
 
-    # -- inside the critical section, on the ps -------------------------------
-    def _changed(self):
-        token = _new_token()
-        return tf.group(self.token.assign(token), self.built.assign(token))
+    @property
+    def var(self):
+        return self.refs.var
 
-    def _index_current(self):
-        """Rebuilds the index from the rows' keys if they were restored."""
-        def rebuild():
-            same = tf.debugging.assert_equal(
-                self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
-                    "DynamicEmbedding: this table was restored from a checkpoint written "
-                    f"with another number of table shards (now {self.num_shards}): restore "
-                    "it with the variable_partitioner and number of ps tasks it was saved "
-                    "with, then layer.export() to move its rows."))
-            with tf.control_dependencies([same]):
-                old, _ = self.index.export()
-            live = tf.where(self.count > 0)[:, 0]
-            with tf.control_dependencies([self.index.remove(old)]):
-                insert = self.index.insert(tf.gather(self.key, live), live + self.offset)
-            with tf.control_dependencies([insert]):
-                return self.built.assign(self.token.read_value()).op
-        return tf.cond(tf.equal(self.token.read_value(), self.built.read_value()),
-                       tf.no_op, rebuild)
+    # -- inside the critical section, on the ps -------------------------------
+    def _same_shards(self):
+        return tf.debugging.assert_equal(
+            self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
+                "DynamicEmbedding: this table was restored from a checkpoint written with "
+                f"another number of table shards (now {self.num_shards}): restore it with "
+                "the variable_partitioner and number of ps tasks it was saved with."))
 
     def find(self, ids, step, admit: bool):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
         in training (``admit``) admits ids and counts sightings."""
-        with tf.control_dependencies([self._index_current()]):
+        with tf.control_dependencies([self._same_shards()]):
             rows = self.index.lookup(ids)
         rows.set_shape(ids.shape)
         if not admit:
@@ -218,8 +196,7 @@ class _Shard(tf.Module):
                 self.key.scatter_update(tf.IndexedSlices(admitted, take)),
                 self.waiting.scatter_update(tf.IndexedSlices(
                     tf.ones_like(refused, tf.bool), refused)),
-                self.refused.assign_add(tf.size(refused, out_type=tf.int64)),
-                self._changed())
+                self.refused.assign_add(tf.size(refused, out_type=tf.int64)))
 
         inserted = tf.cond(tf.size(candidates) > 0, admit_rows, tf.no_op)
         with tf.control_dependencies([inserted]):
@@ -272,12 +249,8 @@ class _Shard(tf.Module):
                     tf.cast(value(shape), var.dtype), gone)))
             updates += [self.waiting.assign(tf.zeros([self.rows], tf.bool)),
                         self.passes.assign(period),
-                        self.evicted.assign_add(tf.cast(k, tf.int64)), self._changed()]
+                        self.evicted.assign_add(tf.cast(k, tf.int64))]
         return tf.group(updates)
-
-
-def _new_token():
-    return tf.random.uniform([], minval=tf.int64.min, maxval=tf.int64.max, dtype=tf.int64)
 
 
 class DynamicTable(tf.Module):
@@ -304,7 +277,8 @@ class DynamicTable(tf.Module):
     def __init__(self, table, *, key_dtype, min_count: int, eviction: str, evict_every: int,
                  ttl_steps: Optional[int], initializer, name: str):
         super().__init__(name=name)
-        tf_compat.set_untracked_attribute(self, "table", table)  # the layer's weight
+        # The layer's weight: see _Shard.refs.
+        tf_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
         self.key_dtype = key_dtype
         self.output_dim = int(table.shape[1])
         self.capacity = int(table.shape[0])
@@ -317,6 +291,11 @@ class DynamicTable(tf.Module):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
                                       f"{name}_{i}"))
             offset += int(var.shape[0])
+
+    @property
+    def table(self):
+        """The table variable (``tf.Variable`` or ``ShardedVariable``)."""
+        return self.refs.table
 
     # -- lookups ----------------------------------------------------------------
     def check_ids(self, ids):
@@ -364,13 +343,14 @@ class DynamicTable(tf.Module):
             where = tf.dynamic_partition(tf.range(tf.size(ids)), owner, n)
         found = []
         for shard, part in zip(self.shards, parts):
-            with tf.device(shard.device):
-                if training:
+            if training:
+                with tf.device(shard.device):
                     found.append(shard.lock.execute(
                         lambda s=shard, p=part: s.find(p, step, admit=True),
                         exclusive_resource_access=False))
-                else:
-                    found.append(shard.find(part, step, admit=False))
+            else:  # no device named: the index's ops run beside it, and a
+                # SavedModel serves in a process with no cluster
+                found.append(shard.find(part, step, admit=False))
         rows = found[0] if n == 1 else tf.dynamic_stitch(where, found)
         return rows, rows >= 0
 
