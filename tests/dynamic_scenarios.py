@@ -137,7 +137,7 @@ def dynamic_checkpoint(num_workers=2):
                                           - after[1].numpy()[order_a]).max()),
             "pred_max_diff": float(np.abs(model.predict(x, verbose=0)
                                           - again.predict(x, verbose=0)).max()),
-            "live": again.layers[1].stats()["live_rows"]}
+            "live": again.layers[1].stats()["live_rows"], "live_saved": len(before[0])}
         _fit(strategy, again, x, y, epochs=1)
         result["stats_after_more_training"] = again.layers[1].stats()
         return result

@@ -51,7 +51,8 @@ def test_every_policy_keeps_the_table_invariants():
 @pytest.mark.timeout(300)
 def test_checkpoint_restores_map_rows_and_predictions():
     r = run_scenario("dynamic_checkpoint", timeout=280, script=SCRIPT)
-    assert r["ids_equal"] and r["live"] == 8
+    # As many live rows as were saved (an eviction pass may have run last).
+    assert r["ids_equal"] and r["live"] == r["live_saved"] and 1 <= r["live"] <= 8
     assert r["rows_max_diff"] == 0.0 and r["pred_max_diff"] == 0.0
     after = r["stats_after_more_training"]
     assert after["live_rows"] <= 8 and after["evicted"] > 0
