@@ -204,7 +204,7 @@ def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
 
 
 @scenarios.scenario
-def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16):
+def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
     """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
     predictions of Keras 3 IntegerLookup + Embedding trained the same way."""
     import keras
@@ -221,22 +221,30 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16):
         looked = keras.layers.IntegerLookup(vocabulary=vocab)(i)
         ref = keras.Model(i, head(keras.layers.Embedding(
             len(vocab) + 1, 4, embeddings_initializer="zeros")(looked)))
-        ref.compile(keras.optimizers.SGD(0.1), "mse")
+        make = {"sgd": lambda: keras.optimizers.SGD(0.1),
+                "adagrad": lambda: keras.optimizers.Adagrad(0.1)}[optimizer]
+        ref.compile(make(), "mse")
         ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         with strategy.scope():
             i = keras.Input((3,), dtype="int64")
             layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=4,
                                                        initializer="zeros")
             model = keras.Model(i, head(layer(i)))
-            model.compile(keras.optimizers.SGD(0.1), "mse")
+            model.compile(make(), "mse")
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         model.fit(data, epochs=2, steps_per_epoch=8, verbose=0)
         ids = sorted(layer.export()[0].numpy().tolist())
+        free_slots = []
+        for shard in layer.dynamic_table.shards:
+            free = np.flatnonzero(shard.count.numpy() == 0)
+            for slot, value in tf_asyncps.layers.dynamic_table.optimizer_slots(
+                    model.optimizer, shard.var):
+                free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
         return {"max_diff": float(np.abs(model.predict(x, verbose=0)
                                          - ref.predict(x, verbose=0)).max()),
                 "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
                 "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
-                "shards": len(layer.dynamic_table.shards)}
+                "shards": len(layer.dynamic_table.shards), "free_slots": free_slots}
 
 
 if __name__ == "__main__":
