@@ -7,6 +7,9 @@ Public API (see README.md):
 * :class:`StalenessStats`: what ``strategy.staleness_stats()`` returns.
 * :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.optimizers` (LockingOptimizer),
   :mod:`tf_asyncps.cluster` (LocalCluster, its ``supervise``), :mod:`tf_asyncps.callbacks`.
+* :mod:`tf_asyncps.layers`: ``DynamicEmbedding`` (raw ids, fixed capacity,
+  admission and eviction on the ps); ``tf_asyncps.keras3.DynamicEmbedding``
+  for Keras 3.
 * :mod:`tf_asyncps.keras3`: Keras 3 ``model.fit``/``evaluate``/``predict`` on
   parameter servers (a model compiled in the strategy's scope gets them);
   :class:`DatasetFn`, its per-worker input.
@@ -38,6 +41,7 @@ _LAZY = {
     "optimizers": ("tf_asyncps.optimizers", None),
     "recovery": ("tf_asyncps.callbacks.recovery", None),
     "keras3": ("tf_asyncps.keras3", None),
+    "layers": ("tf_asyncps.layers", None),
     "DatasetFn": ("tf_asyncps.keras3.data", "DatasetFn"),
     "ResumeTracker": ("tf_asyncps.callbacks.recovery", "ResumeTracker"),
 }

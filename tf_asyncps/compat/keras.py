@@ -170,6 +170,13 @@ def sharded_value(var):
     return tf_compat.shards(inner) if inner is not None else None
 
 
+def tf_value(var):
+    """The TensorFlow variable behind a Keras 3 variable: a tf.Variable, or
+    a ShardedVariable under ``variable_partitioner`` (its ``_value``; Keras
+    3.10-3.15)."""
+    return var._value
+
+
 def overrides_train_step(model) -> bool:
     """Whether the model's class defines its own ``train_step``."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer

@@ -341,6 +341,14 @@ def hide_closure_error_logs(error_class) -> None:
 
 
 # -- variables -------------------------------------------------------------------
+def in_save_context() -> bool:
+    """Whether a SavedModel export is tracing functions now
+    (``tf.saved_model.save`` and Keras saves; TF 2.16-2.21's
+    ``save_context.in_save_context``)."""
+    from tensorflow.python.saved_model import save_context
+    return save_context.in_save_context()
+
+
 def colocate_only_with(op):
     """Context: ops created in it are placed with ``op``, whatever colocation
     or device scope surrounds them (``tf.compat.v1.colocate_with(op,

@@ -84,6 +84,7 @@ class PolicyEngine:
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
         self._warned = set()  # optimizers already warned about dense table updates
+        self._after_update = []  # see add_after_update
 
     worker_index = staticmethod(worker_index)
 
@@ -122,6 +123,14 @@ class PolicyEngine:
             self._trainable.append(var)
         if self.local is not None:
             self.local.add_variable(var)
+
+    def add_after_update(self, fn) -> None:
+        """Registers ``fn(optimizer, variables, global_step) -> op or None``,
+        traced after each step's update (applied or dropped), with the step's
+        variables and the int64 global step after it: upkeep of state beside
+        the variables, such as a dynamic table's eviction pass
+        (tf_asyncps/layers/dynamic_table.py)."""
+        self._after_update.append(fn)
 
     # -- the worker step ------------------------------------------------------
     def worker_step(self, fn, index=worker_index):
@@ -290,7 +299,12 @@ class PolicyEngine:
             # On the PS: a rule that needs τ (read on the PS) and transforms the
             # gradients would otherwise cost an extra worker<->PS round trip.
             g_after = decide_and_apply()
-        after = self.policy.after_step(step.worker_index)
+        after = list(self.policy.after_step(step.worker_index) or [])
+        with tf.control_dependencies([g_after]):
+            for fn in self._after_update:
+                op = fn(optimizer, variables, g_after)
+                if op is not None:
+                    after.append(op)
         if after:
             with tf.control_dependencies(after):
                 g_after = tf.identity(g_after)

@@ -12,11 +12,19 @@ Plain Keras 3 code with only the strategy added::
 A model compiled inside ``AsyncParameterServerStrategy.scope()`` gets this
 package's ``fit``/``evaluate``/``predict`` (``trainer.py``); input forms are
 in ``data.py`` (``DatasetFn``: one pipeline per worker), the callback rules
-in ``tf_asyncps/callbacks/keras3.py``. Keras internals it needs are in
-``tf_asyncps/compat/keras.py``.
+in ``tf_asyncps/callbacks/keras3.py``; ``DynamicEmbedding`` is
+``tf_asyncps.layers.DynamicEmbedding`` for Keras 3. Keras internals it needs
+are in ``tf_asyncps/compat/keras.py``.
 """
 
 from tf_asyncps.keras3.data import DatasetFn
 from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
-__all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]
+__all__ = ["DatasetFn", "DynamicEmbedding", "Keras3Trainer", "attach", "trainable_shards"]
+
+
+def __getattr__(name):
+    if name == "DynamicEmbedding":  # imports Keras 3: on first use
+        from tf_asyncps.layers.dynamic_embedding import keras3_layer
+        return keras3_layer()
+    raise AttributeError(f"module 'tf_asyncps.keras3' has no attribute {name!r}")

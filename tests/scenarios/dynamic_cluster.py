@@ -1,0 +1,244 @@
+"""Scenarios of tests/test_dynamic_cluster.py: DynamicEmbedding on a cluster."""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
+from scenarios import cluster, scenario
+from scenarios.common import make_optimizer
+from tf_asyncps.layers import DynamicEmbedding
+
+RAW = np.array([10**12 + 7, -5, 3, 99, 2**40, 17, 123456789, 8, 9, 10], np.int64)
+PARTITIONER = tf.distribute.experimental.partitioners.FixedShardsPartitioner
+
+
+#: Learning rates of the tests' optimizers here (scenarios.common's table).
+LR = {"sgd": 0.1, "adagrad": 0.1, "adam": 0.01}
+
+
+def _optimizer(name, keras_name="tf_keras"):
+    return make_optimizer(name, LR[name], keras_name)
+
+
+def _data(seed=0, n=64):
+    rng = np.random.default_rng(seed)
+    return rng.choice(RAW, size=(n, 3)), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _model(embedding):
+    i = tf_keras.Input([3], dtype=tf.int64)
+    flat = tf_keras.layers.Flatten()(embedding(i))
+    return tf_keras.Model(i, tf_keras.layers.Dense(1, kernel_initializer="ones")(flat))
+
+
+def _fit(strategy, model, x, y, epochs=2, steps=8):
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps, verbose=0)
+
+
+@scenario
+def dynamic_exact(optimizer="sgd", num_ps=2):
+    """1 worker, tables on ``num_ps`` shards, capacity > distinct ids: the
+    predictions of IntegerLookup + Embedding trained the same way."""
+    x, y = _data()
+    with cluster(num_workers=1, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        vocab = np.unique(x)
+        looked = tf_keras.Sequential([tf_keras.layers.IntegerLookup(vocabulary=vocab),
+                                      tf_keras.layers.Embedding(len(vocab) + 1, 4,
+                                                                embeddings_initializer="zeros")])
+        ref = _model(looked)
+        ref.compile(_optimizer(optimizer), "mse")
+        ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=16, initializer="zeros"))
+            model.compile(_optimizer(optimizer), "mse")
+        _fit(strategy, model, x, y)
+        layer = model.layers[1]
+        ids = sorted(layer.export()[0].numpy().tolist())
+        return {"max_diff": float(np.abs(model.predict(x, verbose=0)
+                                         - ref.predict(x, verbose=0)).max()),
+                "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
+                "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
+                "shards": len(layer.dynamic_table.shards)}
+
+
+@scenario
+def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_workers=2):
+    """Each policy on 2 workers, 2 ps, 10 ids for ``capacity`` rows, an
+    eviction pass every 4 global steps: the table's invariants afterwards."""
+    x, y = _data()
+    out = {}
+    with cluster(num_workers=num_workers, num_ps=2) as c:
+        for policy in policies:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(
+                c.resolver(), update_policy=policy, variable_partitioner=PARTITIONER(2))
+            with strategy.scope():
+                model = _model(DynamicEmbedding(4, capacity=capacity, evict_every=4,
+                                                initializer="zeros"))
+                opt = _optimizer(optimizer)
+                model.compile(opt, "mse")
+            _fit(strategy, model, x, y, epochs=2, steps=10)
+            layer = model.layers[1]
+            ids, rows = layer.export()
+            table = layer.dynamic_table
+            # Free rows: fresh initializer values (zeros) and fresh slots.
+            free_rows, free_slots = [], []
+            slots = [s for v in model.trainable_variables[:len(table.shards)]
+                     for s in tf_asyncps.layers.dynamic_table.optimizer_slots(opt, v)]
+            for i, shard in enumerate(table.shards):
+                free = np.flatnonzero(shard.count.numpy() == 0)
+                free_rows.append(float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+                for slot, value in slots:
+                    if slot.device == shard.var.device and slot.shape == shard.var.shape:
+                        free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
+            out[policy] = {"stats": layer.stats(), "ids": ids.numpy().tolist(),
+                           "free_rows_max": max(free_rows), "num_slots": len(slots),
+                           "free_slots_max_diff": max(free_slots, default=0.0),
+                           "global_step": strategy.staleness_stats().global_step,
+                           "loss_finite": bool(np.isfinite(model.predict(x, verbose=0)).all())}
+    return out
+
+
+@scenario
+def dynamic_checkpoint(num_workers=2):
+    """Train, save a tf.train.Checkpoint, restore into a new model (same
+    cluster shape): same live ids, rows and predictions; training goes on."""
+    x, y = _data()
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    with cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
+            model.compile(_optimizer("adagrad"), "mse")
+        _fit(strategy, model, x, y)
+        saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(path)
+        before = model.layers[1].export()
+        with strategy.scope():
+            again = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
+            again.compile(_optimizer("adagrad"), "mse")
+        tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
+        after = again.layers[1].export()
+        order_b, order_a = np.argsort(before[0].numpy()), np.argsort(after[0].numpy())
+        result = {
+            "ids_equal": before[0].numpy()[order_b].tolist() == after[0].numpy()[order_a].tolist(),
+            "rows_max_diff": float(np.abs(before[1].numpy()[order_b]
+                                          - after[1].numpy()[order_a]).max()),
+            "pred_max_diff": float(np.abs(model.predict(x, verbose=0)
+                                          - again.predict(x, verbose=0)).max()),
+            "live": again.layers[1].stats()["live_rows"], "live_saved": len(before[0])}
+        _fit(strategy, again, x, y, epochs=1)
+        result["stats_after_more_training"] = again.layers[1].stats()
+        return result
+
+
+@scenario
+def dynamic_saved_model(path, num_workers=2):
+    """Train on the cluster, ``tf.saved_model.save`` the model to ``path``;
+    returns the chief's predictions for RAW's ids and two unknown ids (as
+    lists) for a process with no cluster to compare."""
+    x, y = _data()
+    with cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        with strategy.scope():
+            model = _model(DynamicEmbedding(4, capacity=16, evict_every=5))
+            model.compile(_optimizer("adagrad"), "mse")
+        _fit(strategy, model, x, y)
+        query = np.array([[RAW[0], RAW[3], 77777], [RAW[5], -1, RAW[9]]], np.int64)
+        serve = tf.function(lambda ids: model(ids, training=False),
+                            input_signature=[tf.TensorSpec([None, 3], tf.int64, name="ids")])
+        tf.saved_model.save(model, path, signatures={"serving_default": serve})
+        return {"query": query.tolist(),
+                "predictions": model.predict(query, verbose=0).tolist(),
+                "embedding": model.layers[1](tf.constant(query), training=False).numpy().tolist()}
+
+
+@scenario
+def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
+    """A custom loop (coordinator.schedule, tf.GradientTape) with a
+    LockingOptimizer over Adam: 10 ids for ``capacity`` rows, a pass every 4
+    steps. Returns the table's counters and the global step."""
+    x, y = _data()
+    with cluster(num_workers=num_workers, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(2))
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=capacity, evict_every=4)
+            model = _model(layer)
+            opt = tf_asyncps.optimizers.LockingOptimizer(_optimizer("adam"))
+
+        def dataset_fn():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(it):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.run(replica, args=next(it))
+
+        losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+        coordinator.join()
+        ids = layer.export()[0].numpy().tolist()
+        return {"stats": layer.stats(), "ids": ids,
+                "global_step": strategy.staleness_stats().global_step,
+                "losses_finite": bool(np.isfinite([v.fetch() for v in losses]).all())}
+
+
+@scenario
+def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
+    """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
+    predictions of Keras 3 IntegerLookup + Embedding trained the same way."""
+    import keras
+    x, y = _data()
+    vocab = np.unique(x)
+
+    def head(e):
+        return keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.Flatten()(e))
+
+    with cluster(num_workers=num_workers, num_ps=num_ps) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        i = keras.Input((3,), dtype="int64")
+        looked = keras.layers.IntegerLookup(vocabulary=vocab)(i)
+        ref = keras.Model(i, head(keras.layers.Embedding(
+            len(vocab) + 1, 4, embeddings_initializer="zeros")(looked)))
+        def make():
+            return _optimizer(optimizer, "keras3")
+        ref.compile(make(), "mse")
+        ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        with strategy.scope():
+            i = keras.Input((3,), dtype="int64")
+            layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=4,
+                                                       initializer="zeros")
+            model = keras.Model(i, head(layer(i)))
+            model.compile(make(), "mse")
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        model.fit(data, epochs=2, steps_per_epoch=8, verbose=0)
+        ids = sorted(layer.export()[0].numpy().tolist())
+        free_slots = []
+        for shard in layer.dynamic_table.shards:
+            free = np.flatnonzero(shard.count.numpy() == 0)
+            for slot, value in tf_asyncps.layers.dynamic_table.optimizer_slots(
+                    model.optimizer, shard.var):
+                free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
+        return {"max_diff": float(np.abs(model.predict(x, verbose=0)
+                                         - ref.predict(x, verbose=0)).max()),
+                "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
+                "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
+                "shards": len(layer.dynamic_table.shards), "free_slots": free_slots}

@@ -1,0 +1,199 @@
+"""DynamicEmbedding in one process: exactness, admission, eviction, bad input.
+
+Cluster behaviour (several workers and ps, every policy, checkpoints) is in
+tests/test_dynamic_cluster.py.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.layers import DynamicEmbedding
+
+RAW = np.array([10**12 + 7, -5, 3, 99, 2**40, 17, 123456789], np.int64)
+
+
+def _data(ids, seed=0, n=64, width=3):
+    rng = np.random.default_rng(seed)
+    x = rng.choice(ids, size=(n, width))
+    y = rng.normal(size=(n, 1)).astype("float32")
+    return x, y
+
+
+def _head(e):
+    flat = tf_keras.layers.Flatten()(e)
+    return tf_keras.layers.Dense(1, kernel_initializer="ones")(flat)
+
+
+def _fit_predict(model, x, y, optimizer):
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return model.predict(x, verbose=0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_equals_integer_lookup_and_embedding(optimizer):
+    """Capacity >= distinct ids, zeros initializer: the same predictions as
+    IntegerLookup + Embedding trained the same way (issue #25's target)."""
+    x, y = _data(RAW)
+    make = {"sgd": lambda: tf_keras.optimizers.SGD(0.1),
+            "adagrad": lambda: tf_keras.optimizers.Adagrad(0.1),
+            "adam": lambda: tf_keras.optimizers.Adam(0.01)}[optimizer]
+    i = tf_keras.Input([3], dtype=tf.int64)
+    dyn = tf_keras.Model(i, _head(DynamicEmbedding(4, capacity=16, initializer="zeros")(i)))
+    i = tf_keras.Input([3], dtype=tf.int64)
+    looked = tf_keras.layers.IntegerLookup(vocabulary=np.unique(x))(i)
+    emb = tf_keras.layers.Embedding(len(np.unique(x)) + 1, 4, embeddings_initializer="zeros")
+    ref = tf_keras.Model(i, _head(emb(looked)))
+    got, want = _fit_predict(dyn, x, y, make()), _fit_predict(ref, x, y, make())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.abs(want).max() > 0.01  # it trained
+
+
+def test_string_ids_equal_string_lookup():
+    words = np.array(["user:a", "user:b", "item/7", "\u00e9t\u00e9", "a b"], object)
+    x, y = _data(words)
+    i = tf_keras.Input([3], dtype=tf.string)
+    dyn = tf_keras.Model(i, _head(DynamicEmbedding(2, capacity=8, key_dtype=tf.string,
+                                                   initializer="zeros")(i)))
+    i = tf_keras.Input([3], dtype=tf.string)
+    looked = tf_keras.layers.StringLookup(vocabulary=sorted(set(x.ravel())))(i)
+    ref = tf_keras.Model(i, _head(tf_keras.layers.Embedding(
+        len(np.unique(x)) + 1, 2, embeddings_initializer="zeros")(looked)))
+    got = _fit_predict(dyn, x, y, tf_keras.optimizers.SGD(0.1))
+    want = _fit_predict(ref, x, y, tf_keras.optimizers.SGD(0.1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_lookup_shapes_default_row_and_export():
+    layer = DynamicEmbedding(3, capacity=4, initializer="ones")
+    ids = tf.constant([[5, 6], [5, 7]], tf.int64)
+    out = layer(ids, training=False)  # inference: nothing admitted, the default row
+    assert out.shape == (2, 2, 3) and float(tf.reduce_max(tf.abs(out))) == 0.0
+    out = layer(ids, training=True)
+    assert out.shape == (2, 2, 3) and float(tf.reduce_min(out)) == 1.0
+    got_ids, rows = layer.export()
+    assert sorted(got_ids.numpy().tolist()) == [5, 6, 7] and rows.shape == (3, 3)
+    assert layer.stats() == {"live_rows": 3, "capacity": 4, "evicted": 0, "refused": 0}
+
+
+def test_min_count_admits_on_the_nth_sighting():
+    layer = DynamicEmbedding(2, capacity=4, min_count=3, initializer="ones")
+    ids = tf.constant([42, 42, 8], tf.int64)  # one sighting per call, repeats or not
+    for call in range(1, 4):
+        out = layer(ids, training=True)
+        admitted = float(tf.reduce_min(out)) == 1.0
+        assert admitted == (call == 3), call
+    assert sorted(layer.export()[0].numpy().tolist()) == [8, 42]
+
+
+def test_capacity_is_never_exceeded_refusals_are_counted():
+    layer = DynamicEmbedding(2, capacity=3, initializer="ones")
+    out = layer(tf.constant([1, 2, 3, 4, 5], tf.int64), training=True)
+    assert int(tf.reduce_sum(tf.cast(tf.reduce_all(out == 1.0, axis=1), tf.int32))) == 3
+    assert layer.stats()["live_rows"] == 3 and layer.stats()["refused"] == 2
+
+
+def _sightings(layer, ids_per_step, step0=1):
+    for step, ids in enumerate(ids_per_step, start=step0):
+        layer.dynamic_table.lookup(tf.constant(ids, tf.int64), tf.constant(step, tf.int64),
+                                   training=True)
+
+
+@pytest.mark.parametrize("eviction,gone", [("lfu", 2), ("lru", 1)])
+def test_eviction_pass_frees_the_coldest_row_for_a_waiting_id(eviction, gone):
+    """Capacity 2. Id 1 is seen at steps 1-3, id 2 once at step 4, id 3 waits
+    (refused) at steps 4 and 5. The pass at step 6: LFU frees id 2 (count 1
+    below 3's 2 sightings); LRU frees id 1 (last seen at step 3, before the
+    pass's period, steps 5-6)."""
+    layer = DynamicEmbedding(1, capacity=2, eviction=eviction, evict_every=2,
+                             initializer="zeros")
+    layer.build([None])
+    _sightings(layer, [[1], [1], [1], [2, 3], [3]])
+    assert sorted(layer.export()[0].numpy().tolist()) == [1, 2]
+    assert layer.stats()["refused"] == 2
+    layer.dynamic_table.maybe_evict(tf.constant(6, tf.int64))
+    assert layer.stats()["evicted"] == 1
+    assert sorted(layer.export()[0].numpy().tolist()) == sorted({1, 2} - {gone})
+    _sightings(layer, [[3]], step0=7)
+    assert sorted(layer.export()[0].numpy().tolist()) == sorted({1, 2, 3} - {gone})
+    # A pass runs once per period: a second call at step 7 does nothing.
+    layer.dynamic_table.maybe_evict(tf.constant(7, tf.int64))
+    assert layer.stats()["evicted"] == 1
+
+
+def test_ttl_evicts_rows_unseen_for_ttl_steps_and_resets_them():
+    layer = DynamicEmbedding(2, capacity=4, evict_every=10, ttl_steps=5, initializer="zeros")
+    layer.build([None])
+    _sightings(layer, [[1, 2], [2], [2]])  # id 1 last seen at step 1, id 2 at step 3
+    table = layer.dynamic_table.table
+    table.assign(tf.ones_like(table))  # as if trained
+    layer.dynamic_table.maybe_evict(tf.constant(10, tf.int64))
+    assert layer.export()[0].numpy().tolist() == []
+    # Both were unseen for >= 5 steps at step 10: both go, their rows (0, 1)
+    # get the initializer's zeros; the free rows are left alone.
+    assert layer.stats()["evicted"] == 2
+    np.testing.assert_array_equal(table.numpy(), [[0, 0], [0, 0], [1, 1], [1, 1]])
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(capacity=0), "capacity=0"),
+    (dict(capacity=10.5), "capacity=10.5"),
+    (dict(min_count=0), "min_count=0"),
+    (dict(output_dim=-1), "output_dim=-1"),
+    (dict(evict_every=0), "evict_every=0"),
+    (dict(eviction="fifo"), "eviction='fifo'"),
+    (dict(ttl_steps=0), "ttl_steps=0"),
+])
+def test_bad_arguments_name_the_field(kwargs, field):
+    args = dict(output_dim=4, capacity=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(".", r"\.")):
+        DynamicEmbedding(**args)
+
+
+def test_bad_key_dtype_and_ids_name_the_fix():
+    with pytest.raises(TypeError, match="key_dtype=tf.float32"):
+        DynamicEmbedding(4, 10, key_dtype=tf.float32)
+    layer = DynamicEmbedding(4, 10)
+    with pytest.raises(TypeError, match="float32.*tf.cast"):
+        layer(tf.constant([1.0, 2.0]), training=True)
+    with pytest.raises(TypeError, match="string ids.*key_dtype=tf.string"):
+        layer(tf.constant(["a"]), training=True)
+    strings = DynamicEmbedding(4, 10, key_dtype=tf.string)
+    with pytest.raises(TypeError, match="key_dtype=tf.string.*int64"):
+        strings(tf.constant([1], tf.int64), training=True)
+
+
+def test_get_config_round_trips():
+    layer = DynamicEmbedding(4, 100, key_dtype=tf.string, min_count=2, eviction="lru",
+                             evict_every=50, ttl_steps=500, name="users")
+    again = DynamicEmbedding.from_config(layer.get_config())
+    for field in ("output_dim", "capacity", "key_dtype", "min_count", "eviction",
+                  "evict_every", "ttl_steps", "name"):
+        assert getattr(again, field) == getattr(layer, field), field
+
+
+def test_keras3_layer_one_process_equals_integer_lookup_and_embedding():
+    keras = pytest.importorskip("keras")
+    import tf_asyncps
+    x, y = _data(RAW)
+
+    def head(e):
+        return keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.Flatten()(e))
+
+    i = keras.Input((3,), dtype="int64")
+    layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=16, initializer="zeros")
+    dyn = keras.Model(i, head(layer(i)))
+    i = keras.Input((3,), dtype="int64")
+    looked = keras.layers.IntegerLookup(vocabulary=np.unique(x))(i)
+    ref = keras.Model(i, head(keras.layers.Embedding(len(np.unique(x)) + 1, 4,
+                                                     embeddings_initializer="zeros")(looked)))
+    out = []
+    for m in (dyn, ref):
+        m.compile(keras.optimizers.SGD(0.1), "mse")
+        m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        out.append(m.predict(x, verbose=0))
+    np.testing.assert_allclose(out[0], out[1], rtol=0, atol=1e-6)
+    assert layer.stats()["live_rows"] == len(np.unique(x))

@@ -1,0 +1,230 @@
+"""``DynamicEmbedding``: an embedding of raw ids (int64 of any value, or
+strings) in a table of fixed capacity, with admission and eviction.
+
+The table and its map live on the parameter servers (see
+:mod:`tf_asyncps.layers.dynamic_table` for the design and its sources).
+This module holds the tf_keras layer; ``tf_asyncps.keras3.DynamicEmbedding``
+is the Keras 3 one (same arguments, same behaviour; :func:`keras3_layer`).
+"""
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.layers import dynamic_table as dt
+
+__all__ = ["DynamicEmbedding", "attach_to_strategy", "keras3_layer"]
+
+
+def reset_initializer(initializer, name):
+    """``fn(shape) -> float32 tensor``: fresh values for evicted rows, in
+    plain TensorFlow ops (they run on the ps, in a critical section). The
+    names Keras gives its common initializers map to the same
+    distributions; any other initializer object is called as it is."""
+    key = name if isinstance(name, str) else None
+    if key in ("zeros", "ones"):
+        return lambda shape: tf.fill(shape, 0.0 if key == "zeros" else 1.0)
+    if key in ("uniform", "random_uniform"):  # both Kerases: [-0.05, 0.05]
+        return lambda shape: tf.random.uniform(shape, -0.05, 0.05)
+    if key in ("normal", "random_normal"):  # both Kerases: stddev 0.05
+        return lambda shape: tf.random.normal(shape, stddev=0.05)
+    return lambda shape: tf.cast(initializer(shape, "float32"), tf.float32)
+
+
+def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
+    """Registers ``table``'s eviction with the AsyncParameterServerStrategy in
+    scope (run after each update); returns that strategy, else None."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    engine = getattr(getattr(strategy, "extended", None), "engine", None)
+    if engine is None or not hasattr(engine, "add_after_update"):
+        return None
+
+    def after_update(optimizer, variables, step):
+        if not any(table.owns(v) for v in variables):
+            return None
+        return table.maybe_evict(step, lambda var: dt.optimizer_slots(optimizer, var))
+
+    engine.add_after_update(after_update)
+    return strategy
+
+
+def global_step(strategy):
+    """The strategy's global step variable (int64, on ps 0), else None."""
+    tracker = getattr(strategy, "staleness_tracker", None)
+    return getattr(tracker, "global_step", None)
+
+
+def _tf_keras():
+    import tf_keras
+    return tf_keras
+
+
+class _Mixin:
+    """What both Keras layers share (constructor checks, the table, calls)."""
+
+    def _init_dynamic(self, output_dim, capacity, key_dtype, min_count, eviction, evict_every,
+                      ttl_steps, initializer):
+        self.key_dtype = dt.check_arguments(output_dim, capacity, key_dtype, min_count,
+                                            eviction, evict_every, ttl_steps)
+        self.output_dim, self.capacity = output_dim, capacity
+        self.min_count, self.eviction = min_count, eviction
+        self.evict_every, self.ttl_steps = evict_every, ttl_steps
+        self.initializer_name = initializer
+
+    def _make_table(self, table_var, initializer):
+        table = dt.DynamicTable(
+            table_var, key_dtype=self.key_dtype, min_count=self.min_count,
+            eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
+            initializer=reset_initializer(initializer, self.initializer_name), name=self.name)
+        strategy = attach_to_strategy(table)
+        # Tracked: the map's variables are checkpointed with the layer.
+        self.dynamic_table = table
+        tf_compat.set_untracked_attribute(self, "_global_step", global_step(strategy))
+        return table
+
+    def _dynamic_call(self, ids, training):
+        # An export traces inference only (tf_keras also traces training=True
+        # calls): the served function captures nothing of the cluster (no
+        # global step, no lock), so it runs in a process with no cluster.
+        training = bool(training) and not tf_compat.in_save_context()
+        step = self._global_step
+        step = step.read_value() if training and step is not None else None
+        return self.dynamic_table.lookup(ids, step, training=training)
+
+    def _dynamic_config(self) -> dict:
+        return {"output_dim": self.output_dim, "capacity": self.capacity,
+                "key_dtype": self.key_dtype.name, "min_count": self.min_count,
+                "eviction": self.eviction, "evict_every": self.evict_every,
+                "ttl_steps": self.ttl_steps, "initializer": self.initializer_name}
+
+    # -- public ---------------------------------------------------------------
+    def export(self):
+        """(ids, rows) of the live rows only: ids ``[n]`` of ``key_dtype``,
+        rows float32 ``[n, output_dim]`` (eager, on the chief)."""
+        return self.dynamic_table.export()
+
+    def stats(self) -> dict:
+        """``{"live_rows", "capacity", "evicted", "refused"}`` (ints)."""
+        return self.dynamic_table.stats()
+
+
+class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
+    """Embedding of raw ids with fixed memory: admission and eviction (tf_keras).
+
+    Args:
+      output_dim: int >= 1, the width of each row.
+      capacity: int >= 1, the most ids holding a row at once (the table is
+        ``capacity x output_dim`` float32, split over the ps tasks by the
+        strategy's ``variable_partitioner``).
+      key_dtype: tf.int64 (raw integer ids of any value; int32 accepted) or
+        tf.string.
+      min_count: int >= 1, training lookups (at most one per step) before an
+        id gets a row; until then it reads the default row.
+      eviction: "lfu" or "lru": which rows a pass frees when ids were refused
+        a row (lowest count, oldest last step).
+      evict_every: int >= 1, global steps between eviction passes (each
+        shard's pass runs once per period, by one worker).
+      initializer: a tf_keras initializer (name or object) for the rows, used
+        again for a row when it is evicted.
+      ttl_steps: None, or int >= 1: rows unseen for this many global steps are
+        evicted at the next pass.
+      name: layer name.
+
+    Call: ``layer(ids, training=...)``, ids int or string tensor of any
+    shape; returns float32 ``ids.shape + [output_dim]``. Only training calls
+    admit ids and count them; ids without a row read the default row, zeros.
+
+    Raises:
+      ValueError: a field out of range (capacity < 1, min_count < 1, an
+        unknown eviction), naming it.
+      TypeError: float ids, string ids with key_dtype=tf.int64, integer ids
+        with key_dtype=tf.string (at call).
+    """
+
+    def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64, min_count: int = 1,
+                 eviction: str = "lfu", evict_every: int = 1000, initializer="uniform",
+                 name: Optional[str] = None, ttl_steps: Optional[int] = None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self._init_dynamic(output_dim, capacity, key_dtype, min_count, eviction, evict_every,
+                           ttl_steps, initializer)
+        self.initializer = _tf_keras().initializers.get(initializer)
+
+    def build(self, input_shape):
+        embeddings = self.add_weight("embeddings", shape=[self.capacity, self.output_dim],
+                                     initializer=self.initializer, dtype=tf.float32,
+                                     trainable=True)
+        self._make_table(embeddings, self.initializer)
+        super().build(input_shape)
+
+    def call(self, ids, training=None):
+        return self._dynamic_call(ids, training)
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape(input_shape).concatenate([self.output_dim])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self._dynamic_config())
+        return config
+
+
+_KERAS3_CLASS = []
+
+
+def keras3_layer():
+    """The Keras 3 ``DynamicEmbedding`` class (made on first use: importing
+    it imports Keras 3). Same arguments and behaviour as the tf_keras layer;
+    under the strategy its table may be partitioned like any Keras 3 weight.
+
+    Known difference: Keras 3's Adam and Adagrad square each row of a
+    repeated id on its own (tf_asyncps.core.lookup.every_id); here the rows
+    of one id in a batch are summed first (the distinct-id read), as tf_keras
+    does. SGD is the same either way.
+    """
+    if _KERAS3_CLASS:
+        return _KERAS3_CLASS[0]
+    import keras
+
+    from tf_asyncps.compat import keras as keras_compat
+
+    class DynamicEmbedding(_Mixin, keras.layers.Layer):
+        __doc__ = _tf_keras_doc()
+
+        def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64,
+                     min_count: int = 1, eviction: str = "lfu", evict_every: int = 1000,
+                     initializer="uniform", name: Optional[str] = None,
+                     ttl_steps: Optional[int] = None, **kwargs):
+            super().__init__(name=name, **kwargs)
+            self._init_dynamic(output_dim, capacity, key_dtype, min_count, eviction,
+                               evict_every, ttl_steps, initializer)
+            self.initializer = keras.initializers.get(initializer)
+
+        def build(self, input_shape):
+            self.embeddings = self.add_weight(
+                shape=(self.capacity, self.output_dim), initializer=self.initializer,
+                dtype="float32", trainable=True, name="embeddings")
+            self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
+
+        def call(self, ids, training=None):
+            return self._dynamic_call(ids, training)
+
+        def compute_output_shape(self, input_shape):
+            return tuple(input_shape) + (self.output_dim,)
+
+        def compute_output_spec(self, ids, training=None):
+            return keras.KerasTensor(tuple(ids.shape) + (self.output_dim,), "float32")
+
+        def get_config(self):
+            config = super().get_config()
+            config.update(self._dynamic_config())
+            return config
+
+    DynamicEmbedding.__module__ = "tf_asyncps.keras3"
+    _KERAS3_CLASS.append(DynamicEmbedding)
+    return DynamicEmbedding
+
+
+def _tf_keras_doc():
+    return DynamicEmbedding.__doc__.replace("(tf_keras)", "(Keras 3)").replace(
+        "a tf_keras initializer", "a Keras 3 initializer")

@@ -1,0 +1,445 @@
+"""A table whose rows are handed to raw ids at run time, on parameter servers.
+
+Recommender ids are unbounded (int64 hashes, strings) and drift: new ones
+arrive, old ones go cold. A :class:`DynamicTable` keeps a fixed
+``capacity x output_dim`` table (split over the ps tasks by the strategy's
+``variable_partitioner``, like any table) and, beside each shard on its ps:
+
+* the id -> row map: a ``tf.lookup.experimental.MutableHashTable``
+  (checkpointed and exported to a SavedModel with the layer, so a process
+  with no cluster serves raw ids);
+* per row: its key, a count (0: the row is free) and the global step it was
+  last seen at (int64 variables of the shard's length);
+* for ``min_count > 1``: a counting filter of the shard's length (one int64
+  count per hashed slot; DeepRec's counter filter in fixed memory: two ids
+  sharing a slot may be admitted early, never late);
+* a ``tf.CriticalSection`` that makes "look up, admit, count" one unit, so
+  two workers never give one id two rows (TorchRec's managed collisions
+  and DeepRec's EmbeddingVariable do the same on one process).
+
+An id belongs to shard ``hash(id) % num_shards`` (TensorFlow's
+``to_hash_bucket_fast`` of its decimal text, or of the string), and its row
+is one of that shard's rows, so only the worker's distinct ids cross, each
+to one ps, and the rows come back from the same ps. A lookup in training::
+
+    unique, position = tf.unique(ids)                 # worker
+    per shard s (on ps s, in its critical section):
+        rows = index.lookup(ids_s)                      # -1: no row yet
+        admit those seen min_count times, while rows are free
+        count += 1, last_step = global step           # for eviction
+    values = table rows (gathered on their ps) or the default row (zeros)
+    out = tf.gather(values, position)                 # worker
+
+Not-admitted ids read the default row: zeros, no variable, never trained.
+Their positions take no part in the gradient.
+
+Eviction (:meth:`DynamicTable.maybe_evict`) runs after an update, once every
+``evict_every`` global steps per shard, in the shard's critical section (so
+one worker does it per shard and period): rows unseen for ``ttl_steps``
+(if set) go, then as many rows as ids were refused a row since the last
+pass (no free row on their shard), coldest first: lowest count (``"lfu"``;
+counts then halve, so ids that went cold lose their rank) or oldest last
+step (``"lru"``). An evicted row gets fresh initializer values and its
+optimizer slots their initial values (Adagrad's accumulator, Adam's zero
+moments), so the next id starts as a new row would.
+
+Sources: TensorFlow Recommenders-Addons ``dynamic_embedding`` (restrict
+policies by frequency and timestamp), DeepRec EmbeddingVariable (counter
+filter admission, global-step eviction), TorchRec managed-collision modules
+(LFU/LRU eviction with optimizer state reset; Zhao et al., "Monolith",
+2022, for collisionless tables with frequency filtering and expiry).
+"""
+
+import functools
+import re
+import types
+from typing import List, Optional, Tuple
+
+import tensorflow as tf
+
+from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import placement
+
+__all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
+
+EVICTIONS = ("lfu", "lru")
+_INT64_MAX = tf.int64.max
+
+
+def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_every,
+                    ttl_steps) -> tf.DType:
+    """Checks the layer's arguments; returns ``key_dtype`` as a tf.DType.
+
+    Raises:
+      ValueError / TypeError: naming the field and the fix.
+    """
+    def positive_int(name, value, hint):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"DynamicEmbedding({name}={value!r}): must be an int >= 1 "
+                             f"({hint}).")
+
+    positive_int("output_dim", output_dim, "the width of each row")
+    positive_int("capacity", capacity, "the most rows the table holds, e.g. capacity=1_000_000")
+    positive_int("min_count", min_count, "sightings before an id gets a row; 1 admits at "
+                 "once")
+    positive_int("evict_every", evict_every, "global steps between eviction passes")
+    if ttl_steps is not None:
+        positive_int("ttl_steps", ttl_steps, "rows unseen this many global steps are "
+                     "evicted; None for no time-to-live")
+    if eviction not in EVICTIONS:
+        raise ValueError(f"DynamicEmbedding(eviction={eviction!r}): use one of "
+                         f"{', '.join(map(repr, EVICTIONS))} (lowest count or oldest last "
+                         "step goes first), and ttl_steps=N for a time-to-live.")
+    try:
+        dtype = tf.as_dtype(key_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (tf.int64, tf.int32, tf.string):
+        raise TypeError(f"DynamicEmbedding(key_dtype={key_dtype!r}): use tf.int64 (raw "
+                        "integer ids of any value) or tf.string.")
+    return tf.int64 if dtype == tf.int32 else dtype
+
+
+def _bucket(ids, buckets: int, strong: bool = False):
+    """int64 bucket in [0, buckets) of each id (int64 or string), stable
+    across processes and TensorFlow versions."""
+    text = ids if ids.dtype == tf.string else tf.strings.as_string(ids)
+    if strong:  # a second hash, independent of the routing one
+        return tf.strings.to_hash_bucket_strong(text, buckets, key=[0x5EED, 0xF11E])
+    return tf.strings.to_hash_bucket_fast(text, buckets)
+
+
+class _Shard(tf.Module):
+    """The map and metadata beside one table shard (rows ``offset`` ..
+    ``offset + rows - 1`` of the table), all on that shard's ps. Its
+    variables and its index are checkpointed (through the layer); the lock
+    is not."""
+
+    def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
+                 name: str):
+        super().__init__(name=name)
+        untracked = functools.partial(tf_compat.set_untracked_attribute, self)
+        # The layer's weight (a shard of it): held where neither checkpoints
+        # nor tf.Module's variable walk (Keras's weight lists) look.
+        untracked("refs", types.SimpleNamespace(var=var))
+        self.offset, self.min_count, self.num_shards = offset, min_count, num_shards
+        self.rows = int(var.shape[0])
+        self.device = var.device
+        zeros = tf.zeros([self.rows], tf.int64)
+        with placement.beside(var):
+            empty_key = tf.fill([self.rows], "") if key_dtype == tf.string else zeros
+            self.key = tf.Variable(empty_key, trainable=False, name=f"{name}_key")
+            self.count = tf.Variable(zeros, trainable=False, name=f"{name}_count")
+            self.last = tf.Variable(zeros, trainable=False, name=f"{name}_last_step")
+            # Sightings of ids without a row, by hashed slot (admission), and
+            # the slots of ids refused a row since the last pass (eviction).
+            self.filter = tf.Variable(zeros, trainable=False, name=f"{name}_filter")
+            self.waiting = tf.Variable(tf.zeros([self.rows], tf.bool), trainable=False,
+                                       name=f"{name}_waiting")
+            scalar = tf.constant(0, tf.int64)
+            self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
+            self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
+            self.evicted = tf.Variable(scalar, trainable=False, name=f"{name}_evicted")
+            # How many shards wrote a checkpoint: restoring onto another
+            # number of ps shards is refused at the first lookup.
+            self.shards_saved = tf.Variable(tf.constant(num_shards, tf.int64), trainable=False,
+                                            name=f"{name}_num_shards")
+        with tf.init_scope(), tf.device(var.device):
+            self.index = tf.lookup.experimental.MutableHashTable(
+                key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
+            # Not model state: a plain object, which neither checkpoints nor
+            # Keras's weight lists look into.
+            untracked("process_local", types.SimpleNamespace(
+                lock=placement.critical_section(f"{name}_lock")))
+
+    @property
+    def lock(self):
+        return self.process_local.lock
+
+    @property
+    def var(self):
+        return self.refs.var
+
+    # -- inside the critical section, on the ps -------------------------------
+    def _same_shards(self):
+        return tf.debugging.assert_equal(
+            self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
+                "DynamicEmbedding: this table was restored from a checkpoint written with "
+                f"another number of table shards (now {self.num_shards}): restore it with "
+                "the variable_partitioner and number of ps tasks it was saved with."))
+
+    def find(self, ids, step, admit: bool):
+        """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
+        in training (``admit``) admits ids and counts sightings."""
+        with tf.control_dependencies([self._same_shards()]):
+            rows = self.index.lookup(ids)
+        rows.set_shape(ids.shape)
+        if not admit:
+            return rows
+        new = rows < 0
+        waiting = tf.boolean_mask(ids, new)
+        slot = _bucket(waiting, self.rows, strong=True)
+        with tf.control_dependencies([self.filter.scatter_add(
+                tf.IndexedSlices(tf.ones_like(slot), slot))]):
+            seen = tf.gather(self.filter, slot)
+        eligible = seen >= self.min_count
+        candidates = tf.boolean_mask(waiting, eligible)
+        candidate_slots = tf.boolean_mask(slot, eligible)
+
+        def admit_rows():
+            free = tf.where(tf.equal(self.count, 0))[:, 0]  # ascending local rows
+            k = tf.minimum(tf.size(candidates), tf.size(free))
+            take, admitted = free[:k], candidates[:k]
+            refused = candidate_slots[k:]
+            return tf.group(
+                self.index.insert(admitted, take + self.offset),
+                self.key.scatter_update(tf.IndexedSlices(admitted, take)),
+                self.waiting.scatter_update(tf.IndexedSlices(
+                    tf.ones_like(refused, tf.bool), refused)),
+                self.refused.assign_add(tf.size(refused, out_type=tf.int64)))
+
+        inserted = tf.cond(tf.size(candidates) > 0, admit_rows, tf.no_op)
+        with tf.control_dependencies([inserted]):
+            rows = self.index.lookup(ids)
+        rows.set_shape(ids.shape)
+        local = tf.boolean_mask(rows, rows >= 0) - self.offset
+        counted = tf.group(
+            self.count.scatter_add(tf.IndexedSlices(tf.ones_like(local), local)),
+            self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(local), step), local)))
+        with tf.control_dependencies([counted]):
+            return tf.identity(rows)
+
+    def evict(self, step, period, eviction: str, evict_every: int, ttl_steps, reset_values):
+        """One eviction pass (see the module docstring); returns its op."""
+        live = self.count > 0
+        victims = tf.zeros([self.rows], tf.bool)
+        if ttl_steps is not None:
+            victims = live & (self.last <= step - ttl_steps)
+        remaining = live & ~victims
+        # Ids refused a row since the last pass (their filter slots), hottest
+        # first, against the coldest rows: the j-th coldest row goes if the
+        # j-th hottest waiting id beats it (TorchRec's LFU/LRU merge).
+        waiting = tf.boolean_mask(self.filter, self.waiting)
+        need = tf.minimum(tf.size(waiting, out_type=tf.int64),
+                          tf.reduce_sum(tf.cast(remaining, tf.int64)))
+        score = self.count if eviction == "lfu" else self.last
+        order = tf.argsort(tf.where(remaining, score, _INT64_MAX), stable=True)[:need]
+        if eviction == "lfu":
+            rivals = tf.sort(waiting, direction="DESCENDING")[:need]
+        else:  # waiting ids were seen in this period; rows older than it lose
+            rivals = tf.fill([need], step - evict_every + 1)
+        beaten = tf.gather(score, order) < rivals
+        cold = tf.scatter_nd(tf.boolean_mask(order, beaten)[:, None],
+                             tf.ones_like(tf.boolean_mask(order, beaten), tf.bool),
+                             [self.rows])
+        gone = tf.where(victims | cold)[:, 0]
+        k = tf.size(gone)
+        updates = [self.index.remove(tf.gather(self.key, gone))]
+        with tf.control_dependencies(updates):
+            updates += [self.count.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone)),
+                        self.last.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone))]
+        with tf.control_dependencies(updates):
+            if eviction == "lfu":  # aging: what went cold loses its rank
+                updates.append(self.count.assign(tf.where(
+                    self.count > 0, tf.maximum(self.count // 2, 1), 0)))
+                updates.append(self.filter.assign(self.filter // 2))
+            for var, value in reset_values:
+                shape = tf.concat([[k], tf.shape(var)[1:]], 0)
+                updates.append(var.scatter_update(tf.IndexedSlices(
+                    tf.cast(value(shape), var.dtype), gone)))
+            updates += [self.waiting.assign(tf.zeros([self.rows], tf.bool)),
+                        self.passes.assign(period),
+                        self.evicted.assign_add(tf.cast(k, tf.int64))]
+        return tf.group(updates)
+
+
+class DynamicTable(tf.Module):
+    """The map, metadata and eviction of one dynamic embedding table.
+
+    Framework-neutral: the Keras layers (:class:`tf_asyncps.layers.DynamicEmbedding`)
+    create the table variable with their own ``add_weight`` and hand its
+    ``tf.Variable`` (or ``ShardedVariable``) here.
+
+    Args:
+      table: float ``tf.Variable`` or ``ShardedVariable`` of shape
+        ``[capacity, output_dim]``.
+      key_dtype: tf.int64 or tf.string.
+      min_count: sightings (training lookups, at most one per step) before an
+        id gets a row.
+      eviction: "lfu" or "lru".
+      evict_every: global steps between eviction passes.
+      ttl_steps: None, or global steps after which an unseen row is evicted.
+      initializer: ``initializer(shape, dtype)`` giving an evicted row its
+        fresh values.
+      name: prefix of the map's variables.
+    """
+
+    def __init__(self, table, *, key_dtype, min_count: int, eviction: str, evict_every: int,
+                 ttl_steps: Optional[int], initializer, name: str):
+        super().__init__(name=name)
+        # The layer's weight: see _Shard.refs.
+        tf_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
+        self.key_dtype = key_dtype
+        self.output_dim = int(table.shape[1])
+        self.capacity = int(table.shape[0])
+        self.eviction, self.evict_every, self.ttl_steps = eviction, evict_every, ttl_steps
+        self.initializer = initializer
+        parts = tf_compat.shards(table) or [table]
+        self.shards: List[_Shard] = []
+        offset = 0
+        for i, var in enumerate(parts):
+            self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
+                                      f"{name}_{i}"))
+            offset += int(var.shape[0])
+
+    @property
+    def table(self):
+        """The table variable (``tf.Variable`` or ``ShardedVariable``)."""
+        return self.refs.table
+
+    # -- lookups ----------------------------------------------------------------
+    def check_ids(self, ids):
+        """``ids`` as a tensor of the key dtype.
+
+        Raises:
+          TypeError: float ids, or ids of the other kind (string/integer).
+        """
+        ids = tf.convert_to_tensor(ids)
+        if self.key_dtype == tf.string:
+            if ids.dtype != tf.string:
+                raise TypeError(f"DynamicEmbedding(key_dtype=tf.string) got ids of dtype "
+                                f"{ids.dtype.name}: pass the ids as strings, or make the "
+                                "layer with key_dtype=tf.int64.")
+            return ids
+        if ids.dtype == tf.string:
+            raise TypeError("DynamicEmbedding(key_dtype=tf.int64) got string ids: make the "
+                            "layer with key_dtype=tf.string.")
+        if not ids.dtype.is_integer:
+            raise TypeError(f"DynamicEmbedding got ids of dtype {ids.dtype.name}: ids are "
+                            "integers (key_dtype=tf.int64) or strings (key_dtype=tf.string); "
+                            "cast float ids with tf.cast(ids, tf.int64) only if they hold "
+                            "whole numbers.")
+        return tf.cast(ids, tf.int64)
+
+    def rows_of(self, ids, step=None, training: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Global rows of the distinct ``ids``.
+
+        Args:
+          ids: 1-D distinct ids of the key dtype.
+          step: int64 scalar, the global step (training: the rows' last step).
+          training: admit new ids and count sightings.
+
+        Returns:
+          (rows, found): int64 [n] global rows (-1: none), bool [n].
+        """
+        n = len(self.shards)
+        if step is None:
+            step = tf.constant(0, tf.int64)
+        if n == 1:
+            parts, where = [ids], None
+        else:
+            owner = tf.cast(_bucket(ids, n), tf.int32)
+            parts = tf.dynamic_partition(ids, owner, n)
+            where = tf.dynamic_partition(tf.range(tf.size(ids)), owner, n)
+        found = []
+        for shard, part in zip(self.shards, parts):
+            if training:
+                with tf.device(shard.device):
+                    found.append(shard.lock.execute(
+                        lambda s=shard, p=part: s.find(p, step, admit=True),
+                        exclusive_resource_access=False))
+            else:  # no device named: the index's ops run beside it, and a
+                # SavedModel serves in a process with no cluster
+                found.append(shard.find(part, step, admit=False))
+        rows = found[0] if n == 1 else tf.dynamic_stitch(where, found)
+        return rows, rows >= 0
+
+    def lookup(self, ids, step=None, training: bool = False) -> tf.Tensor:
+        """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
+        (zeros) for ids without a row. The gradient reaches admitted rows only."""
+        ids = self.check_ids(ids)
+        unique, position = tf.unique(tf.reshape(ids, [-1]))
+        rows, found = self.rows_of(unique, step, training)
+        at = tf.where(found)
+        values = tf.nn.embedding_lookup(self.table, tf.gather_nd(rows, at))
+        out = tf.scatter_nd(at, values, tf.stack([tf.size(unique, out_type=tf.int64),
+                                                  self.output_dim]))
+        out = tf.gather(out, position)
+        return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+
+    # -- eviction ---------------------------------------------------------------
+    def maybe_evict(self, step, slots_of=lambda var: ()) -> tf.Operation:
+        """Runs each shard's eviction pass if one is due at global ``step``.
+
+        Args:
+          step: int64 scalar, the global step after this update.
+          slots_of: ``slots_of(shard) -> [(slot_variable, initial_value)]``,
+            the optimizer's slots of one table shard (same shape, same ps).
+
+        Returns:
+          The op (one critical-section run per shard).
+        """
+        period = step // self.evict_every
+        ops = []
+        for shard in self.shards:
+            resets = [(shard.var, self.initializer)]
+            resets += [(slot, lambda shape, v=value: tf.fill(shape, float(v)))
+                       for slot, value in slots_of(shard.var)]
+            with tf.device(shard.device):
+                def due(s=shard, r=resets):
+                    return tf.cond(period > s.passes.read_value(),
+                                   lambda: s.evict(step, period, self.eviction,
+                                                   self.evict_every, self.ttl_steps, r),
+                                   tf.no_op)
+                ops.append(shard.lock.execute(due, exclusive_resource_access=False))
+        return tf.group(ops)
+
+    def owns(self, var) -> bool:
+        """Whether ``var`` is this table or one of its shards."""
+        return var is self.table or any(var is s.var for s in self.shards)
+
+    # -- state --------------------------------------------------------------------
+    def live_rows(self) -> int:
+        """Rows holding an id now (eager; int)."""
+        return int(sum(tf.reduce_sum(tf.cast(s.count > 0, tf.int64)) for s in self.shards))
+
+    def stats(self) -> dict:
+        """``{"live_rows", "capacity", "evicted", "refused"}`` (ints, eager)."""
+        return {"live_rows": self.live_rows(), "capacity": self.capacity,
+                "evicted": int(sum(s.evicted.numpy() for s in self.shards)),
+                "refused": int(sum(s.refused.numpy() for s in self.shards))}
+
+    def export(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(ids [n] key dtype, rows [n, output_dim]) of the live rows only."""
+        ids, rows = [], []
+        for shard in self.shards:
+            live = tf.where(shard.count > 0)[:, 0]
+            ids.append(tf.gather(shard.key, live))
+            rows.append(tf.gather(shard.var, live))
+        return tf.concat(ids, 0), tf.concat(rows, 0)
+
+
+def optimizer_slots(optimizer, var) -> list:
+    """``[(slot, initial value)]``: the optimizer's variables beside ``var``
+    (same shape, same device, named after it: tf_keras names a slot
+    ``"{slot}/{variable}"``, Keras 3 ``"{variable path}_{slot}"``). An
+    accumulator starts at the optimizer's ``initial_accumulator_value``
+    (Adagrad), every other slot at 0."""
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    if inner is not None:
+        optimizer = inner
+    variables = optimizer.variables
+    variables = variables() if callable(variables) else variables
+    base = re.sub(r"(/part_\d+)?(:\d+)?$", "", var.name)
+    names = {base, base.replace("/", "_")}
+    initial = float(getattr(optimizer, "initial_accumulator_value", 0.0) or 0.0)
+    out = []
+    for v in variables:
+        v = getattr(v, "value", v) if not hasattr(v, "device") else v
+        for part in tf_compat.shards(v) or [v]:
+            if part is var or getattr(part, "shape", None) != var.shape or \
+                    getattr(part, "device", None) != var.device:
+                continue
+            if any(n in part.name for n in names):
+                out.append((part, initial if "accumulator" in part.name else 0.0))
+    return out
