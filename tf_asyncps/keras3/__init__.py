@@ -20,7 +20,9 @@ are in ``tf_asyncps/compat/keras.py``.
 from tf_asyncps.keras3.data import DatasetFn
 from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
-__all__ = ["DatasetFn", "DynamicEmbedding", "Keras3Trainer", "attach", "trainable_shards"]
+# DynamicEmbedding (the Keras 3 layer) is made on first use (__getattr__):
+# documented with tf_asyncps.layers.
+__all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]
 
 
 def __getattr__(name):
