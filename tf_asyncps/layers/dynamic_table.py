@@ -50,6 +50,7 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 2022, for collisionless tables with frequency filtering and expiry).
 """
 
+import contextlib
 import functools
 import re
 import types
@@ -58,6 +59,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
@@ -321,6 +323,21 @@ class DynamicTable(tf.Module):
                             "whole numbers.")
         return tf.cast(ids, tf.int64)
 
+    def _parts(self, ids):
+        """(ids of each shard, their positions in ``ids``; None for one shard)."""
+        n = len(self.shards)
+        if n == 1:
+            return [ids], None
+        owner = tf.cast(_bucket(ids, n), tf.int32)
+        return (tf.dynamic_partition(ids, owner, n),
+                tf.dynamic_partition(tf.range(tf.size(ids)), owner, n))
+
+    def _find(self, shard, ids, step, training):
+        if training:  # one unit with admission and counting
+            return shard.lock.execute(lambda: shard.find(ids, step, admit=True),
+                                      exclusive_resource_access=False)
+        return shard.find(ids, step, admit=False)
+
     def rows_of(self, ids, step=None, training: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
         """Global rows of the distinct ``ids``.
 
@@ -332,38 +349,53 @@ class DynamicTable(tf.Module):
         Returns:
           (rows, found): int64 [n] global rows (-1: none), bool [n].
         """
-        n = len(self.shards)
-        if step is None:
-            step = tf.constant(0, tf.int64)
-        if n == 1:
-            parts, where = [ids], None
-        else:
-            owner = tf.cast(_bucket(ids, n), tf.int32)
-            parts = tf.dynamic_partition(ids, owner, n)
-            where = tf.dynamic_partition(tf.range(tf.size(ids)), owner, n)
+        step = tf.constant(0, tf.int64) if step is None else step
+        parts, where = self._parts(ids)
         found = []
         for shard, part in zip(self.shards, parts):
-            if training:
-                with tf.device(shard.device):
-                    found.append(shard.lock.execute(
-                        lambda s=shard, p=part: s.find(p, step, admit=True),
-                        exclusive_resource_access=False))
-            else:  # no device named: the index's ops run beside it, and a
-                # SavedModel serves in a process with no cluster
-                found.append(shard.find(part, step, admit=False))
-        rows = found[0] if n == 1 else tf.dynamic_stitch(where, found)
+            # Training names the shard's ps; inference names no device (the
+            # index's ops run beside it; a SavedModel serves with no cluster).
+            with tf.device(shard.device) if training else contextlib.nullcontext():
+                found.append(self._find(shard, part, step, training))
+        rows = found[0] if len(found) == 1 else tf.dynamic_stitch(where, found)
         return rows, rows >= 0
 
     def lookup(self, ids, step=None, training: bool = False) -> tf.Tensor:
         """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
-        (zeros) for ids without a row. The gradient reaches admitted rows only."""
+        (zeros) for ids without a row. The gradient reaches admitted rows only.
+
+        In training each shard's ps finds the rows and gathers them itself:
+        an id crosses to its ps once, its row (and a found bit) comes back.
+        """
         ids = self.check_ids(ids)
         unique, position = tf.unique(tf.reshape(ids, [-1]))
-        rows, found = self.rows_of(unique, step, training)
-        at = tf.where(found)
-        values = tf.nn.embedding_lookup(self.table, tf.gather_nd(rows, at))
-        out = tf.scatter_nd(at, values, tf.stack([tf.size(unique, out_type=tf.int64),
-                                                  self.output_dim]))
+        if not training:
+            # By global row on the whole table: a SavedModel restores a
+            # partitioned table as one variable, which a shard's own gather
+            # would not index right.
+            rows, found = self.rows_of(unique)
+            at = tf.where(found)
+            values = tf.nn.embedding_lookup(self.table, tf.gather_nd(rows, at))
+            out = tf.scatter_nd(at, values, tf.stack([tf.size(unique, out_type=tf.int64),
+                                                      self.output_dim]))
+            out = tf.gather(out, position)
+            return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        step = tf.constant(0, tf.int64) if step is None else step
+        parts, where = self._parts(unique)
+        outs = []
+        for shard, part in zip(self.shards, parts):
+            with tf.device(shard.device):
+                rows = self._find(shard, part, step, training)
+                found = rows >= 0
+                # Distinct already: not the strategy's de-duplicating read
+                # (core/lookup.py), whose tf.unique would only add index
+                # tensors for the gradient to carry back and forth.
+                with lookup_lib.every_id():
+                    values = tf.gather(shard.var, tf.boolean_mask(rows, found) - shard.offset)
+            at = tf.where(found)  # with the ids (the worker): only the bits cross
+            outs.append(tf.scatter_nd(at, values, tf.stack(
+                [tf.size(part, out_type=tf.int64), self.output_dim])))
+        out = outs[0] if len(outs) == 1 else tf.dynamic_stitch(where, outs)
         out = tf.gather(out, position)
         return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
 
@@ -379,19 +411,30 @@ class DynamicTable(tf.Module):
         Returns:
           The op (one critical-section run per shard).
         """
-        period = step // self.evict_every
         ops = []
         for shard in self.shards:
             resets = [(shard.var, self.initializer)]
             resets += [(slot, lambda shape, v=value: tf.fill(shape, float(v)))
                        for slot, value in slots_of(shard.var)]
+            # Everything on the shard's ps, the step included: an untaken
+            # pass then sends nothing between devices (measured: computing
+            # `period` on the worker cost ~6 KB per step on the embedding
+            # workload).
             with tf.device(shard.device):
-                def due(s=shard, r=resets):
-                    return tf.cond(period > s.passes.read_value(),
-                                   lambda: s.evict(step, period, self.eviction,
-                                                   self.evict_every, self.ttl_steps, r),
-                                   tf.no_op)
-                ops.append(shard.lock.execute(due, exclusive_resource_access=False))
+                g = tf.identity(step)
+                period = g // self.evict_every
+
+                def run_pass(s=shard, r=resets, g=g, period=period):
+                    return s.evict(g, period, self.eviction, self.evict_every,
+                                   self.ttl_steps, r)
+
+                def locked(s=shard, run_pass=run_pass, period=period):
+                    # Checked again under the lock: one worker per period.
+                    return s.lock.execute(
+                        lambda: tf.cond(period > s.passes.read_value(), run_pass, tf.no_op),
+                        exclusive_resource_access=False)
+
+                ops.append(tf.cond(period > shard.passes.read_value(), locked, tf.no_op))
         return tf.group(ops)
 
     def owns(self, var) -> bool:
