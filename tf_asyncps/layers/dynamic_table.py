@@ -138,6 +138,12 @@ class _Shard(tf.Module):
             self.filter = tf.Variable(zeros, trainable=False, name=f"{name}_filter")
             self.waiting = tf.Variable(tf.zeros([self.rows], tf.bool), trainable=False,
                                        name=f"{name}_waiting")
+            # Free local rows as a stack (its first `free_rows` entries; the
+            # lowest row on top): admission pops, eviction pushes.
+            self.free = tf.Variable(tf.range(self.rows - 1, -1, -1, dtype=tf.int64),
+                                    trainable=False, name=f"{name}_free")
+            self.free_rows = tf.Variable(tf.constant(self.rows, tf.int64), trainable=False,
+                                         name=f"{name}_free_rows")
             scalar = tf.constant(0, tf.int64)
             self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
             self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
@@ -189,11 +195,13 @@ class _Shard(tf.Module):
         candidate_slots = tf.boolean_mask(slot, eligible)
 
         def admit_rows():
-            free = tf.where(tf.equal(self.count, 0))[:, 0]  # ascending local rows
-            k = tf.minimum(tf.size(candidates), tf.size(free))
-            take, admitted = free[:k], candidates[:k]
+            # Pop k free rows off the stack: O(k), not a scan of the shard.
+            top = self.free_rows.read_value()
+            k = tf.minimum(tf.size(candidates, out_type=tf.int64), top)
+            take, admitted = tf.reverse(self.free[top - k:top], [0]), candidates[:k]
             refused = candidate_slots[k:]
             return tf.group(
+                self.free_rows.assign(top - k),
                 self.index.insert(admitted, take + self.offset),
                 self.key.scatter_update(tf.IndexedSlices(admitted, take)),
                 self.waiting.scatter_update(tf.IndexedSlices(
@@ -249,7 +257,11 @@ class _Shard(tf.Module):
                 shape = tf.concat([[k], tf.shape(var)[1:]], 0)
                 updates.append(var.scatter_update(tf.IndexedSlices(
                     tf.cast(value(shape), var.dtype), gone)))
-            updates += [self.waiting.assign(tf.zeros([self.rows], tf.bool)),
+            top = self.free_rows.read_value()
+            updates += [self.free.scatter_update(tf.IndexedSlices(
+                            gone, top + tf.range(tf.cast(k, tf.int64)))),
+                        self.free_rows.assign(top + tf.cast(k, tf.int64)),
+                        self.waiting.assign(tf.zeros([self.rows], tf.bool)),
                         self.passes.assign(period),
                         self.evicted.assign_add(tf.cast(k, tf.int64))]
         return tf.group(updates)
