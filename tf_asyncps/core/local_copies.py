@@ -220,12 +220,13 @@ class LocalCopies:
             _LOCAL_STEP_GRAPHS.add(traced.top)
             try:
                 with step.active():
-                    return fn(*a, **kw)
+                    out = fn(*a, **kw)
             finally:
                 traced.undo()
-                # On the chief's main thread, while the closure is traced
-                # (``schedule``), with every copy this step created.
-                self._build_exchange()
+            # On the chief's main thread, while the closure is traced
+            # (``schedule``), with every copy this step created.
+            self._build_exchange()
+            return out
 
         return step_fn
 
