@@ -171,9 +171,12 @@ class PolicyEngine:
         (ssp's clock minimum, its refill condition, constants) ran on the
         worker and the ps state they use crossed back and forth each step.
         ``before_read`` and ``step_without_update`` are left as they are: under
-        this context the gate's wait let ``sync_replicas`` workers read the
-        model before their round completed (test_aggregator's straggler test:
-        22-24 stale gradients in 60 steps, against none; not understood yet)."""
+        this context the gate's wait made ``sync_replicas`` drop 22-24 of 60
+        gradients as stale in test_aggregator's straggler test (none before).
+        Likely cause, not yet fixed: a completing round grants the waiting
+        workers' tokens (``_take_means``) before the engine increments the
+        global step, so a woken worker whose wait runs all on the ps reads r
+        before that increment (τ = 1); the slower cross-device wait hid it."""
         return placement.beside_inputs(self.tracker.device)
 
     def read_point(self, w):
