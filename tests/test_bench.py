@@ -233,11 +233,11 @@ def test_hosts_runs_and_their_targets():
     runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
                                          "local_sgd@1m", "vanilla@emb", "async@emb",
-                                         "async+dedup@emb"]
-    assert [r.get("steps") for r in runs] == [None, None, None, 1920, None, None, None]
+                                         "async+dedup@emb", "async+bf16@emb"]
+    assert [r.get("steps") for r in runs] == [None, None, None, 1920, None, None, None, None]
     assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs[:4])
     assert all(r["model"] == "emb" and r["num_ps"] == 2 for r in runs[4:])
-    assert [r.get("dedup") for r in runs[4:]] == [None, False, True]
+    assert [r.get("dedup") for r in runs[4:]] == [None, False, True, True]
     with pytest.raises(ValueError, match="bench_hosts"):
         bench.hosts_configs(only=["single"])
     settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 320,
@@ -275,10 +275,14 @@ def test_hosts_runs_and_their_targets():
 
 def test_embedding_runs_are_selected_by_the_group_name_emb():
     names = [r["name"] for r in bench.hosts_configs(only=["emb"])]
-    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb"]
+    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb"]
     # local_sgd@emb (whole-table exchanges) only when named.
     names = [r["name"] for r in bench.hosts_configs(only=["emb", "local_sgd@emb"])]
-    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb"]
+    assert names == ["vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb",
+                     "local_sgd@emb"]
+    # bfloat16 on the wire, distinct ids: the strategy's wire_dtype.
+    (bf16,) = [r for r in bench.hosts_configs(only=["async+bf16@emb"])]
+    assert (bf16["wire_dtype"], bf16["dedup"], bf16["policy"]) == ("bfloat16", True, "async")
     with pytest.raises(ValueError, match=r"unknown run\(s\) \['async@embb'\]"):
         bench.hosts_configs(only=["async@embb"])
 

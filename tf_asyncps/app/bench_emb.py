@@ -29,9 +29,9 @@ BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: Every embedding run; ``local_sgd@emb`` only by name (--bench_only): its
 #: exchanges move the whole table (128 MB each way; optimizer slots stay on
 #: the worker), about 10 s per exchange and worker at 100 Mbit/s.
-EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb")
+EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb")
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
-DEFAULT_EMB_RUNS = EMB_RUNS[:3]
+DEFAULT_EMB_RUNS = EMB_RUNS[:4]
 _HASH = 2654435761  # Knuth's multiplicative hash: hot ids spread over both shards
 
 
@@ -62,7 +62,9 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
     """Every embedding run (EMB_RUNS), on ``num_workers`` workers and 2 ps:
     ``vanilla@emb`` (ParameterServerStrategy), ``async@emb`` (policy
     ``async``, ``deduplicate_lookups=False``: every id's row read),
-    ``async+dedup@emb`` (the default: distinct ids only), ``local_sgd@emb``."""
+    ``async+dedup@emb`` (the default: distinct ids only), ``async+bf16@emb``
+    (distinct ids, ``wire_dtype="bfloat16"``: rows read and gradients pushed
+    as bfloat16), ``local_sgd@emb``."""
     base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
             "locking": False, "spe": steps_per_execution, "batch": BATCH}
     return [dict(base, name="vanilla@emb", kind="vanilla"),
@@ -70,6 +72,8 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
                  dedup=False),
             dict(base, name="async+dedup@emb", kind="policy", policy="async",
                  policy_args={}, dedup=True),
+            dict(base, name="async+bf16@emb", kind="policy", policy="async",
+                 policy_args={}, dedup=True, wire_dtype="bfloat16"),
             dict(base, name="local_sgd@emb", kind="policy", policy="local_sgd",
                  policy_args={"sync_every": sync_every}, spe=sync_every, dedup=True)]
 
@@ -109,7 +113,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         strategy = AsyncParameterServerStrategy(
             cluster_lib.cluster_resolver(config),
             update_policy=policies.get(run["policy"], **run["policy_args"]),
-            variable_partitioner=part, deduplicate_lookups=run["dedup"])
+            variable_partitioner=part, deduplicate_lookups=run["dedup"],
+            wire_dtype=run.get("wire_dtype"))
     tf_keras.utils.set_random_seed(settings["seed"])
     with strategy.scope():
         model = tf_keras.Sequential([

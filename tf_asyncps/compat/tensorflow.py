@@ -29,6 +29,7 @@ __all__ = [
     "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
     "inside_function", "outermost_graph", "num_workers", "num_gpus_per_worker",
     "coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "shards",
+    "run_before_closures",
     "PSS_EXTENDED_HOOKS", "replace_extended", "route_remote_value_get",
     "hook_method", "set_untracked_attribute", "untracked_attribute",
     "colocating_creator", "hide_closure_error_logs",
@@ -301,6 +302,51 @@ def instrument_closures(coordinator, on_put_back, on_finished, on_process, on_fa
 
         w._process_closure = tagged_process
         w._on_closure_failure = counted_failure
+    return True
+
+
+def run_before_closures(strategy, before) -> bool:
+    """Calls ``before(concrete_function)`` at the start of each closure's run
+    on a worker, inside the closure's own run: on the worker's thread of the
+    chief, in the worker's device, executor and dispatch context (per-worker
+    variables are that worker's), and under its failure handling (an error
+    raised there is the closure's: put back, run again). Closures of Python
+    functions (no concrete function) and per-worker resource closures are
+    left alone.
+
+    Args:
+      strategy: a ParameterServerStrategy whose coordinator exists.
+      before: ``(ConcreteFunction) -> None``.
+
+    Returns:
+      False if the internals were not found (nothing was wrapped).
+    """
+    try:
+        workers = strategy._cluster_coordinator._cluster.workers
+        for w in workers:
+            w._process_closure  # noqa: B018 - presence check
+    except AttributeError:  # pragma: no cover - TF internals moved
+        return False
+
+    def wrap(closure):
+        fn = getattr(closure, "_function", None)
+        cf = getattr(closure, "_concrete_function", None)
+        if cf is None or fn is None or getattr(fn, "_asyncps_before", False):
+            return  # a Python function, or wrapped already (a put-back closure)
+
+        def run(*args, **kwargs):
+            before(cf)
+            return fn(*args, **kwargs)
+
+        run._asyncps_before = True
+        closure._function = run
+
+    for w in workers:
+        def process(closure, _process=w._process_closure):
+            wrap(closure)
+            return _process(closure)
+
+        w._process_closure = process
     return True
 
 

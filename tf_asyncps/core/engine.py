@@ -173,10 +173,26 @@ class PolicyEngine:
                 "base class's method for AsyncParameterServerStrategy to apply its update.",
                 ", ".join(names), self.policy.name)
 
+    def _policy_hook(self):
+        """Context of the policy's ``after_step``: its ops run beside their
+        inputs on the ps, the others beside the tracker, where ``build`` puts
+        the policy's cluster state. Unplaced, the ops that carry no device
+        (ssp's clock minimum, its refill condition, constants) ran on the
+        worker and the ps state they use crossed back and forth each step.
+        ``before_read`` and ``step_without_update`` are left as they are: under
+        this context the gate's wait made ``sync_replicas`` drop 22-24 of 60
+        gradients as stale in test_aggregator's straggler test (none before).
+        Likely cause, not yet fixed: a completing round grants the waiting
+        workers' tokens (``_take_means``) before the engine increments the
+        global step, so a woken worker whose wait runs all on the ps reads r
+        before that increment (τ = 1); the slower cross-device wait hid it."""
+        return placement.beside_inputs(self.tracker.device)
+
     def read_point(self, w):
         """The policy's ``before_read``, then the read step r (int64 scalar
         tensor): once per worker step."""
-        with tf.control_dependencies(self.policy.before_read(w)):
+        before = self.policy.before_read(w)
+        with tf.control_dependencies(before):
             return self.tracker.read_step()
 
     def no_update(self, w, out) -> None:
@@ -299,7 +315,8 @@ class PolicyEngine:
             # On the PS: a rule that needs τ (read on the PS) and transforms the
             # gradients would otherwise cost an extra worker<->PS round trip.
             g_after = decide_and_apply()
-        after = list(self.policy.after_step(step.worker_index) or [])
+        with self._policy_hook():
+            after = list(self.policy.after_step(w) or [])  # w: the worker index, copied to the ps
         with tf.control_dependencies([g_after]):
             for fn in self._after_update:
                 op = fn(optimizer, variables, g_after)

@@ -26,10 +26,13 @@ Data flow. For every numeric variable created in the strategy's scope the
 engine makes two TF per-worker variables (``per_worker_variable``: each
 worker holds its own): the local copy and the anchor a_w. While it traces a
 worker step it points the variable at the local copy, so the step reads and
-updates only worker memory. The exchange check runs at the start of each
-scheduled closure (once, outside fit's ``steps_per_execution`` loop: a PS op
-inside the loop would cost a PS round trip per iteration). Outside worker
-steps (the chief: ``get_weights``, ``model.save``, checkpoints) the variable
+updates only worker memory: a scheduled function holding local steps has no
+op on a PS (not one message to a PS for a closure without an exchange). The
+exchange is a function of its own (:meth:`LocalCopies.before_closure`): the
+chief's thread that runs a closure on a worker first asks that worker (one
+small worker-only function, no PS) whether an exchange is due and, only then,
+runs the exchange there, before the closure's steps. Outside worker steps (the
+chief: ``get_weights``, ``model.save``, checkpoints) the variable
 is the PS copy, made current when the coordinator drains (``join``, e.g. at
 the end of every ``fit`` epoch): :meth:`LocalCopies.flush` pushes what each
 worker trained since its last exchange, and every worker pulls the PS copy at
@@ -83,7 +86,7 @@ class _Copies:
 
 
 _HANDLES = weakref.WeakKeyDictionary()  # function graph -> {id(variable): handle}
-_CLOSURE_STARTED = weakref.WeakSet()  # function graphs holding an exchange check
+_LOCAL_STEP_GRAPHS = weakref.WeakSet()  # scheduled functions' graphs holding local steps
 
 
 class TracedStep:
@@ -98,15 +101,12 @@ class TracedStep:
     def __init__(self, copies: "LocalCopies"):
         self.top = tf_compat.outermost_graph()
         self.since = self._handle(copies._since)
-        self.last_g = self._handle(copies._last_g)
-        self.fresh = self._handle(copies._fresh)
         self.copies, self.local, self.anchor = [], [], []
 
     def _handle(self, per_worker_var):
         """One placeholder per variable and function: the step may be traced
         more than once into the same function (autograph traces a loop body
-        to infer its outputs), and auto control dependencies order the
-        exchange before the steps only if they use the same handle tensor."""
+        to infer its outputs)."""
         cache = _HANDLES.setdefault(self.top, {})
         key = id(per_worker_var)
         if key not in cache:
@@ -156,6 +156,8 @@ class LocalCopies:
         self.strategy = None
         self.tracker = None
         self._warned_lock = False
+        # (copies key, check, pull, exchange ConcreteFunctions): _build_exchange.
+        self._exchange = None
 
     def attach(self, strategy, tracker) -> None:
         """Creates the per-worker counters; once, after the coordinator exists."""
@@ -170,6 +172,11 @@ class LocalCopies:
             # after a restart (variables re-created) and after each drain.
             self._fresh = tf.Variable(False, trainable=False,
                                       per_worker_variable=True, name="asyncps_fresh")
+        if not tf_compat.run_before_closures(strategy, self.before_closure):
+            raise RuntimeError(  # pragma: no cover - TF internals moved
+                f"{self.policy.name}: the exchange runs before each closure through "
+                "ClusterCoordinator internals that moved; tested with "
+                f"TensorFlow {', '.join(tf_compat.TESTED_VERSIONS)}.")
 
     def add_variable(self, var) -> None:
         """Creates the local copy and anchor of a PS variable.
@@ -201,80 +208,110 @@ class LocalCopies:
 
     # -- graph side --------------------------------------------------------------
     def worker_step(self, engine, fn, worker_index):
-        """``fn`` as a worker step on the worker's local copies: no PS traffic
-        except the exchange at the start of the closure."""
+        """``fn`` as a worker step on the worker's local copies: no PS op in
+        the scheduled function (the exchange runs before it, when due:
+        :meth:`before_closure`)."""
 
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
             step = WorkerStep(engine, tf.constant(0, tf.int64), worker_index())
             traced = step.local_state = TracedStep(self)
             traced.add(list(self._copies.values()))
+            _LOCAL_STEP_GRAPHS.add(traced.top)
             try:
-                self._start_closure(traced)
                 with step.active():
-                    return fn(*a, **kw)
+                    out = fn(*a, **kw)
             finally:
                 traced.undo()
+            # On the chief's main thread, while the closure is traced
+            # (``schedule``), with every copy this step created.
+            self._build_exchange()
+            return out
 
         return step_fn
 
-    def _start_closure(self, traced: TracedStep) -> None:
-        """Adds the exchange to the start of the closure being traced.
+    def _build_exchange(self) -> None:
+        """Traces the three functions :meth:`before_closure` runs on a worker,
+        for the copies that exist now (again when copies were added).
 
-        The ops go into the outermost graph of the scheduled function, once
-        per trace, so they run once per closure before its first step (auto
-        control dependencies order them before the steps that use the local
-        copies). Inside fit's ``steps_per_execution`` loop a PS op would cost
-        a PS round trip on every iteration, even in an untaken branch.
-
-        Rule, per worker: a worker that has not pulled since it started or
-        since the last drain pulls the PS copy; otherwise, once the policy's
-        ``exchange_due`` says so, it pushes its delta and pulls the merged copy.
+        * ``check``: worker-only, returns int32 0 (nothing due), 1 (pull: the
+          worker has not pulled since it started or since the last drain) or
+          2 (exchange: the policy's ``exchange_due`` says so);
+        * ``pull``: the PS copies into the local copies and anchors;
+        * ``exchange``: push Δ = local − anchor, count the exchange, pull.
         """
-        top = traced.top
-        if top in _CLOSURE_STARTED:
+        copies = self.exchanged(self._copies.values())
+        key = tuple(id(c) for c in copies)
+        if self._exchange is not None and self._exchange[0] == key:
             return
-        _CLOSURE_STARTED.add(top)
-        moved = set(map(id, self.exchanged(traced.copies)))
-        copies, local, anchor = [], [], []
-        for c, lh, ah in zip(traced.copies, traced.local, traced.anchor):
-            if id(c) in moved:
-                copies.append(c)
-                local.append(lh)
-                anchor.append(ah)
         tracker = self.tracker
+        since_v, last_v, fresh_v = self._since, self._last_g, self._fresh
 
-        def pull(g_now):
+        def pull(local, anchor, g_now):
             ops = []
             for c, lh, ah in zip(copies, local, anchor):
                 with tf.device(c.handle.device):
                     new = tf_compat.read_handle(c.handle, c.dtype)
                 ops += [tf_compat.assign_handle(lh, new), tf_compat.assign_handle(ah, new)]
-            ops += [tf_compat.assign_handle(traced.last_g, g_now),
-                    tf_compat.assign_handle(traced.since, tf.constant(0, tf.int64)),
-                    tf_compat.assign_handle(traced.fresh, tf.constant(True))]
+            ops += [tf_compat.assign_handle(last_v.handle, g_now),
+                    tf_compat.assign_handle(since_v.handle, tf.constant(0, tf.int64)),
+                    tf_compat.assign_handle(fresh_v.handle, tf.constant(True))]
             with tf.control_dependencies(ops):
                 return tf.constant(0, tf.int64)
 
-        def exchange():
+        def handles():
+            return [c.local.handle for c in copies], [c.anchor.handle for c in copies]
+
+        def pull_fn():
+            local, anchor = handles()
+            return pull(local, anchor, tracker.read_step())
+
+        def exchange_fn():
+            local, anchor = handles()
             pushes = []
             for c, lh, ah in zip(copies, local, anchor):
                 delta = tf_compat.read_handle(lh, c.dtype) - tf_compat.read_handle(ah, c.dtype)
                 with tf.device(c.handle.device):
                     pushes.append(tf_compat.assign_add_handle(c.handle, delta))
             with tf.control_dependencies(pushes):
-                g_after = tracker.record_increment(tf_compat.read_handle(traced.last_g, tf.int64))
-                counted = tracker.add_local_steps(tf_compat.read_handle(traced.since, tf.int64))
+                g_after = tracker.record_increment(tf_compat.read_handle(last_v.handle, tf.int64))
+                counted = tracker.add_local_steps(tf_compat.read_handle(since_v.handle, tf.int64))
             with tf.control_dependencies([counted]):
-                return pull(g_after)
+                return pull(local, anchor, g_after)
 
-        def maybe_exchange():
-            due = self.policy.exchange_due(tf_compat.read_handle(traced.since, tf.int64))
-            return tf.cond(due, exchange, lambda: tf.constant(0, tf.int64))
+        def check_fn():
+            fresh = tf_compat.read_handle(fresh_v.handle, tf.bool)
+            due = self.policy.exchange_due(tf_compat.read_handle(since_v.handle, tf.int64))
+            return tf.where(fresh, tf.where(due, 2, 0), 1)
 
-        with top.as_default():
-            tf.cond(tf_compat.read_handle(traced.fresh, tf.bool), maybe_exchange,
-                    lambda: pull(tracker.read_step()))
+        with tf.init_scope():
+            fns = [tf.function(f, autograph=False).get_concrete_function()
+                   for f in (check_fn, pull_fn, exchange_fn)]
+        self._exchange = (key, *fns)
+
+    # -- the exchange, on the chief's thread of a worker ------------------------
+    def before_closure(self, function) -> None:
+        """Runs the exchange a closure is due, before it, on its worker.
+
+        Called at the start of every closure's run (on the chief's thread that
+        runs closures on that worker, in its dispatch context); a closure
+        whose function holds no local step is left alone. One worker-only
+        function says what is due (one worker round trip, no PS); the pull or
+        the exchange (PS ops) runs only when due, and is waited for, so the
+        closure's steps start from its result. An error (the worker died) is
+        the closure's: the coordinator puts it back.
+
+        Args:
+          function: the closure's ConcreteFunction.
+        """
+        if function.graph not in _LOCAL_STEP_GRAPHS or self._exchange is None:
+            return
+        _, check, pull, exchange = self._exchange
+        due = int(check().numpy())
+        if due == 1:
+            pull().numpy()
+        elif due == 2:
+            exchange().numpy()
 
     def apply(self, step, grads_and_vars, apply_fn, locking: bool) -> tf.Tensor:
         """Applies a step's gradients to the local copies and counts one
