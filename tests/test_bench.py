@@ -279,6 +279,10 @@ def test_embedding_runs_are_selected_by_the_group_name_emb():
     # local_sgd@emb (whole-table exchanges) only when named.
     names = [r["name"] for r in bench.hosts_configs(only=["emb", "local_sgd@emb"])]
     assert names == ["vanilla@emb", "async@emb", "async+dedup@emb", "local_sgd@emb"]
+    # dynamic@emb (DynamicEmbedding of the same rows) too.
+    runs = bench.hosts_configs(only=["dynamic@emb"])
+    assert [(r["name"], r["policy"], r["dedup"], r["dynamic"]) for r in runs] == \
+        [("dynamic@emb", "async", True, True)]
     with pytest.raises(ValueError, match=r"unknown run\(s\) \['async@embb'\]"):
         bench.hosts_configs(only=["async@embb"])
 
