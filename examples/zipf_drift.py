@@ -1,9 +1,11 @@
 """The drift stream of ``zipf_embedding.py --drift_every=K``: ids whose
 popularity shifts, in a DynamicEmbedding of fixed capacity vs fixed tables.
 
-    python examples/zipf_embedding.py --drift_every=100 --num_ps=2
-    python examples/zipf_embedding.py --drift_every=100 --num_ps=2 \\
-        --drift_tables=dynamic,hashed --drift_repeats=2 --output=drift.json
+    python examples/zipf_embedding.py --drift_every=100 --num_ps=2 --batch_size=4096 \\
+        --drift_repeats=2 --output=drift.json
+
+(2,400 worker steps of 4,096 draws: about 1.6M distinct ids, so the 1M-row
+table fills after ~1,800 steps and evicts from then on.)
 
 The stream: ``--drift_ids`` possible ids (default 10M). Worker ``w``'s batch
 ``i`` holds ``--batch_size`` draws of a Zipf-like rank r = 1, 2, ...
@@ -30,8 +32,10 @@ Each table runs in a fresh process (one cluster per process), on
   (10M x 32 float32 = 1.2 GiB, and as much again for Adagrad's slot).
 
 Every ``--drift_segment`` worker steps it records: the training loss of the
-segment; AUC and log loss on 4,096 fresh draws of the phase the workers are
-in (seed apart from training's; the same draws for every table); the
+segment (each batch's loss before its update: progressive validation on the
+live stream, new ids included); AUC and log loss on 4,096 fresh draws of the
+stream as it was half a phase back (batch index steps / workers - K / 2, a
+seed apart from training's; the same draws for every table); the
 resident memory (VmRSS) of each ps process; and the DynamicEmbedding's live
 rows, evictions and refusals. ``steps_per_sec`` is over the segments after
 the first (tracing). A JSON line per run; ``--output`` writes them all.
@@ -50,11 +54,11 @@ flags.DEFINE_integer("drift_capacity", 1_000_000, "Drift stream: rows of the dyn
                      "hashed table.", lower_bound=1)
 flags.DEFINE_integer("drift_shift", 100_000, "Drift stream: ranks the ranking rotates by "
                      "at each shift.", lower_bound=1)
-flags.DEFINE_integer("drift_steps", 3000, "Drift stream: worker steps (all workers).",
+flags.DEFINE_integer("drift_steps", 2400, "Drift stream: worker steps (all workers).",
                      lower_bound=1)
-flags.DEFINE_integer("drift_segment", 250, "Drift stream: worker steps between measurements.",
+flags.DEFINE_integer("drift_segment", 200, "Drift stream: worker steps between measurements.",
                      lower_bound=1)
-flags.DEFINE_integer("drift_evict_every", 200, "Drift stream: the DynamicEmbedding's "
+flags.DEFINE_integer("drift_evict_every", 20, "Drift stream: the DynamicEmbedding's "
                      "evict_every (global steps).", lower_bound=1)
 flags.DEFINE_integer("drift_min_count", 1, "Drift stream: the DynamicEmbedding's min_count "
                      "(steps an id is seen in before it gets a row).", lower_bound=1)
@@ -143,8 +147,10 @@ def run_table(F, table):
             def on_epoch_end(self, epoch, logs=None):
                 seconds = time.perf_counter() - self.t0
                 done = (epoch + 1) * F.drift_segment
-                # The phase the workers are in: each made about done / workers steps.
-                index = done // F.num_workers
+                # Each worker made about done / workers steps; draws from half
+                # a phase back: traffic both workers trained on (at a phase's
+                # first batches the result would hang on which worker led).
+                index = max(0, done // F.num_workers - F.drift_every // 2)
                 ids, y = stream(tf, index, 0, EVAL_SIZE, F, seed=EVAL_SEED)
                 x = ids % F.drift_capacity if table == "hashed" else ids
                 logits = model(x[:, None], training=False).numpy()[:, 0]

@@ -2,7 +2,7 @@
 
     python examples/zipf_embedding.py                      # 1M and 5M rows x 32
     python examples/zipf_embedding.py --rows=5000000 --steps=300
-    python examples/zipf_embedding.py --drift_every=100 --num_ps=2   # drift stream
+    python examples/zipf_embedding.py --drift_every=100 --num_ps=2 --batch_size=4096  # drift
 
 With ``--drift_every=K`` it runs the drift stream instead (``zipf_drift.py``):
 ``--drift_ids`` possible ids whose popularity shifts every K steps, in a
