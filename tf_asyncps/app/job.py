@@ -130,8 +130,8 @@ class JobConfig:
             raise ValueError(f"--wire_dtype must be float32 or bfloat16, got {self.wire_dtype!r}.")
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
 
-
     def _validate_dynamic(self) -> None:
+        """--dynamic_ids needs the recommender, tf_keras and a capacity > 0."""
         if not self.dynamic_ids:
             return
         if self.model != "recommender":
