@@ -2,6 +2,12 @@
 
     python examples/zipf_embedding.py                      # 1M and 5M rows x 32
     python examples/zipf_embedding.py --rows=5000000 --steps=300
+    python examples/zipf_embedding.py --drift_every=100 --num_ps=2 --batch_size=4096  # drift
+
+With ``--drift_every=K`` it runs the drift stream instead (``zipf_drift.py``):
+``--drift_ids`` possible ids whose popularity shifts every K steps, in a
+``tf_asyncps.layers.DynamicEmbedding`` of ``--drift_capacity`` rows against
+fixed tables; see that module's docstring.
 
 For each table size (each in a fresh process: TensorFlow allows one cluster
 per process) it starts a LocalCluster (``--num_ps`` ps, ``--num_workers``
@@ -30,6 +36,8 @@ import time
 
 from absl import app, flags
 
+import zipf_drift  # noqa: F401  (the drift stream's flags, --drift_*)
+
 flags.DEFINE_list("rows", ["1000000", "5000000"], "Table sizes (rows), one run each.")
 flags.DEFINE_integer("dim", 32, "Embedding width (float32 columns).")
 flags.DEFINE_integer("num_ps", 4, "ps tasks the table is split over.")
@@ -39,6 +47,8 @@ flags.DEFINE_integer("steps", 300, "Measured worker steps (after 40 warm-up step
 flags.DEFINE_float("zipf_a", 1.2, "Zipf exponent of the id stream (> 1).")
 flags.DEFINE_enum("optimizer", "adagrad", ["adagrad", "legacy_sgd", "sgd"],
                   "tf_keras optimizer (learning rate 0.1); sgd updates every row each step.")
+flags.DEFINE_integer("drift_every", 0, "Drift stream: worker steps (of each worker) between "
+                     "shifts of the id popularity; 0: the table-size runs above.", lower_bound=0)
 flags.DEFINE_string("output", None, "Also write the results (a JSON list) here.")
 flags.DEFINE_bool("child", False, "Internal: train the one --rows size in this process.")
 FLAGS = flags.FLAGS
@@ -131,6 +141,8 @@ def run_one(rows):
 
 def main(argv):
     del argv
+    if FLAGS.drift_every:
+        return zipf_drift.main(FLAGS, __file__)
     rows = [int(r) for r in FLAGS.rows]
     if any(r < 1 for r in rows) or FLAGS.zipf_a <= 1 or FLAGS.steps < 1:
         raise app.UsageError("--rows must be positive, --zipf_a > 1 and --steps >= 1.")

@@ -283,6 +283,10 @@ def test_embedding_runs_are_selected_by_the_group_name_emb():
     # bfloat16 on the wire, distinct ids: the strategy's wire_dtype.
     (bf16,) = [r for r in bench.hosts_configs(only=["async+bf16@emb"])]
     assert (bf16["wire_dtype"], bf16["dedup"], bf16["policy"]) == ("bfloat16", True, "async")
+    # dynamic@emb (DynamicEmbedding of the same rows) too.
+    runs = bench.hosts_configs(only=["dynamic@emb"])
+    assert [(r["name"], r["policy"], r["dedup"], r["dynamic"]) for r in runs] == \
+        [("dynamic@emb", "async", True, True)]
     with pytest.raises(ValueError, match=r"unknown run\(s\) \['async@embb'\]"):
         bench.hosts_configs(only=["async@embb"])
 

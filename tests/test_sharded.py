@@ -197,3 +197,27 @@ def test_zipf_example_reports_rows_memory_and_traffic(tmp_path):
         assert 1 <= r["rows_per_step"] <= 64 and r["bytes_per_step"] > 0
         assert r["steps_per_sec"] > 0
     assert "RSS per ps task (MiB)" in log
+
+
+def test_zipf_drift_stream_keeps_the_dynamic_table_within_capacity(tmp_path):
+    """examples/zipf_embedding.py --drift_every, small: 5,000 possible ids whose
+    popularity rotates every 5 steps, a DynamicEmbedding of 300 rows."""
+    out = tmp_path / "drift.json"
+    _, log = run_command([sys.executable, "examples/zipf_embedding.py", "--drift_every=5",
+                          "--drift_ids=5000", "--drift_capacity=300", "--drift_shift=100",
+                          "--drift_steps=60", "--drift_segment=20", "--drift_evict_every=5",
+                          "--drift_tables=dynamic", "--num_ps=2", "--num_workers=1",
+                          "--batch_size=64", f"--output={out}"], timeout=300)
+    (r,) = json.loads(out.read_text())
+    assert (r["table"], r["rows"], r["ids"], r["min_count"]) == ("dynamic", 300, 5000, 1)
+    segs = r["segments"]
+    assert [s["worker_steps"] for s in segs] == [20, 40, 60]
+    assert [s["phase"] for s in segs] == [3, 7, 11]  # one worker: (step - 5 // 2) // 5
+    for s in segs:
+        assert 0 < s["live_rows"] <= s["capacity"] == 300
+        assert sorted(s["ps_rss_mb"]) == ["ps:0", "ps:1"] and 0 <= s["eval_auc"] <= 1
+    # The stream holds far more than 300 ids: ids were refused rows and the
+    # passes (every 5 global steps) evicted, at most one row per refusal.
+    last = segs[-1]
+    assert 0 < last["evicted"] <= last["refused"]
+    assert "live rows" in log

@@ -16,7 +16,8 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
                   "single,vanilla,async,local_sgd; with --bench_hosts=netns, emb: the "
-                  "embedding runs vanilla@emb,async@emb,async+dedup@emb.")
+                  "embedding runs vanilla@emb,async@emb,async+dedup@emb (local_sgd@emb, "
+                  "dynamic@emb: by name).")
 flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
 flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)

@@ -29,7 +29,12 @@ BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: Every embedding run; ``local_sgd@emb`` only by name (--bench_only): its
 #: exchanges move the whole table (128 MB each way; optimizer slots stay on
 #: the worker), about 10 s per exchange and worker at 100 Mbit/s.
-EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb")
+#: ``dynamic@emb`` (also by name): ``async+dedup@emb`` with the table a
+#: ``tf_asyncps.layers.DynamicEmbedding`` of the same 1M rows on the same ids
+#: (as raw ids: an id -> row map on the ps, admission, an eviction pass every
+#: 1000 global steps).
+EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb",
+            "dynamic@emb")
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
 DEFAULT_EMB_RUNS = EMB_RUNS[:4]
 _HASH = 2654435761  # Knuth's multiplicative hash: hot ids spread over both shards
@@ -64,7 +69,8 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
     ``async``, ``deduplicate_lookups=False``: every id's row read),
     ``async+dedup@emb`` (the default: distinct ids only), ``async+bf16@emb``
     (distinct ids, ``wire_dtype="bfloat16"``: rows read and gradients pushed
-    as bfloat16), ``local_sgd@emb``."""
+    as bfloat16), ``local_sgd@emb``,
+    ``dynamic@emb`` (``async+dedup@emb`` with a DynamicEmbedding of ROWS rows)."""
     base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
             "locking": False, "spe": steps_per_execution, "batch": BATCH}
     return [dict(base, name="vanilla@emb", kind="vanilla"),
@@ -75,7 +81,9 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
             dict(base, name="async+bf16@emb", kind="policy", policy="async",
                  policy_args={}, dedup=True, wire_dtype="bfloat16"),
             dict(base, name="local_sgd@emb", kind="policy", policy="local_sgd",
-                 policy_args={"sync_every": sync_every}, spe=sync_every, dedup=True)]
+                 policy_args={"sync_every": sync_every}, spe=sync_every, dedup=True),
+            dict(base, name="dynamic@emb", kind="policy", policy="async", policy_args={},
+                 dedup=True, dynamic=True)]
 
 
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -117,8 +125,13 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
             wire_dtype=run.get("wire_dtype"))
     tf_keras.utils.set_random_seed(settings["seed"])
     with strategy.scope():
+        if run.get("dynamic"):
+            from tf_asyncps.layers import DynamicEmbedding
+            table = DynamicEmbedding(DIM, capacity=ROWS)  # the same "uniform" initializer
+        else:
+            table = tf_keras.layers.Embedding(ROWS, DIM)
         model = tf_keras.Sequential([
-            tf_keras.Input([1], dtype="int64"), tf_keras.layers.Embedding(ROWS, DIM),
+            tf_keras.Input([1], dtype="int64"), table,
             tf_keras.layers.Flatten(), tf_keras.layers.Dense(1)])
         model.compile(tf_keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=run["spe"])
 
@@ -159,6 +172,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         out["updates_per_sec"] = (segments[-1]["global_step"] -
                                   segments[0]["global_step"]) / secs
         out["staleness"] = strategy.staleness_stats().to_dict()
+    if run.get("dynamic"):
+        out["dynamic_table"] = table.stats()
     return out
 
 

@@ -33,6 +33,13 @@ flags.register_multi_flags_validator(
             "columns), and movielens with --model=recommender.")
 flags.DEFINE_integer("embedding_dim", 32, "recommender: width of each embedding table.",
                      lower_bound=1)
+flags.DEFINE_boolean("dynamic_ids", False, "recommender: feed the raw userId and movieId "
+                     "into tf_asyncps.layers.DynamicEmbedding tables (admission, LFU "
+                     "eviction) instead of Embedding tables over index-mapped ids (tf_keras).")
+flags.DEFINE_float("dynamic_capacity", 0.7, "--dynamic_ids: rows of each table as a fraction "
+                   "of its column's distinct ids (0.7: 470 of 671 users, 6346 of 9066 movies).")
+flags.DEFINE_integer("dynamic_evict_every", 20, "--dynamic_ids: global steps between eviction "
+                     "passes.", lower_bound=1)
 flags.DEFINE_integer("min_shard_bytes", 0, "variable_partitioner: split variables of at "
                      "least 2x this many bytes over the ps tasks (MinSizePartitioner, "
                      "max_shards=num_ps); 0 keeps every variable whole.", lower_bound=0)
@@ -143,7 +150,8 @@ def _job_config():
         mixed_precision=FLAGS.mixed_precision, wire_dtype=FLAGS.wire_dtype,
         backup_dir=FLAGS.backup_dir,
         embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes,
-        keras=FLAGS.keras)
+        keras=FLAGS.keras, dynamic_ids=FLAGS.dynamic_ids,
+        dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every)
     cfg.validate()
     return cfg
 

@@ -20,6 +20,7 @@ Versions (tf_asyncps, TensorFlow, tf_keras, Keras; the supported ranges): tf-asy
 #: What --help says of each command: what it does, an example, its flags.
 #: "the job's" stands for JOB_FLAGS (tests/test_cli.py checks every flag is named).
 JOB_FLAGS = ("keras", "model", "dataset", "hidden", "embedding_dim", "min_shard_bytes",
+             "dynamic_ids", "dynamic_capacity", "dynamic_evict_every",
              "epochs", "steps_per_epoch", "batch_size", "learning_rate", "optimizer",
              "policy", "policy_args", "locking", "steps_per_execution", "mixed_precision",
              "wire_dtype",

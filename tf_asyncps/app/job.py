@@ -3,7 +3,8 @@
 ``run(JobConfig, resolver)`` is what ``tf-asyncps train`` calls on the chief
 (and what ``tf-asyncps launch`` starts in its chief process). It writes, under
 ``output_dir``: ``metrics.json``, ``tensorboard/``, ``saved_model/`` (loadable
-by plain TensorFlow in one process) and ``test_predictions.npy``.
+by plain TensorFlow in one process; not with ``--dynamic_ids``) and
+``test_predictions.npy``.
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps.callbacks import recovery
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies
-from tf_asyncps.app import datasets
+from tf_asyncps.app import datasets, dynamic_ids
 from tf_asyncps.app.flag_checks import check_writable_dir
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import mixed_precision
@@ -70,11 +71,17 @@ class JobConfig:
     num_workers: int = 0  # informational: taken from the cluster
     num_ps: int = 0
     keras: str = "tf_keras"  # "tf_keras" or "3" (Keras 3: tf_asyncps/keras3)
+    # recommender: raw ids into DynamicEmbedding tables of dynamic_capacity x
+    # (the column's distinct ids) rows, an eviction pass every dynamic_evict_every
+    # global steps.
+    dynamic_ids: bool = False
+    dynamic_capacity: float = 0.7
+    dynamic_evict_every: int = 20
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field and its valid range."""
         for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution",
-                     "embedding_dim"):
+                     "embedding_dim", "dynamic_evict_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {v!r}.")
@@ -97,6 +104,7 @@ class JobConfig:
                 f"--model={self.model} does not fit --dataset={self.dataset}: "
                 "--model=recommender needs the id columns of --dataset=movielens, and "
                 "movielens needs --model=recommender.")
+        self._validate_dynamic()
         if isinstance(self.min_shard_bytes, bool) or not isinstance(self.min_shard_bytes, int) \
                 or self.min_shard_bytes < 0:
             raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
@@ -122,6 +130,22 @@ class JobConfig:
         if self.wire_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--wire_dtype must be float32 or bfloat16, got {self.wire_dtype!r}.")
         mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
+
+    def _validate_dynamic(self) -> None:
+        """--dynamic_ids needs the recommender, tf_keras and a capacity > 0."""
+        if not self.dynamic_ids:
+            return
+        if self.model != "recommender":
+            raise ValueError("--dynamic_ids feeds raw user and movie ids into DynamicEmbedding "
+                             "tables: it needs --model=recommender --dataset=movielens.")
+        if self.keras != "tf_keras":
+            raise ValueError("--dynamic_ids needs --keras=tf_keras (tf_asyncps.layers."
+                             "DynamicEmbedding is a tf_keras layer).")
+        c = self.dynamic_capacity
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+            raise ValueError(f"--dynamic_capacity must be > 0 (rows of each table as a fraction "
+                             f"of its column's distinct ids, e.g. 0.7; >= 1 gives every id a "
+                             f"row), got {c!r}.")
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:
@@ -213,7 +237,8 @@ def partitioner(min_shard_bytes: int, num_ps: int):
 def _build(cfg, data):
     return models.build_model(cfg.model, data.num_features, data.num_classes, cfg.hidden,
                               cfg.seed, vocab=data.vocab, embedding_dim=cfg.embedding_dim,
-                              keras=models.keras_module(cfg.keras))
+                              keras=models.keras_module(cfg.keras),
+                              dynamic=dynamic_ids.spec(cfg, data))
 
 
 def _set_precision(k, name):
@@ -290,7 +315,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     t_job = time.perf_counter()
     cfg.validate()
     say = print_fn or (lambda s: print(s, flush=True))
-    data = datasets.load(cfg.dataset, seed=cfg.seed)
+    data = datasets.load(cfg.dataset, seed=cfg.seed, raw_ids=cfg.dynamic_ids)
     if resolver is None:
         resolver = cluster_lib.cluster_resolver()
     spec = resolver.cluster_spec()
@@ -394,11 +419,15 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     # model (mixed-precision variables are float32 already).
     # (run() restores the caller's policy afterwards.)
     _set_precision(k, "float32")
-    local = _local_copy(cfg, data, model)
-    _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate, k), keras=k)
-    test_loss, test_acc = local.evaluate(data.x_test, data.y_test, verbose=0,
-                                         batch_size=256)
-    probs = tf.nn.softmax(local(data.x_test, training=False)).numpy()
+    local = None
+    if cfg.dynamic_ids:  # the id -> row maps live on the ps: evaluate there
+        test_loss, test_acc, probs = dynamic_ids.evaluate(model, data)
+    else:
+        local = _local_copy(cfg, data, model)
+        _compile(local, make_optimizer(cfg.optimizer, cfg.learning_rate, k), keras=k)
+        test_loss, test_acc = local.evaluate(data.x_test, data.y_test, verbose=0,
+                                             batch_size=256)
+        probs = tf.nn.softmax(local(data.x_test, training=False)).numpy()
     metrics = {
         "policy": strategy.update_policy.name,
         "policy_args": dict(cfg.policy_args),
@@ -426,6 +455,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "test_loss": float(test_loss),
         **_binary_metrics(data, probs),
         "sharded_variables": _sharding(model),
+        "dynamic_tables": dynamic_ids.table_stats(model, data) if cfg.dynamic_ids else None,
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
         "mixed_precision": precision,
         "gpus_per_worker": int(gpus),
@@ -439,14 +469,19 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         f"{metrics['steady_steps_per_sec']:.1f} after epoch 1  "
         f"tau mean {stats.mean:.2f} max {stats.max}  "
         f"applied {stats.applied} dropped {stats.dropped}")
+    for name, t in (metrics["dynamic_tables"] or {}).items():
+        say(f"{name}: {t['live_rows']} of {t['capacity']} rows live ({t['distinct_ids']} "
+            f"distinct ids), {t['evicted']} evicted, {t['refused']} refusals")
     if cfg.output_dir:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        export_saved_model(local, os.path.join(cfg.output_dir, "saved_model"),
-                           data.num_features)
+        if local is not None:  # --dynamic_ids: no single-process copy yet
+            export_saved_model(local, os.path.join(cfg.output_dir, "saved_model"),
+                               data.num_features)
         np.save(os.path.join(cfg.output_dir, "test_predictions.npy"), probs)
         metrics["wall_time_s"] = time.perf_counter() - t_job
         recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
-        say(f"wrote {cfg.output_dir}/metrics.json, saved_model/, tensorboard/")
+        say(f"wrote {cfg.output_dir}/metrics.json"
+            f"{', saved_model/' if local is not None else ''}, tensorboard/")
     return metrics
 
 
@@ -474,7 +509,7 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
     t_job = time.perf_counter()
     cfg.validate()
     say = print_fn or (lambda s: print(s, flush=True))
-    data = datasets.load(cfg.dataset, seed=cfg.seed)
+    data = datasets.load(cfg.dataset, seed=cfg.seed, raw_ids=cfg.dynamic_ids)
     k = models.keras_module(cfg.keras)
     k.utils.set_random_seed(cfg.seed)
     model = _build(cfg, data)

@@ -31,9 +31,12 @@ def is_keras3(k) -> bool:
     return k is not tf_keras and getattr(k, "__version__", "").startswith("3")
 
 
-def _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_dim):
+def _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_dim,
+                 dynamic=None):
     """One embedding table per id column of x (``vocab``: column -> rows),
-    concatenated with the other columns, then Dense-ReLU layers and logits."""
+    concatenated with the other columns, then Dense-ReLU layers and logits.
+    With ``dynamic`` the id columns hold raw ids, looked up in
+    ``DynamicEmbedding`` tables."""
     # Keras 3 functional models take keras.ops on symbolic inputs, not tf ops.
     cast = k.ops.cast if is_keras3(k) else tf.cast
     gather = (lambda t, cols: k.ops.take(t, cols, axis=1)) if is_keras3(k) else \
@@ -43,11 +46,15 @@ def _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_di
     id_cols = sorted(vocab)
     parts = []
     for col in id_cols:
+        rows_init = k.initializers.RandomUniform(-0.05, 0.05, seed=seed + 50 + col)
+        if dynamic:
+            parts.append(_dynamic_layer(k, dynamic, col, embedding_dim, rows_init)(
+                cast(x[:, col], "int64")))
+            continue
         ids = cast(x[:, col], "int32")
         parts.append(k.layers.Embedding(
             vocab[col], embedding_dim, name=f"embedding_{col}",
-            embeddings_initializer=k.initializers.RandomUniform(
-                -0.05, 0.05, seed=seed + 50 + col))(ids))
+            embeddings_initializer=rows_init)(ids))
     dense_cols = [c for c in range(num_features) if c not in vocab]
     parts.append(gather(x, dense_cols))
     h = k.layers.Concatenate()(parts)
@@ -59,6 +66,17 @@ def _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_di
     return k.Model(x, logits, name="recommender")
 
 
+def _dynamic_layer(k, dynamic, col, embedding_dim, initializer):
+    """The ``DynamicEmbedding`` of id column ``col`` (raw int64 ids)."""
+    if is_keras3(k):
+        raise ValueError("--dynamic_ids needs --keras=tf_keras: tf_asyncps.layers."
+                         "DynamicEmbedding is a tf_keras layer.")
+    from tf_asyncps.layers import DynamicEmbedding
+    return DynamicEmbedding(embedding_dim, capacity=dynamic["capacity"][col],
+                            evict_every=dynamic["evict_every"], initializer=initializer,
+                            name=f"embedding_{col}")
+
+
 def _compute_dtype(k) -> str:
     policy = k.mixed_precision.global_policy() if not is_keras3(k) else k.config.dtype_policy()
     return policy.compute_dtype
@@ -66,7 +84,7 @@ def _compute_dtype(k) -> str:
 
 def build_model(name: str, num_features: int, num_classes: int,
                 hidden=(128,), seed: int = 0, vocab=None,
-                embedding_dim: int = 32, keras=None) -> "tf_keras.Model":
+                embedding_dim: int = 32, keras=None, dynamic=None) -> "tf_keras.Model":
     """Builds an uncompiled classifier that outputs logits.
 
     Under a mixed-precision global policy the layers compute in 16 bits and
@@ -82,16 +100,21 @@ def build_model(name: str, num_features: int, num_classes: int,
       vocab: for "recommender", ``{column of x: table rows}``.
       embedding_dim: width of each embedding table (int >= 1).
       keras: the library (``keras_module(...)``; default tf_keras).
+      dynamic: for "recommender" on raw ids: ``{"capacity": {column: rows},
+        "evict_every": global steps}``, one ``tf_asyncps.layers.DynamicEmbedding``
+        per id column instead of an ``Embedding`` (tf_keras only).
 
     Raises:
-      ValueError: unknown name, or "recommender" without ``vocab``.
+      ValueError: unknown name, "recommender" without ``vocab``, or
+        ``dynamic`` with Keras 3.
     """
     k = keras or tf_keras
     if name == "recommender":
         if not vocab:
             raise ValueError("--model=recommender needs a data set with id columns "
                              "(--dataset=movielens).")
-        return _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_dim)
+        return _recommender(k, num_features, num_classes, hidden, seed, vocab, embedding_dim,
+                            dynamic)
     init = lambda i: k.initializers.GlorotUniform(seed=seed + i)
     layers = [k.Input(shape=(num_features,))]
     if name == "mlp":
