@@ -144,4 +144,16 @@ def test_short_movielens_job_on_raw_ids_keeps_tables_within_capacity_and_evicts(
     assert s["applied"] + s["dropped"] == m["worker_steps"] == 96
     assert 0.6 < m["test_auc"] < 1.0 and m["test_loss"] < 0.693  # as the fixed job's test
     assert np.load(out / "test_predictions.npy").shape == (20001, 2)
-    assert not (out / "saved_model").exists()  # no single-process copy of the maps yet
+    # The chief's SavedModel serves the raw ids in a process with no cluster:
+    # the predictions made through the ps tasks' maps.
+    code = ("import sys, numpy as np, tensorflow as tf\n"
+            "from tf_asyncps.app import datasets\n"
+            "d = datasets.load('movielens', raw_ids=True)\n"
+            "f = tf.saved_model.load(sys.argv[1]).signatures['serving_default']\n"
+            "p = f(x=tf.constant(d.x_test, tf.float32))['probabilities'].numpy()\n"
+            "print('MAXDIFF', float(np.max(np.abs(p - np.load(sys.argv[2])))))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(out / "saved_model"),
+                        str(out / "test_predictions.npy")], capture_output=True, text=True,
+                       env=subprocess_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split("MAXDIFF")[1]) < 1e-5

@@ -48,7 +48,7 @@ def table_stats(model, data) -> Dict[str, Dict[str, Any]]:
             **layer.stats(),
             "distinct_ids": int(data.vocab[col]),
             "train_distinct_ids": int(len(np.unique(data.x_train[:, col]))),
-            "shards": [tf.DeviceSpec.from_string(s.device).task for s in layer.table.shards]}
+            "shards": [tf.DeviceSpec.from_string(s.device).task for s in layer.dynamic_table.shards]}
     return out
 
 

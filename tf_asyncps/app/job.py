@@ -3,7 +3,7 @@
 ``run(JobConfig, resolver)`` is what ``tf-asyncps train`` calls on the chief
 (and what ``tf-asyncps launch`` starts in its chief process). It writes, under
 ``output_dir``: ``metrics.json``, ``tensorboard/``, ``saved_model/`` (loadable
-by plain TensorFlow in one process; not with ``--dynamic_ids``) and
+by plain TensorFlow in one process; with ``--dynamic_ids`` raw ids) and
 ``test_predictions.npy``.
 """
 
@@ -474,14 +474,15 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
             f"distinct ids), {t['evicted']} evicted, {t['refused']} refusals")
     if cfg.output_dir:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        if local is not None:  # --dynamic_ids: no single-process copy yet
-            export_saved_model(local, os.path.join(cfg.output_dir, "saved_model"),
-                               data.num_features)
+        # --dynamic_ids: no single-process copy (the maps are per ps shard);
+        # the chief's model exports itself, maps included, and serves raw ids
+        # in a process with no cluster.
+        export_saved_model(model if cfg.dynamic_ids else local,
+                           os.path.join(cfg.output_dir, "saved_model"), data.num_features)
         np.save(os.path.join(cfg.output_dir, "test_predictions.npy"), probs)
         metrics["wall_time_s"] = time.perf_counter() - t_job
         recovery.atomic_write_json(os.path.join(cfg.output_dir, "metrics.json"), metrics)
-        say(f"wrote {cfg.output_dir}/metrics.json"
-            f"{', saved_model/' if local is not None else ''}, tensorboard/")
+        say(f"wrote {cfg.output_dir}/metrics.json, saved_model/, tensorboard/")
     return metrics
 
 
