@@ -87,7 +87,8 @@ def stream(tf, index, worker, size, F, seed=0):
     return ids, labels
 
 
-def _rss_mb(pid):
+def rss_mb(pid):
+    """Resident memory of process ``pid`` (MB), from /proc/PID/status."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -121,7 +122,7 @@ def run_table(F, table):
             variable_partitioner=tf.distribute.experimental.partitioners.
             FixedShardsPartitioner(F.num_ps))
         ps = {n: pid for n, pid in sorted(cluster.pids.items()) if n.startswith("ps:")}
-        rss_start = {n: _rss_mb(p) for n, p in ps.items()}
+        rss_start = {n: rss_mb(p) for n, p in ps.items()}
         t_build = time.perf_counter()
         with strategy.scope():
             if table == "dynamic":
@@ -161,7 +162,7 @@ def run_table(F, table):
                        "eval_auc": float(roc_auc_score(y, logits)),
                        "eval_loss": float(-np.mean(y * np.log(p + 1e-12) +
                                                    (1 - y) * np.log(1 - p + 1e-12))),
-                       "ps_rss_mb": {n: round(_rss_mb(pid), 1) for n, pid in ps.items()}}
+                       "ps_rss_mb": {n: round(rss_mb(pid), 1) for n, pid in ps.items()}}
                 if table == "dynamic":
                     seg.update(emb.stats())
                 segments.append(seg)

@@ -36,7 +36,7 @@ import time
 
 from absl import app, flags
 
-import zipf_drift  # noqa: F401  (the drift stream's flags, --drift_*)
+import zipf_drift  # the drift stream (its flags, --drift_*) and the RSS reader
 
 flags.DEFINE_list("rows", ["1000000", "5000000"], "Table sizes (rows), one run each.")
 flags.DEFINE_integer("dim", 32, "Embedding width (float32 columns).")
@@ -64,14 +64,6 @@ def _loopback_tx_bytes():
             if name.strip() == "lo":
                 return int(rest.split()[8])
     return 0
-
-
-def _rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def zipf_ids(rows, n, a, seed=0):
@@ -132,7 +124,7 @@ def run_one(rows):
             "table_mb": rows * FLAGS.dim * 4 / 2**20, "shards": len(shards),
             "steps": FLAGS.steps, "steps_per_sec": FLAGS.steps / seconds,
             "rows_per_step": rows_per_step, "bytes_per_step": tx / FLAGS.steps,
-            "ps_rss_mb": {name: _rss_mb(pid) for name, pid in sorted(cluster.pids.items())
+            "ps_rss_mb": {name: zipf_drift.rss_mb(pid) for name, pid in sorted(cluster.pids.items())
                           if name.startswith("ps:")},
             "global_step": strategy.staleness_stats().global_step
             if hasattr(strategy, "staleness_stats") else None}
