@@ -25,6 +25,13 @@ STARTUP = [
     "E0000 00:00:1796147125.628832   22196 cuda_platform.cc:52] failed call to cuInit: "
     "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n",
 ]
+# TensorFlow 2.18's C++ lines (TSL logging, the format before absl's).
+STARTUP_TF218 = [
+    "2026-12-02 18:33:08.717717: I tensorflow/core/util/port.cc:153] oneDNN custom "
+    "operations are on.\n",
+    "2026-12-02 18:33:08.749706: E external/local_xla/xla/stream_executor/cuda/"
+    "cuda_fft.cc:477] Unable to register cuFFT factory\n",
+]
 BLOCK = [
     "Additional GRPC error information from remote target /job:worker/replica:0/task:1 "
     "while calling /tensorflow.eager.EagerService/Enqueue:\n",
@@ -189,3 +196,10 @@ def test_launch_console_full_prints_what_quiet_keeps_in_the_log(tmp_path):
     for line in noise:
         assert line in shown, line
     assert "unreachable since" not in text
+
+
+def test_tensorflow_218_runtime_lines_are_noise_and_python_lines_are_not():
+    assert all(console.is_runtime_noise(l) for l in STARTUP_TF218)
+    # The same timestamp with a Python source (absl logging) or plain text is kept.
+    assert not console.is_runtime_noise("2026-12-02 18:33:08.717717: I job.py:12] epoch 1\n")
+    assert not console.is_runtime_noise("2026-12-02 18:33:08 epoch 1/1: loss=0.5\n")

@@ -27,6 +27,9 @@ __all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in",
 # glog-style lines written by C++ (file.cc:123]); absl's Python logging uses
 # the same prefix with a .py file and is kept.
 _CPP_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+\.(cc|h|cpp):\d+\] ")
+# TensorFlow 2.18's own C++ log format (TSL logging, before the move to absl):
+# "2026-12-02 18:33:08.717717: I tensorflow/core/util/port.cc:153] ...".
+_TSL_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] [\w./-]+\.(cc|h|cpp):\d+\] ")
 _NOISE = (
     re.compile(r"^WARNING: All log messages before absl::InitializeLog\(\) is called"),
     re.compile(r"^To enable the following instructions: .*rebuild TensorFlow"),
@@ -50,7 +53,7 @@ def is_runtime_noise(line: str) -> bool:
     """Whether ``line`` is TensorFlow C++ runtime output that only the log
     file keeps (not a fatal ``F`` line, not Python's)."""
     s = line.rstrip("\r\n")
-    return bool(_CPP_LOG.match(s) or _COORDINATOR_LOG.match(s)) or \
+    return bool(_CPP_LOG.match(s) or _TSL_LOG.match(s) or _COORDINATOR_LOG.match(s)) or \
         any(p.match(s) for p in _NOISE)
 
 
