@@ -197,3 +197,50 @@ def test_keras3_layer_one_process_equals_integer_lookup_and_embedding():
         out.append(m.predict(x, verbose=0))
     np.testing.assert_allclose(out[0], out[1], rtol=0, atol=1e-6)
     assert layer.stats()["live_rows"] == len(np.unique(x))
+
+
+def _trained_tf_keras_model():
+    i = tf_keras.Input([3], dtype=tf.int64)
+    m = tf_keras.Model(i, _head(DynamicEmbedding(4, capacity=10)(i)))
+    m.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    m.fit(np.array([[5, 6, 7]], np.int64), np.ones((1, 1), np.float32), verbose=0)
+    return m
+
+
+def test_keras_files_are_refused_not_saved_without_the_map(tmp_path):
+    """A .keras file would restore the rows but not the id -> row map (every id
+    reading zeros): refused, naming what to use instead."""
+    m = _trained_tf_keras_model()
+    with pytest.raises(ValueError, match="tf.saved_model.save.*tf.train.Checkpoint"):
+        m.save(str(tmp_path / "m.keras"))
+    keras = pytest.importorskip("keras")
+    import tf_asyncps
+    i = keras.Input((3,), dtype="int64")
+    k = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(
+        tf_asyncps.keras3.DynamicEmbedding(4, 10)(i))))
+    with pytest.raises(ValueError, match="cannot hold its id -> row map"):
+        k.save(str(tmp_path / "k.keras"))
+    # Registered: a config loads without custom_objects.
+    again = keras.Model.from_config(k.get_config())
+    assert type(again.layers[1]).__name__ == "DynamicEmbedding"
+
+
+def test_tf_keras_h5_round_trip_rebuilds_the_map_from_the_rows_keys(tmp_path):
+    m = _trained_tf_keras_model()
+    x = np.array([[5, 6, 7], [5, 9, 9]], np.int64)
+    m.save(str(tmp_path / "m.h5"))  # weights only: keys and counts, not the index
+    loaded = tf_keras.models.load_model(str(tmp_path / "m.h5"))
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), m.predict(x, verbose=0))
+    assert sorted(loaded.layers[1].export()[0].numpy().tolist()) == [5, 6, 7]
+
+
+def test_ragged_sparse_and_bool_ids_are_refused_and_a_pass_takes_an_int_step():
+    layer = DynamicEmbedding(2, capacity=4)
+    with pytest.raises(TypeError, match="RaggedTensor.*to_tensor"):
+        layer(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64), training=True)
+    with pytest.raises(TypeError, match="SparseTensor.*to_dense"):
+        layer(tf.sparse.from_dense(tf.constant([[1, 0]], tf.int64)), training=True)
+    with pytest.raises(TypeError, match="bool ids"):
+        layer(tf.constant([True]), training=True)
+    layer.dynamic_table.maybe_evict(10)  # a Python int
+    assert layer.stats()["evicted"] == 0

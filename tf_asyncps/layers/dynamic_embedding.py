@@ -55,6 +55,15 @@ def global_step(strategy):
     return getattr(tracker, "global_step", None)
 
 
+_NO_KERAS_FILES = (
+    "DynamicEmbedding {name!r}: Keras's own files (model.save('....keras'), "
+    "save_weights('....weights.h5'), ModelCheckpoint to them) cannot hold its id -> row map, so "
+    "its rows would come back unreachable. Save with tf.saved_model.save(model, path) "
+    "(serves raw ids with no cluster) or tf.train.Checkpoint(model=model, "
+    "optimizer=model.optimizer) (BackupAndRestore and ModelCheckpoint(..., "
+    "save_weights_only=True) with a TensorFlow checkpoint path, no .keras/.h5 suffix).")
+
+
 def _tf_keras():
     import tf_keras
     return tf_keras
@@ -98,6 +107,16 @@ class _Mixin:
                 "eviction": self.eviction, "evict_every": self.evict_every,
                 "ttl_steps": self.ttl_steps, "initializer": self.initializer_name}
 
+    # Keras's own files (.keras, .weights.h5) hold variables by position: the
+    # id -> row map (a hash table beside each shard) is not one of them, so a
+    # model restored from such a file would read zeros for every id. Refused
+    # loudly instead of losing the rows silently.
+    def save_own_variables(self, store):
+        raise ValueError(_NO_KERAS_FILES.format(name=self.name))
+
+    def load_own_variables(self, store):
+        raise ValueError(_NO_KERAS_FILES.format(name=self.name))
+
     # -- public ---------------------------------------------------------------
     def export(self):
         """(ids, rows) of the live rows only: ids ``[n]`` of ``key_dtype``,
@@ -109,6 +128,7 @@ class _Mixin:
         return self.dynamic_table.stats()
 
 
+@_tf_keras().saving.register_keras_serializable(package="tf_asyncps")
 class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
     """Embedding of raw ids with fixed memory: admission and eviction (tf_keras).
 
@@ -221,6 +241,10 @@ def keras3_layer():
             return config
 
     DynamicEmbedding.__module__ = "tf_asyncps.keras3"
+    DynamicEmbedding.__qualname__ = "DynamicEmbedding"
+    # load_model / from_config find it without custom_objects.
+    DynamicEmbedding = keras.saving.register_keras_serializable(package="tf_asyncps")(
+        DynamicEmbedding)
     _KERAS3_CLASS.append(DynamicEmbedding)
     return DynamicEmbedding
 

@@ -144,6 +144,11 @@ class _Shard(tf.Module):
                                     trainable=False, name=f"{name}_free")
             self.free_rows = tf.Variable(tf.constant(self.rows, tf.int64), trainable=False,
                                          name=f"{name}_free_rows")
+            # Rows holding an id. A restore that brings the rows back but not
+            # the index (tf_keras .h5 files hold weights only) leaves the index
+            # smaller than this: the next lookup rebuilds it from the keys.
+            self.live = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                    name=f"{name}_live")
             scalar = tf.constant(0, tf.int64)
             self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
             self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
@@ -176,10 +181,18 @@ class _Shard(tf.Module):
                 f"another number of table shards (now {self.num_shards}): restore it with "
                 "the variable_partitioner and number of ps tasks it was saved with."))
 
+    def _index_complete(self):
+        """Rebuilds the index from the rows' keys if it holds fewer ids than
+        there are live rows (see ``live``)."""
+        def rebuild():
+            live = tf.where(self.count > 0)[:, 0]
+            return self.index.insert(tf.gather(self.key, live), live + self.offset)
+        return tf.cond(self.index.size() < self.live.read_value(), rebuild, tf.no_op)
+
     def find(self, ids, step, admit: bool):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
         in training (``admit``) admits ids and counts sightings."""
-        with tf.control_dependencies([self._same_shards()]):
+        with tf.control_dependencies([self._same_shards(), self._index_complete()]):
             rows = self.index.lookup(ids)
         rows.set_shape(ids.shape)
         if not admit:
@@ -201,7 +214,7 @@ class _Shard(tf.Module):
             take, admitted = tf.reverse(self.free[top - k:top], [0]), candidates[:k]
             refused = candidate_slots[k:]
             return tf.group(
-                self.free_rows.assign(top - k),
+                self.free_rows.assign(top - k), self.live.assign_add(k),
                 self.index.insert(admitted, take + self.offset),
                 self.key.scatter_update(tf.IndexedSlices(admitted, take)),
                 self.waiting.scatter_update(tf.IndexedSlices(
@@ -261,6 +274,7 @@ class _Shard(tf.Module):
             updates += [self.free.scatter_update(tf.IndexedSlices(
                             gone, top + tf.range(tf.cast(k, tf.int64)))),
                         self.free_rows.assign(top + tf.cast(k, tf.int64)),
+                        self.live.assign_sub(tf.cast(k, tf.int64)),
                         self.waiting.assign(tf.zeros([self.rows], tf.bool)),
                         self.passes.assign(period),
                         self.evicted.assign_add(tf.cast(k, tf.int64))]
@@ -318,6 +332,10 @@ class DynamicTable(tf.Module):
         Raises:
           TypeError: float ids, or ids of the other kind (string/integer).
         """
+        if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError(f"DynamicEmbedding got a {type(ids).__name__} of ids: pass a dense "
+                            "tensor (ragged.to_tensor(default_value=...) or "
+                            "tf.sparse.to_dense(...)) and mask the padding's rows yourself.")
         ids = tf.convert_to_tensor(ids)
         if self.key_dtype == tf.string:
             if ids.dtype != tf.string:
@@ -328,6 +346,9 @@ class DynamicTable(tf.Module):
         if ids.dtype == tf.string:
             raise TypeError("DynamicEmbedding(key_dtype=tf.int64) got string ids: make the "
                             "layer with key_dtype=tf.string.")
+        if ids.dtype == tf.bool:
+            raise TypeError("DynamicEmbedding got bool ids: ids are integers "
+                            "(key_dtype=tf.int64) or strings (key_dtype=tf.string).")
         if not ids.dtype.is_integer:
             raise TypeError(f"DynamicEmbedding got ids of dtype {ids.dtype.name}: ids are "
                             "integers (key_dtype=tf.int64) or strings (key_dtype=tf.string); "
@@ -423,6 +444,7 @@ class DynamicTable(tf.Module):
         Returns:
           The op (one critical-section run per shard).
         """
+        step = tf.cast(step, tf.int64)  # a Python int too
         ops = []
         for shard in self.shards:
             resets = [(shard.var, self.initializer)]
