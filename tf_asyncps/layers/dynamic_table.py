@@ -50,7 +50,6 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 2022, for collisionless tables with frequency filtering and expiry).
 """
 
-import contextlib
 import functools
 import re
 import types
@@ -365,40 +364,40 @@ class DynamicTable(tf.Module):
         return (tf.dynamic_partition(ids, owner, n),
                 tf.dynamic_partition(tf.range(tf.size(ids)), owner, n))
 
-    def _find(self, shard, ids, step, training):
-        if training:  # one unit with admission and counting
-            return shard.lock.execute(lambda: shard.find(ids, step, admit=True),
-                                      exclusive_resource_access=False)
-        return shard.find(ids, step, admit=False)
-
-    def rows_of(self, ids, step=None, training: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
-        """Global rows of the distinct ``ids``.
+    def rows_of(self, ids) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Global rows of the distinct ``ids``, without admitting or counting
+        (inference; no device named: the index's ops run beside it, and a
+        SavedModel serves with no cluster).
 
         Args:
           ids: 1-D distinct ids of the key dtype.
-          step: int64 scalar, the global step (training: the rows' last step).
-          training: admit new ids and count sightings.
 
         Returns:
           (rows, found): int64 [n] global rows (-1: none), bool [n].
         """
-        step = tf.constant(0, tf.int64) if step is None else step
         parts, where = self._parts(ids)
-        found = []
-        for shard, part in zip(self.shards, parts):
-            # Training names the shard's ps; inference names no device (the
-            # index's ops run beside it; a SavedModel serves with no cluster).
-            with tf.device(shard.device) if training else contextlib.nullcontext():
-                found.append(self._find(shard, part, step, training))
-        rows = found[0] if len(found) == 1 else tf.dynamic_stitch(where, found)
+        found = [shard.find(part, None, admit=False) for shard, part in zip(self.shards, parts)]
+        rows = self._stitch(found, where)
         return rows, rows >= 0
+
+    @staticmethod
+    def _stitch(per_shard, where):
+        """Per-shard results back in the order of the ids ``_parts`` split."""
+        return per_shard[0] if len(per_shard) == 1 else tf.dynamic_stitch(where, per_shard)
+
+    def _rows_at(self, found, values, n):
+        """[n, output_dim]: ``values`` (rows of the found ids, in order) where
+        ``found``, the default row (zeros) elsewhere; placed with the ids."""
+        return tf.scatter_nd(tf.where(found), values,
+                             tf.stack([tf.cast(n, tf.int64), self.output_dim]))
 
     def lookup(self, ids, step=None, training: bool = False) -> tf.Tensor:
         """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
         (zeros) for ids without a row. The gradient reaches admitted rows only.
 
-        In training each shard's ps finds the rows and gathers them itself:
-        an id crosses to its ps once, its row (and a found bit) comes back.
+        In training each shard's ps finds the rows (admitting and counting in
+        its critical section) and gathers them itself: an id crosses to its
+        ps once, its row (and a found bit) comes back.
         """
         ids = self.check_ids(ids)
         unique, position = tf.unique(tf.reshape(ids, [-1]))
@@ -407,28 +406,27 @@ class DynamicTable(tf.Module):
             # partitioned table as one variable, which a shard's own gather
             # would not index right.
             rows, found = self.rows_of(unique)
-            at = tf.where(found)
-            values = tf.nn.embedding_lookup(self.table, tf.gather_nd(rows, at))
-            out = tf.scatter_nd(at, values, tf.stack([tf.size(unique, out_type=tf.int64),
-                                                      self.output_dim]))
-            out = tf.gather(out, position)
-            return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
-        step = tf.constant(0, tf.int64) if step is None else step
-        parts, where = self._parts(unique)
-        outs = []
-        for shard, part in zip(self.shards, parts):
-            with tf.device(shard.device):
-                rows = self._find(shard, part, step, training)
-                found = rows >= 0
-                # Distinct already: not the strategy's de-duplicating read
-                # (core/lookup.py), whose tf.unique would only add index
-                # tensors for the gradient to carry back and forth.
-                with lookup_lib.every_id():
-                    values = tf.gather(shard.var, tf.boolean_mask(rows, found) - shard.offset)
-            at = tf.where(found)  # with the ids (the worker): only the bits cross
-            outs.append(tf.scatter_nd(at, values, tf.stack(
-                [tf.size(part, out_type=tf.int64), self.output_dim])))
-        out = outs[0] if len(outs) == 1 else tf.dynamic_stitch(where, outs)
+            values = tf.nn.embedding_lookup(self.table, tf.boolean_mask(rows, found))
+            out = self._rows_at(found, values, tf.size(unique))
+        else:
+            step = tf.constant(0, tf.int64) if step is None else step
+            parts, where = self._parts(unique)
+            outs = []
+            for shard, part in zip(self.shards, parts):
+                with tf.device(shard.device):
+                    rows = shard.lock.execute(
+                        lambda s=shard, p=part: s.find(p, step, admit=True),
+                        exclusive_resource_access=False)
+                    found = rows >= 0
+                    # Distinct already: not the strategy's de-duplicating read
+                    # (core/lookup.py), whose tf.unique would only add index
+                    # tensors for the gradient to carry back and forth.
+                    with lookup_lib.every_id():
+                        values = tf.gather(shard.var,
+                                           tf.boolean_mask(rows, found) - shard.offset)
+                # with the ids (the worker): only the found bits cross
+                outs.append(self._rows_at(found, values, tf.size(part)))
+            out = self._stitch(outs, where)
         out = tf.gather(out, position)
         return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
 
