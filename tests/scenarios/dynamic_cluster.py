@@ -41,14 +41,27 @@ def _fit(strategy, model, x, y, epochs=2, steps=8):
               steps_per_epoch=steps, verbose=0)
 
 
+def _strategy(c, num_ps=2, **kwargs):
+    """The strategy on cluster ``c``, tables split over ``num_ps`` shards."""
+    return tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=PARTITIONER(num_ps), **kwargs)
+
+
+def _adagrad_model(strategy, capacity):
+    """A compiled model: DynamicEmbedding(4, capacity), a pass every 5 steps, Adagrad."""
+    with strategy.scope():
+        model = _model(DynamicEmbedding(4, capacity=capacity, evict_every=5))
+        model.compile(_optimizer("adagrad"), "mse")
+    return model
+
+
 @scenario
 def dynamic_exact(optimizer="sgd", num_ps=2):
     """1 worker, tables on ``num_ps`` shards, capacity > distinct ids: the
     predictions of IntegerLookup + Embedding trained the same way."""
     x, y = _data()
     with cluster(num_workers=1, num_ps=num_ps) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        strategy = _strategy(c, num_ps)
         vocab = np.unique(x)
         looked = tf_keras.Sequential([tf_keras.layers.IntegerLookup(vocabulary=vocab),
                                       tf_keras.layers.Embedding(len(vocab) + 1, 4,
@@ -77,8 +90,7 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
     out = {}
     with cluster(num_workers=num_workers, num_ps=2) as c:
         for policy in policies:
-            strategy = tf_asyncps.AsyncParameterServerStrategy(
-                c.resolver(), update_policy=policy, variable_partitioner=PARTITIONER(2))
+            strategy = _strategy(c, update_policy=policy)
             with strategy.scope():
                 model = _model(DynamicEmbedding(4, capacity=capacity, evict_every=4,
                                                 initializer="zeros"))
@@ -114,17 +126,12 @@ def dynamic_checkpoint(num_workers=2):
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "ckpt")
     with cluster(num_workers=num_workers, num_ps=2) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=PARTITIONER(2))
-        with strategy.scope():
-            model = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
-            model.compile(_optimizer("adagrad"), "mse")
+        strategy = _strategy(c)
+        model = _adagrad_model(strategy, 8)
         _fit(strategy, model, x, y)
         saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(path)
         before = model.layers[1].export()
-        with strategy.scope():
-            again = _model(DynamicEmbedding(4, capacity=8, evict_every=5))
-            again.compile(_optimizer("adagrad"), "mse")
+        again = _adagrad_model(strategy, 8)
         tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
         after = again.layers[1].export()
         order_b, order_a = np.argsort(before[0].numpy()), np.argsort(after[0].numpy())
@@ -147,11 +154,8 @@ def dynamic_saved_model(path, num_workers=2):
     lists) for a process with no cluster to compare."""
     x, y = _data()
     with cluster(num_workers=num_workers, num_ps=2) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=PARTITIONER(2))
-        with strategy.scope():
-            model = _model(DynamicEmbedding(4, capacity=16, evict_every=5))
-            model.compile(_optimizer("adagrad"), "mse")
+        strategy = _strategy(c)
+        model = _adagrad_model(strategy, 16)
         _fit(strategy, model, x, y)
         query = np.array([[RAW[0], RAW[3], 77777], [RAW[5], -1, RAW[9]]], np.int64)
         serve = tf.function(lambda ids: model(ids, training=False),
@@ -169,8 +173,7 @@ def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
     steps. Returns the table's counters and the global step."""
     x, y = _data()
     with cluster(num_workers=num_workers, num_ps=2) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=PARTITIONER(2))
+        strategy = _strategy(c)
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             layer = DynamicEmbedding(4, capacity=capacity, evict_every=4)
@@ -212,8 +215,7 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
         return keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.Flatten()(e))
 
     with cluster(num_workers=num_workers, num_ps=num_ps) as c:
-        strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=PARTITIONER(num_ps))
+        strategy = _strategy(c, num_ps)
         i = keras.Input((3,), dtype="int64")
         looked = keras.layers.IntegerLookup(vocabulary=vocab)(i)
         ref = keras.Model(i, head(keras.layers.Embedding(
