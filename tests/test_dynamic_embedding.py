@@ -244,3 +244,32 @@ def test_ragged_sparse_and_bool_ids_are_refused_and_a_pass_takes_an_int_step():
         layer(tf.constant([True]), training=True)
     layer.dynamic_table.maybe_evict(10)  # a Python int
     assert layer.stats()["evicted"] == 0
+
+
+def test_one_off_ids_do_not_evict_hot_ids_when_refused_ids_outnumber_the_rows():
+    """Capacity 10 (5 rows a shard), 5 hot ids seen every step and 20 new
+    one-off ids a step, a pass every 2 steps (a newcomer's report): the hot
+    ids keep their rows. The counting filter is wider than a small shard,
+    so 40 one-off ids a period do not pile onto a few slots and outrank them."""
+    layer = DynamicEmbedding(1, capacity=10, evict_every=2, initializer="zeros")
+    layer.build([None])
+    hot = [1, 2, 3, 4, 5]
+    fresh = iter(range(1000, 10**6))
+    for step in range(1, 41):
+        _sightings(layer, [hot + [next(fresh) for _ in range(20)]], step0=step)
+        layer.dynamic_table.maybe_evict(tf.constant(step, tf.int64))
+    kept = set(layer.export()[0].numpy().tolist())
+    assert set(hot) <= kept, kept
+    assert layer.stats()["live_rows"] <= 10
+
+
+def test_min_count_rarely_admits_ids_seen_fewer_times_in_a_large_table():
+    """min_count=3, capacity 1,000: at most 2 of 500 ids seen twice are
+    admitted (1 measured). An early admission needs both of an id's two
+    filter slots shared (a newcomer saw 221 of 500 with one hash and a filter
+    as long as a 500-row shard; one hash and 65,536 slots let 12 in)."""
+    layer = DynamicEmbedding(1, capacity=1000, min_count=3, initializer="zeros")
+    layer.build([None])
+    ids = list(range(10**9, 10**9 + 500))
+    _sightings(layer, [ids, ids])
+    assert layer.stats()["live_rows"] <= 2  # measured: 1

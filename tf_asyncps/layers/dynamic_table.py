@@ -10,9 +10,11 @@ arrive, old ones go cold. A :class:`DynamicTable` keeps a fixed
   with no cluster serves raw ids);
 * per row: its key, a count (0: the row is free) and the global step it was
   last seen at (int64 variables of the shard's length);
-* for ``min_count > 1``: a counting filter of the shard's length (one int64
-  count per hashed slot; DeepRec's counter filter in fixed memory: two ids
-  sharing a slot may be admitted early, never late);
+* a counting filter of ``max(shard rows, 65,536)`` int64 counts of the
+  sightings of ids without a row, each id counted in two hashed slots and
+  read as the lower (DeepRec's counting Bloom filter, in fixed memory: an id
+  may be admitted early when both its slots are shared, never late), for
+  ``min_count`` and for the eviction pass's ranking of refused ids;
 * a ``tf.CriticalSection`` that makes "look up, admit, count" one unit, so
   two workers never give one id two rows (TorchRec's managed collisions
   and DeepRec's EmbeddingVariable do the same on one process).
@@ -64,6 +66,12 @@ from tf_asyncps.core import placement
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
 
 EVICTIONS = ("lfu", "lru")
+#: Slots of a shard's counting filter at least (as many as its rows above
+#: that): 0.6 MB of int64 counts and bits. Shorter, a small shard's filter
+#: saturates when a period brings more new ids than it has slots (measured:
+#: a 5-row shard's one-off ids outranked its hot ids; 192 of 500 ids seen
+#: twice passed min_count=3 with 500 slots).
+FILTER_MIN_SLOTS = 1 << 16
 _INT64_MAX = tf.int64.max
 
 
@@ -101,12 +109,16 @@ def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_
     return tf.int64 if dtype == tf.int32 else dtype
 
 
-def _bucket(ids, buckets: int, strong: bool = False):
+#: Keys of the counting filter's two hashes (independent of the routing one).
+_FILTER_KEYS = ([0x5EED, 0xF11E], [0xC0DE, 0xB10B])
+
+
+def _bucket(ids, buckets: int, key=None):
     """int64 bucket in [0, buckets) of each id (int64 or string), stable
-    across processes and TensorFlow versions."""
+    across processes and TensorFlow versions; ``key``: a keyed (SipHash) hash."""
     text = ids if ids.dtype == tf.string else tf.strings.as_string(ids)
-    if strong:  # a second hash, independent of the routing one
-        return tf.strings.to_hash_bucket_strong(text, buckets, key=[0x5EED, 0xF11E])
+    if key is not None:
+        return tf.strings.to_hash_bucket_strong(text, buckets, key=key)
     return tf.strings.to_hash_bucket_fast(text, buckets)
 
 
@@ -125,6 +137,7 @@ class _Shard(tf.Module):
         untracked("refs", types.SimpleNamespace(var=var))
         self.offset, self.min_count, self.num_shards = offset, min_count, num_shards
         self.rows = int(var.shape[0])
+        self.filter_slots = max(self.rows, FILTER_MIN_SLOTS)
         self.device = var.device
         zeros = tf.zeros([self.rows], tf.int64)
         with placement.beside(var):
@@ -134,8 +147,9 @@ class _Shard(tf.Module):
             self.last = tf.Variable(zeros, trainable=False, name=f"{name}_last_step")
             # Sightings of ids without a row, by hashed slot (admission), and
             # the slots of ids refused a row since the last pass (eviction).
-            self.filter = tf.Variable(zeros, trainable=False, name=f"{name}_filter")
-            self.waiting = tf.Variable(tf.zeros([self.rows], tf.bool), trainable=False,
+            slots = tf.zeros([self.filter_slots], tf.int64)
+            self.filter = tf.Variable(slots, trainable=False, name=f"{name}_filter")
+            self.waiting = tf.Variable(tf.zeros([self.filter_slots], tf.bool), trainable=False,
                                        name=f"{name}_waiting")
             # Free local rows as a stack (its first `free_rows` entries; the
             # lowest row on top): admission pops, eviction pushes.
@@ -198,10 +212,13 @@ class _Shard(tf.Module):
             return rows
         new = rows < 0
         waiting = tf.boolean_mask(ids, new)
-        slot = _bucket(waiting, self.rows, strong=True)
+        # A counting Bloom filter of two hashes (DeepRec's CBF filter): an id's
+        # sightings are the lower of its two slots' counts.
+        slot, slot2 = (_bucket(waiting, self.filter_slots, key) for key in _FILTER_KEYS)
+        both = tf.concat([slot, slot2], 0)
         with tf.control_dependencies([self.filter.scatter_add(
-                tf.IndexedSlices(tf.ones_like(slot), slot))]):
-            seen = tf.gather(self.filter, slot)
+                tf.IndexedSlices(tf.ones_like(both), both))]):
+            seen = tf.minimum(tf.gather(self.filter, slot), tf.gather(self.filter, slot2))
         eligible = seen >= self.min_count
         candidates = tf.boolean_mask(waiting, eligible)
         candidate_slots = tf.boolean_mask(slot, eligible)
@@ -274,7 +291,7 @@ class _Shard(tf.Module):
                             gone, top + tf.range(tf.cast(k, tf.int64)))),
                         self.free_rows.assign(top + tf.cast(k, tf.int64)),
                         self.live.assign_sub(tf.cast(k, tf.int64)),
-                        self.waiting.assign(tf.zeros([self.rows], tf.bool)),
+                        self.waiting.assign(tf.zeros([self.filter_slots], tf.bool)),
                         self.passes.assign(period),
                         self.evicted.assign_add(tf.cast(k, tf.int64))]
         return tf.group(updates)
