@@ -5,7 +5,7 @@ import pytest
 
 from conftest import run_scenario
 
-POLICIES = ["async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas",
+POLICIES = ["async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas", "route",
             "local_sgd"]
 
 pytestmark = pytest.mark.cluster

@@ -15,6 +15,12 @@ RAW = np.array([10**12 + 7, -5, 3, 99, 2**40, 17, 123456789, 8, 9, 10], np.int64
 PARTITIONER = tf.distribute.experimental.partitioners.FixedShardsPartitioner
 
 
+#: "route" in the policy lists here: the table (its ``embeddings`` shards)
+#: asynchronous, the dense head in rounds of 2 (PERSIA's split).
+ROUTE = tf_asyncps.policies.route(
+    sparse="async", dense=tf_asyncps.policies.get("sync_replicas", replicas_to_aggregate=2))
+
+
 #: Learning rates of the tests' optimizers here (scenarios.common's table).
 LR = {"sgd": 0.1, "adagrad": 0.1, "adam": 0.01}
 
@@ -90,7 +96,7 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
     out = {}
     with cluster(num_workers=num_workers, num_ps=2) as c:
         for policy in policies:
-            strategy = _strategy(c, update_policy=policy)
+            strategy = _strategy(c, update_policy=ROUTE if policy == "route" else policy)
             with strategy.scope():
                 model = _model(DynamicEmbedding(4, capacity=capacity, evict_every=4,
                                                 initializer="zeros"))
