@@ -273,3 +273,56 @@ def test_min_count_rarely_admits_ids_seen_fewer_times_in_a_large_table():
     ids = list(range(10**9, 10**9 + 500))
     _sightings(layer, [ids, ids])
     assert layer.stats()["live_rows"] <= 2  # measured: 1
+
+
+def _one_process_fit(keras_name, callbacks):
+    """One-process fits, capacity 4, Adagrad, a pass every 2 steps: ids 0-3
+    for 4 steps, then ids 4-7 for 12 steps. Returns (layer, optimizer)."""
+    if keras_name == "keras3":
+        import keras as k
+        from tf_asyncps.keras3 import DynamicEmbedding as Layer
+    else:
+        k, Layer = tf_keras, DynamicEmbedding
+    layer = Layer(2, capacity=4, evict_every=2, initializer="zeros")
+    i = k.Input([3], dtype="int64")
+    out = k.layers.Dense(1, kernel_initializer="ones")(k.layers.Flatten()(layer(i)))
+    model = k.Model(i, out)
+    opt = k.optimizers.Adagrad(0.1)
+    model.compile(opt, "mse")
+    y = np.ones([16, 1], "float32")
+    for first, epochs in ((0, 2), (4, 6)):  # 2 batches of 8 a epoch
+        x = (first + np.arange(48).reshape(16, 3) % 4).astype("int64")
+        model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+    return layer, opt
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+def test_dynamic_eviction_callback_runs_passes_in_one_process(keras_name):
+    from tf_asyncps.callbacks import DynamicEviction
+    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    layer, opt = _one_process_fit(keras_name, [DynamicEviction()])
+    stats = layer.stats()
+    assert stats["evicted"] == 4 and stats["live_rows"] == 4, stats
+    # The later ids took the rows of the earlier ones.
+    assert sorted(layer.export()[0].numpy().tolist()) == [4, 5, 6, 7]
+    table = layer.dynamic_table
+    shard = table.shards[0]
+    # Lookups read the optimizer's iterations as their step (16 steps in all).
+    assert int(shard.last.numpy().max()) == 15
+    # The passes reset the slots the callback finds: Adagrad's accumulator.
+    assert len(optimizer_slots(opt, shard.var)) == 1
+
+
+def test_without_the_callback_a_full_table_keeps_its_first_ids():
+    layer, _ = _one_process_fit("tf_keras", [])
+    assert layer.stats()["evicted"] == 0
+    assert sorted(layer.export()[0].numpy().tolist()) == [0, 1, 2, 3]
+
+
+def test_dynamic_eviction_refuses_a_model_without_a_dynamic_table():
+    from tf_asyncps.callbacks import DynamicEviction
+    model = tf_keras.Sequential([tf_keras.Input([2]), tf_keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="no DynamicEmbedding layer; remove the callback"):
+        model.fit(np.ones([4, 2]), np.ones([4, 1]), verbose=0, callbacks=[DynamicEviction()])

@@ -20,6 +20,7 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps.callbacks import recovery
+from tf_asyncps.callbacks.dynamic import DynamicEviction, dynamic_layers
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies
 from tf_asyncps.app import datasets, dynamic_ids
@@ -523,7 +524,11 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
         f"{cfg.steps_per_epoch} steps of {cfg.batch_size} examples (no cluster: the "
         "policy, locking, worker, ps and partitioner flags do not apply)")
     t0 = time.perf_counter()
-    model.fit(ds, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, verbose=0)
+    # Raw ids: the tables' eviction passes run here, as the ps tasks run them
+    # in the distributed job.
+    callbacks = [DynamicEviction()] if cfg.dynamic_ids else []
+    model.fit(ds, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, verbose=0,
+              callbacks=callbacks)
     train_s = time.perf_counter() - t0
     test_loss, test_acc = model.evaluate(data.x_test, data.y_test, verbose=0, batch_size=4096)
     probs = tf.nn.softmax(model.predict(data.x_test, batch_size=4096, verbose=0)).numpy()
@@ -535,6 +540,8 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
                "test_accuracy": float(test_acc), "test_loss": float(test_loss),
                **_binary_metrics(data, probs),
                "wall_time_s": time.perf_counter() - t_job}
+    if cfg.dynamic_ids:
+        metrics["dynamic_tables"] = {layer.name: layer.stats() for layer in dynamic_layers(model)}
     say(f"reference: {_quality_line(metrics, test_acc, test_loss)}  "
         f"{metrics['steps_per_sec']:.1f} steps/s")
     if cfg.output_dir:

@@ -1,15 +1,18 @@
 """Callbacks for ``model.fit`` under AsyncParameterServerStrategy.
 
-Steps run as closures on the workers, so every callback here works at epoch
-level and reads the parameter servers' counters (``strategy.staleness_stats()``)
-or the chief's closure counts, never a batch.
+Steps run as closures on the workers, so every callback here for a fit under
+the strategy works at epoch level and reads the parameter servers' counters
+(``strategy.staleness_stats()``) or the chief's closure counts, never a batch
+(``DynamicEviction`` is for a fit in one process).
 
 * ``common.py``: what they share (console values, the strategy check);
 * ``tf_keras.py``: :class:`StalenessLogger` (epoch lines, TensorBoard) and
   :class:`ProgressLine` (a live line): tf_keras callbacks that Keras 3's
   ``fit`` runs as well;
 * ``keras3.py``: which callbacks Keras 3's ``fit`` accepts, and its epoch line;
-* ``recovery.py``: :class:`ResumeTracker`, redone steps across crashes.
+* ``recovery.py``: :class:`ResumeTracker`, redone steps across crashes;
+* ``dynamic.py``: :class:`DynamicEviction`, DynamicEmbedding eviction passes
+  in a ``fit`` without the strategy (one process).
 
 Names load on first use (as in the package root): importing one module here
 does not import the other frameworks'.
@@ -22,10 +25,12 @@ _LAZY = {
     "ProgressLine": "tf_asyncps.callbacks.tf_keras",
     "format_value": "tf_asyncps.callbacks.common",
     "ResumeTracker": "tf_asyncps.callbacks.recovery",
+    "DynamicEviction": "tf_asyncps.callbacks.dynamic",
 }
 
 # Literal (the docs' API check reads it from the source); the same names as _LAZY.
-__all__ = ["ProgressLine", "ResumeTracker", "StalenessLogger", "format_value"]
+__all__ = ["DynamicEviction", "ProgressLine", "ResumeTracker", "StalenessLogger",
+           "format_value"]
 assert sorted(__all__) == sorted(_LAZY)
 
 

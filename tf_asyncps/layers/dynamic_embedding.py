@@ -100,7 +100,7 @@ class _Mixin:
         # global step, no lock), so it runs in a process with no cluster.
         training = bool(training) and not tf_compat.in_save_context()
         step = self._global_step
-        step = step.read_value() if training and step is not None else None
+        step = tf.cast(step.read_value(), tf.int64) if training and step is not None else None
         return self.dynamic_table.lookup(ids, step, training=training)
 
     def _dynamic_config(self) -> dict:
@@ -119,7 +119,41 @@ class _Mixin:
     def load_own_variables(self, store):
         raise ValueError(_NO_KERAS_FILES.format(name=self.name))
 
+    _own_step = False  # whether use_step gave the step variable
+
     # -- public ---------------------------------------------------------------
+    @property
+    def under_strategy(self) -> bool:
+        """Whether AsyncParameterServerStrategy runs this table's eviction
+        passes (the layer was built in its scope)."""
+        return self._global_step is not None and not self._own_step
+
+    @property
+    def dynamic_step(self):
+        """The variable read as the step of a training lookup (rows' last
+        step, LRU, ``ttl_steps``): the strategy's global step, the one given
+        to :meth:`use_step`, or None (lookups count at step 0)."""
+        return self._global_step
+
+    def use_step(self, variable) -> None:
+        """Reads ``variable`` (an int64 scalar variable, e.g. the optimizer's
+        ``iterations``) as the step of training lookups where no
+        AsyncParameterServerStrategy gives a global step (one process; see
+        ``tf_asyncps.callbacks.DynamicEviction``). Call it before the first
+        training call is traced.
+
+        Raises:
+          ValueError: the layer is under the strategy, whose global step it reads.
+        """
+        if self.under_strategy:
+            raise ValueError(f"DynamicEmbedding {self.name!r} reads the strategy's global "
+                             "step; use_step is for training without the strategy.")
+        if not isinstance(variable, tf.Variable):  # a Keras 3 variable
+            from tf_asyncps.compat import keras as keras_compat
+            variable = keras_compat.tf_value(variable)
+        tf_compat.set_untracked_attribute(self, "_global_step", variable)
+        tf_compat.set_untracked_attribute(self, "_own_step", True)
+
     def export(self):
         """(ids, rows) of the live rows only: ids ``[n]`` of ``key_dtype``,
         rows float32 ``[n, output_dim]`` (eager, on the chief)."""

@@ -1,0 +1,76 @@
+"""Eviction passes of DynamicEmbedding tables in a ``fit`` without the strategy.
+
+Under AsyncParameterServerStrategy a table's eviction pass runs on its ps
+after the updates (tf_asyncps/layers/dynamic_table.py). In one process
+(plain ``fit``, ``tf-asyncps reference``) nothing runs it, so a full table
+would refuse new ids for good; :class:`DynamicEviction` runs it there.
+"""
+
+import numpy as np
+import tf_keras
+
+from tf_asyncps.layers import dynamic_table as dt
+
+__all__ = ["DynamicEviction", "dynamic_layers"]
+
+
+def dynamic_layers(model) -> list:
+    """The DynamicEmbedding layers of ``model`` (tf_keras or Keras 3), nested
+    models included, each once."""
+    out, seen, todo = [], set(), [model]
+    while todo:
+        layer = todo.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if isinstance(getattr(layer, "dynamic_table", None), dt.DynamicTable):
+            out.append(layer)
+        todo.extend(getattr(layer, "layers", None) or [])
+    return out
+
+
+class DynamicEviction(tf_keras.callbacks.Callback):
+    """Runs the eviction passes of a model's ``DynamicEmbedding`` tables in a
+    ``fit`` without AsyncParameterServerStrategy (one process).
+
+    Before training it gives each table the optimizer's ``iterations`` as its
+    step (for ``last`` step, LRU and ``ttl_steps``); after each batch
+    (``steps_per_execution`` steps) it runs the passes due at that step,
+    resetting the evicted rows' optimizer slots. Not for a fit under the
+    strategy: there the passes run on the ps (and batch-level callbacks are
+    refused). Works in tf_keras and Keras 3 ``fit``; pass it from the first
+    ``fit`` (a training function traced without it reads no step).
+
+    Raises:
+      ValueError: (at ``on_train_begin``) the model has no DynamicEmbedding
+        layer, is not compiled with an optimizer, or has tables under
+        AsyncParameterServerStrategy.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._layers = []
+
+    def on_train_begin(self, logs=None):
+        layers = dynamic_layers(self.model)
+        if not layers:
+            raise ValueError("DynamicEviction: the model has no DynamicEmbedding layer; "
+                             "remove the callback.")
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError("DynamicEviction: compile the model with an optimizer first.")
+        under = [layer.name for layer in layers if layer.under_strategy]
+        if under:
+            raise ValueError(f"DynamicEviction: {under} train under "
+                             "AsyncParameterServerStrategy, whose ps tasks run their eviction "
+                             "passes; remove the callback.")
+        self._layers = layers
+        for layer in layers:
+            layer.use_step(optimizer.iterations)
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        step = int(np.asarray(optimizer.iterations))
+        for layer in self._layers:
+            layer.dynamic_table.maybe_evict(
+                step, lambda var, o=optimizer: dt.optimizer_slots(o, var))
