@@ -113,3 +113,4 @@ def test_keras3_eviction_resets_rows_and_adagrad_slots():
     assert 1 <= r["stats"]["live_rows"] <= 6 and len(set(r["ids"])) == len(r["ids"])
     assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
     assert r["free_slots"] == [0.0, 0.0]  # one accumulator per shard, reset to 0.1
+    assert r["free_rows"] == [0.0, 0.0]  # zeros, and no gradient landed on them

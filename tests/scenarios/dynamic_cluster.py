@@ -273,9 +273,10 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         model.fit(data, epochs=2, steps_per_epoch=8, verbose=0)
         ids = sorted(layer.export()[0].numpy().tolist())
-        free_slots = []
+        free_slots, free_rows = [], []
         for shard in layer.dynamic_table.shards:
             free = np.flatnonzero(shard.count.numpy() == 0)
+            free_rows.append(float(np.abs(shard.var.numpy()[free]).max(initial=0)))
             for slot, value in tf_asyncps.layers.dynamic_table.optimizer_slots(
                     model.optimizer, shard.var):
                 free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
@@ -283,4 +284,5 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
                                          - ref.predict(x, verbose=0)).max()),
                 "ref_max": float(np.abs(ref.predict(x, verbose=0)).max()),
                 "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
-                "shards": len(layer.dynamic_table.shards), "free_slots": free_slots}
+                "shards": len(layer.dynamic_table.shards), "free_slots": free_slots,
+                "free_rows": free_rows}
