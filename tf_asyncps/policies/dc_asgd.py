@@ -33,7 +33,12 @@ def delay_compensate(grad, w_now, w_read, lambda_):
 
 
 def _rows(t, grad):
-    return tf.gather(t, grad.indices) if isinstance(grad, tf.IndexedSlices) else t
+    """The rows of ``t`` (a tensor, or a variable: gathered from it, since a
+    read of a variable that sparse ops touch copies all of it) that ``grad``
+    updates; all of it for a dense ``grad``."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.gather(t, grad.indices)
+    return t.read_value() if isinstance(t, tf.Variable) else t
 
 
 @registry.register("dc_asgd")
@@ -81,7 +86,7 @@ class DCASGD(UpdatePolicy):
             if w_read is None:
                 new.append(g)
                 continue
-            gap = _rows(w.read_value(), g) - _rows(w_read, g)
+            gap = _rows(w, g) - _rows(w_read, g)
             if self.adaptive:
                 rows = self._update_meansquare(state[i], g)
                 lam = self.lambda_ / tf.sqrt(rows + self.epsilon)
@@ -99,7 +104,7 @@ class DCASGD(UpdatePolicy):
 
         def update():
             if isinstance(g, tf.IndexedSlices):
-                rows = m * tf.gather(ms.read_value(), g.indices) + (1 - m) * tf.square(g.values)
+                rows = m * tf.gather(ms, g.indices) + (1 - m) * tf.square(g.values)
                 with tf.control_dependencies(
                         [ms.scatter_update(tf.IndexedSlices(rows, g.indices))]):
                     return tf.identity(rows)

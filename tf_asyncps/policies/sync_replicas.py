@@ -237,7 +237,9 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
             with tf.device(buf.device):
                 if isinstance(g, tf.IndexedSlices):
                     idx = tf.reshape(tf.where(rows.read_value()), [-1])
-                    vals = tf.gather(buf.read_value(), idx) / tf.cast(n, buf.dtype)
+                    # A gather from the variable, not of a read of it: a read of a
+                    # variable that sparse ops touch copies all of it (copy-on-read).
+                    vals = tf.gather(buf, idx) / tf.cast(n, buf.dtype)
                     mean = tf.IndexedSlices(tf.cast(vals, g.dtype), idx,
                                             tf.shape(buf, out_type=tf.int64))
                     resets.append(lambda buf=buf, rows=rows, idx=idx, vals=vals: [
