@@ -227,7 +227,10 @@ class _Shard(tf.Module):
             # Pop k free rows off the stack: O(k), not a scan of the shard.
             top = self.free_rows.read_value()
             k = tf.minimum(tf.size(candidates, out_type=tf.int64), top)
-            take, admitted = tf.reverse(self.free[top - k:top], [0]), candidates[:k]
+            # Gathered from the variable: a slice of it would read (copy, as
+            # sparse ops touch it) the whole stack.
+            take = tf.gather(self.free, tf.range(top - 1, top - k - 1, -1))
+            admitted = candidates[:k]
             refused = candidate_slots[k:]
             return tf.group(
                 self.free_rows.assign(top - k), self.live.assign_add(k),
