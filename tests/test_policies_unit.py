@@ -117,13 +117,38 @@ def test_dc_asgd_adaptive_rule():
     np.testing.assert_allclose(state[0].numpy(), [4.0])
 
 
+class _Waker(policies.UpdatePolicy):
+    """A rule whose decision carries an after_apply (as sync_replicas' wake)."""
+
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+
+    def update(self, grads, state, info):
+        return policies.Decision(grads, True, after_apply=lambda: [self.tag])
+
+
+def test_chain_and_route_keep_their_members_after_apply():
+    d = policies.chain(_Waker("a"), policies.DropStale(max_staleness=3), _Waker("b")).update(
+        [tf.constant([1.0])], [None, None, None], _info(0))
+    assert d.after_apply() == ["a", "b"]
+    r = policies.route(sparse=_Waker("s"), dense=_Waker("d"))
+    emb, dense = tf.Variable([[1.0]], name="embeddings"), tf.Variable([1.0], name="kernel")
+    r.build(1, "/cpu:0")
+    info = _info(0, variables=[emb, dense])
+    d = r.update([tf.constant([[1.0]]), tf.constant([1.0])], r.init([emb, dense]), info)
+    assert sorted(d.after_apply()) == ["d", "s"]
+    assert policies.chain(policies.DropStale(max_staleness=3)).update(
+        [tf.constant([1.0])], [None], _info(0)).after_apply is None
+
+
 def test_chain_composes_in_order_and_ands_keep():
     c = policies.chain(policies.StalenessAwareLR("inverse_plus_one"),
                        policies.DropStale(max_staleness=3))
     assert c.atomic
-    out, keep, accepted = c.update([tf.constant([4.0])], c.init([]), _info(3))
-    np.testing.assert_allclose(out[0].numpy(), [1.0])
-    assert bool(keep) is True and accepted is None
+    d = c.update([tf.constant([4.0])], c.init([]), _info(3))
+    np.testing.assert_allclose(d.grads[0].numpy(), [1.0])
+    assert bool(d.keep) is True and d.accepted is None and d.after_apply is None
     assert bool(c.update([tf.constant([4.0])], c.init([]), _info(4)).keep) is False
     with pytest.raises(ValueError, match="at least one policy"):
         policies.chain()

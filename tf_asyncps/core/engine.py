@@ -202,19 +202,21 @@ class PolicyEngine:
         the policy's cluster state. Unplaced, the ops that carry no device
         (ssp's clock minimum, its refill condition, constants) ran on the
         worker and the ps state they use crossed back and forth each step.
-        ``before_read`` and ``step_without_update`` are left as they are: under
-        this context the gate's wait made ``sync_replicas`` drop 22-24 of 60
-        gradients as stale in test_aggregator's straggler test (none before).
-        Likely cause, not yet fixed: a completing round grants the waiting
-        workers' tokens (``_take_means``) before the engine increments the
-        global step, so a woken worker whose wait runs all on the ps reads r
-        before that increment (τ = 1); the slower cross-device wait hid it."""
+        ``before_read`` (the gate's wait) runs in it too (``read_point``); a
+        woken ``sync_replicas`` worker reads at once there, so the round's
+        tokens are granted only after the update and the global step's
+        increment (``Decision.after_apply``): granted before them, 22-24 of
+        60 gradients came in late (τ = 1) in test_aggregator's straggler test."""
         return placement.beside_inputs(self.tracker.device)
 
     def read_point(self, w):
         """The policy's ``before_read``, then the read step r (int64 scalar
         tensor): once per worker step."""
-        before = self.policy.before_read(w)
+        # On the ps, beside the policy's state (the gate's queues): a wait
+        # placed on the worker moved ~10 KB per step between them (ssp,
+        # sync_replicas on the embedding workload).
+        with self._policy_hook():
+            before = self.policy.before_read(w)
         with tf.control_dependencies(before):
             return self.tracker.read_step()
 
@@ -414,8 +416,15 @@ class PolicyEngine:
             _, update_ops = run_collecting_ops(apply_fn, pairs)
             with tf.control_dependencies(update_ops):
                 if tau_from_increment:
-                    return tracker.record_increment(step.read_step)
-                return tracker.record(tau, applied=True)
+                    g_after = tracker.record_increment(step.read_step)
+                else:
+                    g_after = tracker.record(tau, applied=True)
+            if decision.after_apply is None:
+                return g_after
+            with tf.control_dependencies([g_after]):  # e.g. wake a round's workers
+                woken = decision.after_apply()
+            with tf.control_dependencies(woken):
+                return tf.identity(g_after)
 
         def dropped():
             # The LossScaleOptimizer is not called: adjust its scale here, from

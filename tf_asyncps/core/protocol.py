@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Un
 import tensorflow as tf
 
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision",
-           "ClusterStates"]
+           "after_apply_of", "ClusterStates"]
 
 #: ``True`` (always apply) or a scalar tf.bool tensor.
 Keep = Union[bool, tf.Tensor]
@@ -102,11 +102,26 @@ class Decision(NamedTuple):
         pending update, so the step counts as applied without advancing the
         global step (when nothing else of it was applied). None for every
         other policy.
+      after_apply: None, or ``after_apply() -> [ops]``, traced where the
+        engine applies the update, after the optimizer's update and the
+        global step's increment (inside the update lock for ``atomic``
+        policies); not run when nothing is applied. An aggregator wakes the
+        workers waiting for its round there, so that a woken worker reads
+        the new parameters and global step.
     """
 
     grads: List[Any]
     keep: Union[Keep, List[Keep]]
     accepted: Optional[tf.Tensor] = None
+    after_apply: Optional[Callable[[], List[Any]]] = None
+
+
+def after_apply_of(decisions) -> Optional[Callable[[], List[Any]]]:
+    """One ``after_apply`` running those of ``decisions`` (composites)."""
+    fns = [d.after_apply for d in decisions if d.after_apply is not None]
+    if not fns:
+        return None
+    return lambda: [op for fn in fns for op in fn()]
 
 
 def as_decision(result) -> Decision:

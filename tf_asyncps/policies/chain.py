@@ -17,7 +17,7 @@ Such a policy may stand alone in a chain (``chain("local_sgd")`` behaves as
 
 import tensorflow as tf
 
-from tf_asyncps.policies.base import Decision, as_decision
+from tf_asyncps.policies.base import Decision, after_apply_of, as_decision
 from tf_asyncps.policies.composite import Composite
 
 __all__ = ["chain", "Chain"]
@@ -75,13 +75,14 @@ class Chain(Composite):
         return [p.init(variables) for p in self.policies]
 
     def update(self, grads, state, info):
-        keep, accepted = True, None
+        keep, accepted, decisions = True, None, []
         for p, s in zip(self.policies, state):
             d = as_decision(p.update(grads, s, info))
+            decisions.append(d)
             grads, accepted = d.grads, d.accepted
             if d.keep is not True:
                 keep = d.keep if keep is True else tf.logical_and(keep, d.keep)
-        return Decision(grads, keep, accepted)
+        return Decision(grads, keep, accepted, after_apply_of(decisions))
 
     def exchange_due(self, local_steps):
         (local,) = [p for p in self.policies if p.local_copies]

@@ -41,7 +41,7 @@ import re
 import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.policies.base import Decision, as_decision
+from tf_asyncps.policies.base import Decision, after_apply_of, as_decision
 from tf_asyncps.policies.composite import Composite
 
 __all__ = ["route", "Route", "PartCounts"]
@@ -155,7 +155,7 @@ class Route(Composite):
 
     def update(self, grads, state, info):
         n = len(grads)
-        keep, out, accepted, bumps = [True] * n, list(grads), [], []
+        keep, out, accepted, bumps, decisions = [True] * n, list(grads), [], [], []
         cluster = self.cluster
         counts = cluster.counts.read_value()
         read = cluster.read_at.sparse_read(tf.cast(info.worker_index, tf.int64))
@@ -168,6 +168,7 @@ class Route(Composite):
                 read_values=None if info.read_values is None
                 else [info.read_values[i] for i in idx])
             d = as_decision(p.update([grads[i] for i in idx], s, part_info))
+            decisions.append(d)
             part_keep = d.keep
             if info.finite is not None:  # a non-finite step updates no part
                 part_keep = info.finite if part_keep is True else tf.logical_and(
@@ -184,7 +185,7 @@ class Route(Composite):
         any_accepted = None
         if accepted:
             any_accepted = accepted[0] if len(accepted) == 1 else tf.reduce_any(tf.stack(accepted))
-        return Decision(out, keep, any_accepted)
+        return Decision(out, keep, any_accepted, after_apply_of(decisions))
 
     # -- chief side -----------------------------------------------------------
     def part_updates(self):

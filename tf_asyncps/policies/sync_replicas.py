@@ -225,7 +225,14 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
         complete = tf.logical_and(accept, tf.equal(count, n))
         with tf.control_dependencies([count]):
             means = self._take_means(grads, state, complete)
-        return Decision(means, complete, accepted=accept)
+
+        def wake():
+            # After the update and the global step's increment (the engine
+            # runs it there): a worker woken before them read the old global
+            # step (its gradient then came in late, τ = 1, and was dropped).
+            return [tf.cond(complete, lambda: tf.group(c.gate.grant_all(only_if_empty=True)),
+                            tf.no_op)]
+        return Decision(means, complete, accepted=accept, after_apply=wake)
 
     def _take_means(self, grads, state, complete):
         """Mean of the round's gradients; buffers reset when ``complete``."""
@@ -260,7 +267,6 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
                     tf.constant([0], tf.int64), tf.constant([0], tf.int64))))
                 ops.append(c.round.scatter_add(tf.IndexedSlices(
                     tf.constant([1], tf.int64), tf.constant([1], tf.int64))))
-                ops.extend(c.gate.grant_all(only_if_empty=True))
             with tf.control_dependencies(ops):
                 return tf.constant(True)
 
