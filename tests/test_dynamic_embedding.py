@@ -326,3 +326,74 @@ def test_dynamic_eviction_refuses_a_model_without_a_dynamic_table():
     model.compile("sgd", "mse")
     with pytest.raises(ValueError, match="no DynamicEmbedding layer; remove the callback"):
         model.fit(np.ones([4, 2]), np.ones([4, 1]), verbose=0, callbacks=[DynamicEviction()])
+
+
+def test_eviction_resets_only_its_own_layers_slots_not_a_layer_whose_name_contains_it():
+    """Layers 'user' and 'power_user' (equal shapes, one device): the slots
+    of 'user' are not those of 'power_user' (a newcomer saw an eviction in
+    'user' reset 'power_user''s Adagrad accumulators)."""
+    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    i = tf_keras.Input([2], dtype=tf.int64)
+    u = DynamicEmbedding(4, capacity=6, name="user")
+    pu = DynamicEmbedding(4, capacity=6, name="power_user")
+    h = tf_keras.layers.Concatenate()([u(i[:, :1]), pu(i[:, 1:])])
+    m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(h)))
+    m.compile(tf_keras.optimizers.Adagrad(0.1), "mse")
+    m.fit(np.array([[1, 2]] * 4, "int64"), np.ones([4, 1], "float32"), verbose=0)
+    for layer in (u, pu):
+        var = layer.dynamic_table.shards[0].var
+        names = [s.name for s, _ in optimizer_slots(m.optimizer, var)]
+        assert len(names) == 1 and f"/{layer.name}/embeddings" in names[0], names
+
+
+def test_ttl_and_lru_count_the_step_just_run_as_seen():
+    """Lookups record the step they read (s), the pass runs at the step after
+    the update (s + 1). ttl_steps=1 keeps rows seen in the last step; LRU
+    with evict_every=1 keeps a hot id against a one-off (both evicted the
+    hot rows at every pass before)."""
+    ttl = DynamicEmbedding(4, capacity=4, evict_every=1, ttl_steps=1)
+    lru = DynamicEmbedding(4, capacity=2, evict_every=1, eviction="lru")
+    for layer, extra in ((ttl, lambda s: []), (lru, lambda s: [100 + s])):
+        layer.build([None])
+        step = tf.Variable(0, dtype=tf.int64)
+        layer.use_step(step)
+        for s in range(6):
+            layer(tf.constant([1, 2] + extra(s), tf.int64), training=True)
+            step.assign_add(1)
+            layer.dynamic_table.maybe_evict(step)
+        assert sorted(layer.export()[0].numpy().tolist()) == [1, 2], layer.name
+    assert ttl.stats()["evicted"] == 0
+    # ttl_steps=1: a row unseen in the last step goes at the next pass.
+    ttl(tf.constant([1], tf.int64), training=True)
+    step = ttl.dynamic_step
+    step.assign_add(1)
+    ttl.dynamic_table.maybe_evict(step)
+    assert ttl.export()[0].numpy().tolist() == [1]
+
+
+def test_dynamic_eviction_added_on_a_later_fit_still_gives_the_lookups_their_step():
+    from tf_asyncps.callbacks import DynamicEviction
+    layer = DynamicEmbedding(2, capacity=5, evict_every=2, ttl_steps=2)
+    i = tf_keras.Input([1], dtype="int64")
+    m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
+    m.compile(tf_keras.optimizers.Adagrad(0.1), "mse")
+    x, y = np.arange(32).reshape(32, 1) % 4, np.ones([32, 1], "float32")
+    m.fit(x, y, batch_size=8, verbose=0)  # traced without the callback
+    m.fit(x, y, batch_size=8, verbose=0, callbacks=[DynamicEviction()])
+    # 4 hot ids, seen every step: they stay, and their last step is the 8th.
+    assert layer.stats()["live_rows"] == 4 and layer.stats()["evicted"] == 0
+    assert int(layer.dynamic_table.shards[0].last.numpy().max()) == 7
+
+
+def test_use_step_before_build_and_numpy_ints_are_fine():
+    layer = DynamicEmbedding(np.int64(2), capacity=np.int32(10))
+    assert layer.dynamic_step is None and layer.get_config()["capacity"] == 10
+    layer.use_step(tf.Variable(0, dtype=tf.int64))
+    assert layer.dynamic_step is not None
+
+
+def test_keras3_fit_under_the_strategy_refuses_dynamic_eviction_with_the_fix():
+    from tf_asyncps.callbacks import DynamicEviction
+    from tf_asyncps.callbacks.keras3 import check_callbacks
+    with pytest.raises(ValueError, match="ps tasks run them after the updates: remove the"):
+        check_callbacks([DynamicEviction()])

@@ -38,8 +38,8 @@ class DynamicEviction(tf_keras.callbacks.Callback):
     (``steps_per_execution`` steps) it runs the passes due at that step,
     resetting the evicted rows' optimizer slots. Not for a fit under the
     strategy: there the passes run on the ps (and batch-level callbacks are
-    refused). Works in tf_keras and Keras 3 ``fit``; pass it from the first
-    ``fit`` (a training function traced without it reads no step).
+    refused). Works in tf_keras and Keras 3 ``fit``, from any ``fit``: the
+    training function is traced again with the step.
 
     Raises:
       ValueError: (at ``on_train_begin``) the model has no DynamicEmbedding
@@ -67,6 +67,10 @@ class DynamicEviction(tf_keras.callbacks.Callback):
         self._layers = layers
         for layer in layers:
             layer.use_step(optimizer.iterations)
+        # A training function traced before (an earlier fit without this
+        # callback) reads no step: trace it again (tf_keras and Keras 3 both
+        # call model.train_function afresh on each step).
+        self.model.make_train_function(force=True)
 
     def on_train_batch_end(self, batch, logs=None):
         optimizer = self.model.optimizer

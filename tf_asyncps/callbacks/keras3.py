@@ -82,6 +82,11 @@ def check_callbacks(callbacks):
         if not callable(getattr(cb, "set_model", None)):
             raise TypeError(f"callbacks[...] must be keras.callbacks.Callback objects, "
                             f"got {cb!r}.")
+        if type(cb).__name__ == "DynamicEviction":  # tf_asyncps.callbacks.dynamic
+            raise ValueError(
+                "DynamicEviction runs DynamicEmbedding eviction passes in a fit without the "
+                "strategy; under AsyncParameterServerStrategy its ps tasks run them after "
+                "the updates: remove the callback.")
         hooks = _user_batch_hooks(cb)
         why = f"it defines {', '.join(hooks)}" if hooks else _epoch_level_builtin(cb)
         if why is NotImplemented:

@@ -78,9 +78,11 @@ class _Mixin:
                       ttl_steps, initializer):
         self.key_dtype = dt.check_arguments(output_dim, capacity, key_dtype, min_count,
                                             eviction, evict_every, ttl_steps)
-        self.output_dim, self.capacity = output_dim, capacity
-        self.min_count, self.eviction = min_count, eviction
-        self.evict_every, self.ttl_steps = evict_every, ttl_steps
+        # Python ints (numpy's too): the config stays JSON.
+        self.output_dim, self.capacity = int(output_dim), int(capacity)
+        self.min_count, self.eviction = int(min_count), eviction
+        self.evict_every = int(evict_every)
+        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
         self.initializer_name = initializer
 
     def _make_table(self, table_var, initializer):
@@ -120,6 +122,7 @@ class _Mixin:
         raise ValueError(_NO_KERAS_FILES.format(name=self.name))
 
     _own_step = False  # whether use_step gave the step variable
+    _global_step = None  # the step variable, once built (see dynamic_step)
 
     # -- public ---------------------------------------------------------------
     @property
@@ -175,7 +178,7 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         strategy's ``variable_partitioner``).
       key_dtype: tf.int64 (raw integer ids of any value; int32 accepted) or
         tf.string.
-      min_count: int >= 1, training lookups (at most one per step) before an
+      min_count: int >= 1, training lookups (one per call of the layer) before an
         id gets a row; until then it reads the default row.
       eviction: "lfu" or "lru": which rows a pass frees when ids were refused
         a row (lowest count, oldest last step).

@@ -53,6 +53,7 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 """
 
 import functools
+import numbers
 import re
 import types
 from typing import List, Optional, Tuple
@@ -83,7 +84,7 @@ def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_
       ValueError / TypeError: naming the field and the fix.
     """
     def positive_int(name, value, hint):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"DynamicEmbedding({name}={value!r}): must be an int >= 1 "
                              f"({hint}).")
 
@@ -256,7 +257,9 @@ class _Shard(tf.Module):
         live = self.count > 0
         victims = tf.zeros([self.rows], tf.bool)
         if ttl_steps is not None:
-            victims = live & (self.last <= step - ttl_steps)
+            # Lookups record the step they read (s); the pass runs at the step
+            # after an update (s + 1): unseen in the last ttl_steps steps.
+            victims = live & (self.last < step - ttl_steps)
         remaining = live & ~victims
         # Ids refused a row since the last pass (their filter slots), hottest
         # first, against the coldest rows: the j-th coldest row goes if the
@@ -268,8 +271,9 @@ class _Shard(tf.Module):
         order = tf.argsort(tf.where(remaining, score, _INT64_MAX), stable=True)[:need]
         if eviction == "lfu":
             rivals = tf.sort(waiting, direction="DESCENDING")[:need]
-        else:  # waiting ids were seen in this period; rows older than it lose
-            rivals = tf.fill([need], step - evict_every + 1)
+        else:  # waiting ids were seen in this period (lookups at steps
+            # step - evict_every .. step - 1); rows last seen before it lose
+            rivals = tf.fill([need], step - evict_every)
         beaten = tf.gather(score, order) < rivals
         cold = tf.scatter_nd(tf.boolean_mask(order, beaten)[:, None],
                              tf.ones_like(tf.boolean_mask(order, beaten), tf.bool),
@@ -311,7 +315,7 @@ class DynamicTable(tf.Module):
       table: float ``tf.Variable`` or ``ShardedVariable`` of shape
         ``[capacity, output_dim]``.
       key_dtype: tf.int64 or tf.string.
-      min_count: sightings (training lookups, at most one per step) before an
+      min_count: sightings (training lookups, one per call) before an
         id gets a row.
       eviction: "lfu" or "lru".
       evict_every: global steps between eviction passes.
@@ -547,19 +551,27 @@ class DynamicTable(tf.Module):
         return tf.concat(ids, 0), tf.concat(rows, 0)
 
 
+#: Slot names of Keras 3's optimizers (``"{variable path}_{slot}"``).
+_KERAS3_SLOTS = ("accumulator", "momentum", "velocity", "velocity_hat", "average_gradient",
+                 "accumulated_grad", "accumulated_delta_var", "linear", "m", "u", "r", "c",
+                 "v")
+
+
 def optimizer_slots(optimizer, var) -> list:
     """``[(slot, initial value)]``: the optimizer's variables beside ``var``
-    (same shape, same device, named after it: tf_keras names a slot
-    ``"{slot}/{variable}"``, Keras 3 ``"{variable path}_{slot}"``). An
-    accumulator starts at the optimizer's ``initial_accumulator_value``
-    (Adagrad), every other slot at 0."""
+    (same shape, same device, named after it as a whole: tf_keras names a
+    slot ``"{optimizer}/{slot}/{variable}"``, Keras 3 ``"{variable path}_{slot}"``;
+    a layer named ``power_user`` is not ``user``). An accumulator starts at the
+    optimizer's ``initial_accumulator_value`` (Adagrad), every other slot at 0."""
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
     if inner is not None:
         optimizer = inner
     variables = optimizer.variables
     variables = variables() if callable(variables) else variables
-    base = re.sub(r"(/part_\d+)?(:\d+)?$", "", var.name)
-    names = {base, base.replace("/", "_")}
+    strip = functools.partial(re.sub, r"(/part_\d+)?(:\d+)?$", "")
+    base = strip(var.name)
+    named = re.compile(r"(^|/)(" + re.escape(base) + "|" + re.escape(base.replace("/", "_")) +
+                       "_(" + "|".join(_KERAS3_SLOTS) + "))$")
     initial = float(getattr(optimizer, "initial_accumulator_value", 0.0) or 0.0)
     out = []
     for v in variables:
@@ -568,6 +580,6 @@ def optimizer_slots(optimizer, var) -> list:
             if part is var or getattr(part, "shape", None) != var.shape or \
                     getattr(part, "device", None) != var.device:
                 continue
-            if any(n in part.name for n in names):
+            if named.search(strip(part.name)):
                 out.append((part, initial if "accumulator" in part.name else 0.0))
     return out
