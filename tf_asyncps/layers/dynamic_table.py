@@ -570,8 +570,11 @@ def optimizer_slots(optimizer, var) -> list:
     variables = variables() if callable(variables) else variables
     strip = functools.partial(re.sub, r"(/part_\d+)?(:\d+)?$", "")
     base = strip(var.name)
-    named = re.compile(r"(^|/)(" + re.escape(base) + "|" + re.escape(base.replace("/", "_")) +
-                       "_(" + "|".join(_KERAS3_SLOTS) + "))$")
+    # Keras 3 names a slot after the variable's path, or, for a shard under a
+    # variable_partitioner, after the shard's whole name ("..._part_0_0").
+    keras3 = {base.replace("/", "_"), re.sub(r"[/:]", "_", var.name)}
+    named = re.compile(r"(^|/)(" + re.escape(base) + "|(" + "|".join(map(re.escape, keras3)) +
+                       ")_(" + "|".join(_KERAS3_SLOTS) + "))$")
     initial = float(getattr(optimizer, "initial_accumulator_value", 0.0) or 0.0)
     out = []
     for v in variables:
