@@ -65,11 +65,16 @@ def test_keras3_fit_one_worker_equals_integer_lookup_and_embedding():
 
 @pytest.mark.timeout(300)
 def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
+    """Also: a step whose rows are evicted after its lookup leaves them free and untouched."""
     r = run_scenario("dynamic_custom_loop", timeout=280, steps=24)
     assert r["global_step"] == 24 and r["losses_finite"]
     assert 1 <= r["stats"]["live_rows"] <= 6
     assert len(r["ids"]) == len(set(r["ids"])) == r["stats"]["live_rows"]
     assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
+    # Rows evicted between a step's lookup and its update: the update skips
+    # them (every row admitted in it is evicted).
+    assert r["midstep_evicted"] > 0 and r["midstep_live"] == 0
+    assert r["midstep_rows_max"] == 0.0
 
 
 @pytest.mark.timeout(300)
@@ -107,4 +112,8 @@ def test_keras3_eviction_resets_rows_and_adagrad_slots():
                      num_workers=2, optimizer="adagrad")
     assert 1 <= r["stats"]["live_rows"] <= 6 and len(set(r["ids"])) == len(r["ids"])
     assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
+    # Rows evicted between a step's lookup and its update: the update skips
+    # them (every row admitted in it is evicted).
+    assert r["midstep_evicted"] > 0 and r["midstep_live"] == 0
+    assert r["midstep_rows_max"] == 0.0
     assert r["free_slots"] == [0.0, 0.0]  # one accumulator per shard, reset to 0.1

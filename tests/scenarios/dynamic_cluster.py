@@ -200,7 +200,41 @@ def dynamic_custom_loop(num_workers=2, capacity=6, steps=24):
         ids = layer.export()[0].numpy().tolist()
         return {"stats": layer.stats(), "ids": ids,
                 "global_step": strategy.staleness_stats().global_step,
-                "losses_finite": bool(np.isfinite([v.fetch() for v in losses]).all())}
+                "losses_finite": bool(np.isfinite([v.fetch() for v in losses]).all()),
+                **_evicted_between_lookup_and_update(strategy, coordinator, x, y)}
+
+
+def _evicted_between_lookup_and_update(strategy, coordinator, x, y):
+    """One step whose rows are all evicted (a TTL pass) after its lookup and
+    before its SGD update: the update must leave the freed rows at their
+    initial values (zeros), as under sync_replicas, whose round's mean is
+    applied steps after its lookups."""
+    with strategy.scope():
+        layer = DynamicEmbedding(4, capacity=6, ttl_steps=1, initializer="zeros")
+        model = _model(layer)
+        opt = _optimizer("sgd")
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            # A pass at a far global step: every row is older than the TTL.
+            with tf.control_dependencies([layer.dynamic_table.maybe_evict(10**9)]):
+                grads = [tf.identity(g) if not isinstance(g, tf.IndexedSlices) else
+                         tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
+                         for g in grads]
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica, args=(xb, yb))
+
+    coordinator.schedule(step, args=(tf.constant(x[:8]), tf.constant(y[:8])))
+    coordinator.join()
+    return {"midstep_evicted": layer.stats()["evicted"],
+            "midstep_live": layer.stats()["live_rows"],
+            "midstep_rows_max": float(np.abs(np.concatenate(
+                [s.var.numpy() for s in layer.dynamic_table.shards])).max())}
 
 
 @scenario

@@ -85,6 +85,7 @@ class PolicyEngine:
         self._trainable = []  # trainable variables created under the scope
         self._warned = set()  # optimizers already warned about dense table updates
         self._after_update = []  # see add_after_update
+        self._gradient_filters = []  # see add_gradient_filter
 
     worker_index = staticmethod(worker_index)
 
@@ -131,6 +132,28 @@ class PolicyEngine:
         the variables, such as a dynamic table's eviction pass
         (tf_asyncps/layers/dynamic_table.py)."""
         self._after_update.append(fn)
+
+    def add_gradient_filter(self, fn) -> None:
+        """Registers ``fn(gradient, variable) -> gradient``, traced right
+        before the optimizer's own update, on the variable's ps, after the
+        policy's decision (an aggregator's: on the round's mean). A dynamic
+        table drops there the rows evicted since the gradient was computed
+        (tf_asyncps/layers/dynamic_table.py)."""
+        self._gradient_filters.append(fn)
+
+    def _filtered(self, apply_fn):
+        """``apply_fn`` with the gradient filters run on its gradients."""
+        if not self._gradient_filters:
+            return apply_fn
+
+        def apply_filtered(grads_and_vars):
+            pairs = []
+            for g, v in grads_and_vars:
+                for fn in self._gradient_filters:
+                    g = g if g is None else fn(g, v)
+                pairs.append((g, v))
+            return apply_fn(pairs)
+        return apply_filtered
 
     # -- the worker step ------------------------------------------------------
     def worker_step(self, fn, index=worker_index):
@@ -263,6 +286,7 @@ class PolicyEngine:
             mixed_precision.check_local_copies(self.policy, optimizer)
             return self.local.apply(step, grads_and_vars, apply_fn, marked)
         locking = self.policy.atomic or marked
+        apply_fn = self._filtered(apply_fn)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)

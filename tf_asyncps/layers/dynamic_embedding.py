@@ -34,7 +34,8 @@ def reset_initializer(initializer, name):
 
 def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
     """Registers ``table``'s eviction with the AsyncParameterServerStrategy in
-    scope (run after each update); returns that strategy, else None."""
+    scope (run after each update) and its filter of evicted rows' gradients
+    (run before each update); returns that strategy, else None."""
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     engine = getattr(getattr(strategy, "extended", None), "engine", None)
     if engine is None or not hasattr(engine, "add_after_update"):
@@ -46,6 +47,7 @@ def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
         return table.maybe_evict(step, lambda var: dt.optimizer_slots(optimizer, var))
 
     engine.add_after_update(after_update)
+    engine.add_gradient_filter(table.drop_free_rows)
     return strategy
 
 

@@ -469,6 +469,39 @@ class DynamicTable(tf.Module):
                 ops.append(tf.cond(period > shard.passes.read_value(), locked, tf.no_op))
         return tf.group(ops)
 
+    def drop_free_rows(self, grad, var):
+        """``grad`` of ``var`` without the rows that are free now.
+
+        A gradient computed before its row was evicted would otherwise land
+        on the freed row (or its next id): under ``sync_replicas`` the round's
+        mean is applied steps after its lookups; under the asynchronous
+        policies another worker's eviction pass can run between a step's
+        lookup and its update. Runs on the shard's ps right before the
+        optimizer's update (``PolicyEngine.add_gradient_filter``); an eviction
+        pass that runs between this read and the update itself is not
+        covered (the update is not in the shard's critical section).
+
+        Args:
+          grad: ``tf.IndexedSlices`` (rows of ``var``) or a dense tensor of
+            ``var``'s shape.
+          var: a variable; ``grad`` is returned as it is unless ``var`` is
+            one of this table's shards (or the unpartitioned table).
+
+        Returns:
+          ``grad`` with the free rows' slices dropped (dense: zeroed).
+        """
+        shard = next((s for s in self.shards if var is s.var), None)
+        if shard is None:
+            return grad
+        with tf.device(shard.device):
+            if isinstance(grad, tf.IndexedSlices):
+                live = tf.gather(shard.count, grad.indices) > 0
+                return tf.IndexedSlices(tf.boolean_mask(grad.values, live),
+                                        tf.boolean_mask(grad.indices, live),
+                                        grad.dense_shape)
+            live = tf.cast(shard.count > 0, grad.dtype)
+            return grad * tf.reshape(live, [-1] + [1] * (grad.shape.rank - 1))
+
     def owns(self, var) -> bool:
         """Whether ``var`` is this table or one of its shards."""
         return var is self.table or any(var is s.var for s in self.shards)
