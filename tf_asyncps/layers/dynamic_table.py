@@ -58,8 +58,10 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tensorflow_checkpoint
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
+from tf_asyncps.layers import dynamic_reshard as reshard_lib
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
 
@@ -112,9 +114,10 @@ def _bucket(ids, buckets: int, strong: bool = False):
 
 class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
-    ``offset + rows - 1`` of the table), all on that shard's ps. Its
-    variables and its index are checkpointed (through the layer); the lock
-    is not."""
+    ``offset + rows - 1`` of the table), all on that shard's ps. Its index
+    is checkpointed with it; its variables (Keras weights of the layer) are
+    checkpointed by the table as whole-table arrays (dynamic_reshard.py); the
+    lock and the restore marks are not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
                  name: str):
@@ -129,33 +132,37 @@ class _Shard(tf.Module):
         zeros = tf.zeros([self.rows], tf.int64)
         with placement.beside(var):
             empty_key = tf.fill([self.rows], "") if key_dtype == tf.string else zeros
-            self.key = tf.Variable(empty_key, trainable=False, name=f"{name}_key")
-            self.count = tf.Variable(zeros, trainable=False, name=f"{name}_count")
-            self.last = tf.Variable(zeros, trainable=False, name=f"{name}_last_step")
+
+            def variable(attr, value, suffix=None):
+                # Not a checkpoint dependency: saved by the table (by global
+                # row); still a Keras weight of the layer (.h5 files).
+                untracked(attr, tf.Variable(value, trainable=False,
+                                            name=f"{name}_{suffix or attr}"))
+
+            variable("key", empty_key)
+            variable("count", zeros)
+            variable("last", zeros, "last_step")
             # Sightings of ids without a row, by hashed slot (admission), and
             # the slots of ids refused a row since the last pass (eviction).
-            self.filter = tf.Variable(zeros, trainable=False, name=f"{name}_filter")
-            self.waiting = tf.Variable(tf.zeros([self.rows], tf.bool), trainable=False,
-                                       name=f"{name}_waiting")
+            variable("filter", zeros)
+            variable("waiting", tf.zeros([self.rows], tf.bool))
             # Free local rows as a stack (its first `free_rows` entries; the
             # lowest row on top): admission pops, eviction pushes.
-            self.free = tf.Variable(tf.range(self.rows - 1, -1, -1, dtype=tf.int64),
-                                    trainable=False, name=f"{name}_free")
-            self.free_rows = tf.Variable(tf.constant(self.rows, tf.int64), trainable=False,
-                                         name=f"{name}_free_rows")
+            variable("free", tf.range(self.rows - 1, -1, -1, dtype=tf.int64))
+            variable("free_rows", tf.constant(self.rows, tf.int64))
             # Rows holding an id. A restore that brings the rows back but not
             # the index (tf_keras .h5 files hold weights only) leaves the index
             # smaller than this: the next lookup rebuilds it from the keys.
-            self.live = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                    name=f"{name}_live")
             scalar = tf.constant(0, tf.int64)
-            self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
-            self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
-            self.evicted = tf.Variable(scalar, trainable=False, name=f"{name}_evicted")
-            # How many shards wrote a checkpoint: restoring onto another
-            # number of ps shards is refused at the first lookup.
-            self.shards_saved = tf.Variable(tf.constant(num_shards, tf.int64), trainable=False,
-                                            name=f"{name}_num_shards")
+            for attr in ("live", "refused", "passes", "evicted"):
+                variable(attr, scalar)
+            # Restore marks (not weights): the shard count of a checkpoint
+            # restored onto other shards (0: none; dynamic_reshard.rehome
+            # runs first), and slots still to move (dynamic_reshard.move_slots).
+            untracked("marks", types.SimpleNamespace(
+                pending=tf.Variable(scalar, trainable=False, name=f"{name}_pending"),
+                slots_pending=tf.Variable(False, trainable=False,
+                                          name=f"{name}_slots_pending")))
         with tf.init_scope(), tf.device(var.device):
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
@@ -173,14 +180,7 @@ class _Shard(tf.Module):
         return self.refs.var
 
     # -- inside the critical section, on the ps -------------------------------
-    def _same_shards(self):
-        return tf.debugging.assert_equal(
-            self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
-                "DynamicEmbedding: this table was restored from a checkpoint written with "
-                f"another number of table shards (now {self.num_shards}): restore it with "
-                "the variable_partitioner and number of ps tasks it was saved with."))
-
-    def _index_complete(self):
+    def index_complete(self):
         """Rebuilds the index from the rows' keys if it holds fewer ids than
         there are live rows (see ``live``)."""
         def rebuild():
@@ -188,10 +188,11 @@ class _Shard(tf.Module):
             return self.index.insert(tf.gather(self.key, live), live + self.offset)
         return tf.cond(self.index.size() < self.live.read_value(), rebuild, tf.no_op)
 
-    def find(self, ids, step, admit: bool):
+    def find(self, ids, step, admit: bool, serving: bool = False):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
-        in training (``admit``) admits ids and counts sightings."""
-        with tf.control_dependencies([self._same_shards(), self._index_complete()]):
+        in training (``admit``) admits ids and counts sightings. ``serving``
+        (a SavedModel export): the index only."""
+        with tf.control_dependencies([] if serving else [self.index_complete()]):
             rows = self.index.lookup(ids)
         rows.set_shape(ids.shape)
         if not admit:
@@ -318,11 +319,43 @@ class DynamicTable(tf.Module):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
                                       f"{name}_{i}"))
             offset += int(var.shape[0])
+        # Not model state: what a restore onto other shards moved.
+        tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
+            parts[0], name))
+        # Last: a restore deferred until now finds every shard's variables.
+        self.state = tensorflow_checkpoint.checkpointed_tensors(
+            lambda: reshard_lib.save_state(self),
+            lambda restored: reshard_lib.restore_state(self, restored))
 
     @property
     def table(self):
         """The table variable (``tf.Variable`` or ``ShardedVariable``)."""
         return self.refs.table
+
+    # -- a restore onto other shards (dynamic_reshard.py) -------------------------
+    def restored_ready(self, shard) -> tf.Operation:
+        """Op on ``shard``'s ps: the table re-homed first if a restore onto
+        other shards is pending (else one scalar check)."""
+        return reshard_lib.ready(self, shard, lambda ids: _bucket(ids, len(self.shards)))
+
+    def before_update(self, optimizer, variables):
+        """The engine's before-update hook: the optimizer's slots of the rows
+        that a restore onto other shards moved, moved once (else one scalar
+        check per shard). None if ``variables`` hold no shard of this table."""
+        mine = [s for s in self.shards if any(v is s.var for v in variables)]
+        if not mine:
+            return None
+        per_shard = [optimizer_slots(optimizer, s.var) for s in self.shards]
+        slot_sets = [([slots[j][0] for slots in per_shard], per_shard[0][j][1])
+                     for j in range(min(len(slots) for slots in per_shard))]
+        return reshard_lib.slots_ready(self, mine, slot_sets)
+
+    def reshard_stats(self) -> dict:
+        """The last restore onto other shards in this process (eager; ints):
+        ``{"from_shards", "moved", "dropped"}`` (ids whose row moved to their
+        home shard; ids evicted because that shard was full), zeros if none."""
+        return dict(zip(("from_shards", "moved", "dropped"),
+                        self.reshard.counts.numpy().tolist()))
 
     # -- lookups ----------------------------------------------------------------
     def check_ids(self, ids):
@@ -364,19 +397,25 @@ class DynamicTable(tf.Module):
         return (tf.dynamic_partition(ids, owner, n),
                 tf.dynamic_partition(tf.range(tf.size(ids)), owner, n))
 
-    def rows_of(self, ids) -> Tuple[tf.Tensor, tf.Tensor]:
+    def rows_of(self, ids, serving: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
         """Global rows of the distinct ``ids``, without admitting or counting
         (inference; no device named: the index's ops run beside it, and a
         SavedModel serves with no cluster).
 
         Args:
           ids: 1-D distinct ids of the key dtype.
+          serving: a SavedModel export traces this: only the index is read
+            (dynamic_reshard.prepare_export made it whole).
 
         Returns:
           (rows, found): int64 [n] global rows (-1: none), bool [n].
         """
         parts, where = self._parts(ids)
-        found = [shard.find(part, None, admit=False) for shard, part in zip(self.shards, parts)]
+        found = []
+        for shard, part in zip(self.shards, parts):
+            ready = [] if serving else [self.restored_ready(shard)]
+            with tf.control_dependencies(ready):
+                found.append(shard.find(part, None, admit=False, serving=serving))
         rows = self._stitch(found, where)
         return rows, rows >= 0
 
@@ -391,9 +430,11 @@ class DynamicTable(tf.Module):
         return tf.scatter_nd(tf.where(found), values,
                              tf.stack([tf.cast(n, tf.int64), self.output_dim]))
 
-    def lookup(self, ids, step=None, training: bool = False) -> tf.Tensor:
+    def lookup(self, ids, step=None, training: bool = False,
+               serving: bool = False) -> tf.Tensor:
         """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
         (zeros) for ids without a row. The gradient reaches admitted rows only.
+        ``serving``: a SavedModel export traces it (see :meth:`rows_of`).
 
         In training each shard's ps finds the rows (admitting and counting in
         its critical section) and gathers them itself: an id crosses to its
@@ -405,7 +446,7 @@ class DynamicTable(tf.Module):
             # By global row on the whole table: a SavedModel restores a
             # partitioned table as one variable, which a shard's own gather
             # would not index right.
-            rows, found = self.rows_of(unique)
+            rows, found = self.rows_of(unique, serving=serving)
             values = tf.nn.embedding_lookup(self.table, tf.boolean_mask(rows, found))
             out = self._rows_at(found, values, tf.size(unique))
         else:
@@ -413,7 +454,8 @@ class DynamicTable(tf.Module):
             parts, where = self._parts(unique)
             outs = []
             for shard, part in zip(self.shards, parts):
-                with tf.device(shard.device):
+                with tf.device(shard.device), tf.control_dependencies(
+                        [self.restored_ready(shard)]):
                     rows = shard.lock.execute(
                         lambda s=shard, p=part: s.find(p, step, admit=True),
                         exclusive_resource_access=False)
@@ -452,7 +494,8 @@ class DynamicTable(tf.Module):
             # pass then sends nothing between devices (measured: computing
             # `period` on the worker cost ~6 KB per step on the embedding
             # workload).
-            with tf.device(shard.device):
+            with tf.device(shard.device), tf.control_dependencies(
+                    [self.restored_ready(shard)]):
                 g = tf.identity(step)
                 period = g // self.evict_every
 
