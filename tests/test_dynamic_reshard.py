@@ -152,3 +152,26 @@ def test_slots_move_with_their_rows(tmp_path):
     np.testing.assert_array_equal(full[rows_b.numpy()], want)
     freed = tf.io.parse_tensor(b.dt.reshard.plan[2], tf.int64).numpy()
     assert (full[freed] == 0.5).all() and b.dt.reshard_stats()["moved"] > 0
+
+
+def test_tf_keras_saved_model_reload_rebuilds_the_metadata_from_the_map(tmp_path):
+    """A SavedModel holds the map, not the rows' metadata (saved by the
+    table as its own tensors): a model loaded from one rebuilds keys, counts
+    and free rows from the map at its first lookup, and goes on training
+    without giving a row to two ids."""
+    import tf_keras
+
+    from tf_asyncps.layers import DynamicEmbedding
+    i = tf_keras.Input([3], dtype=tf.int64)
+    m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(
+        DynamicEmbedding(4, capacity=10)(i))))
+    m.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    m.fit(np.array([[5, 6, 7]], np.int64), np.ones((1, 1), np.float32), verbose=0)
+    m.save(str(tmp_path / "sm"))
+    loaded = tf_keras.models.load_model(str(tmp_path / "sm"))
+    x = np.array([[5, 6, 7], [5, 9, 9]], np.int64)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), m.predict(x, verbose=0))
+    table = loaded.layers[1].dynamic_table
+    assert sorted(table.export()[0].numpy().tolist()) == [5, 6, 7]
+    table.lookup(tf.constant([8, 5], tf.int64), step=tf.constant(1, tf.int64), training=True)
+    assert sorted(_invariants(type("M", (), {"dt": table})())) == [5, 6, 7, 8]

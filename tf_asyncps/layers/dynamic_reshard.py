@@ -35,6 +35,7 @@ import types
 
 import tensorflow as tf
 
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import placement
 
 __all__ = ["plan_rows", "save_state", "restore_state", "ready", "slots_ready", "rehome",
@@ -51,8 +52,14 @@ def save_state(table) -> dict:
     Returns:
       ``{"key", "count", "last", "filter", "waiting", "free"}``: ``[capacity]``
       tensors by global row (``free``: each shard's stack of local rows);
-      ``"shards"``: int64 ``[num_shards, len(COUNTERS)]``.
+      ``"shards"``: int64 ``[num_shards, len(COUNTERS)]``. Nothing in a
+      SavedModel export (its graph cannot read these variables, which are
+      not its objects): the served function reads the index only, and a
+      model loaded from it rebuilds the metadata from the index
+      (:func:`metadata_from_index`).
     """
+    if tf_compat.in_save_context():
+        return {}
     out = {name: tf.concat([getattr(s, name).read_value() for s in table.shards], 0)
            for name in _ROWS}
     out["shards"] = tf.stack([tf.stack([tf.constant(s.rows, tf.int64)] +
@@ -69,6 +76,8 @@ def restore_state(table, restored) -> tf.Operation:
       tf.errors.InvalidArgumentError: the checkpoint's table has another
         capacity.
     """
+    if "shards" not in restored:  # a SavedModel's (save_state's {})
+        return None
     shards = table.shards
     saved = restored["shards"]
     sizes = tf.constant([s.rows for s in shards], tf.int64)
@@ -110,6 +119,26 @@ def restore_state(table, restored) -> tf.Operation:
                     s.marks.pending.assign(tf.where(same, zero, tf.cast(tf.shape(saved)[0], tf.int64))),
                     s.marks.slots_pending.assign(tf.constant(False))]
     return tf.group(ops)
+
+
+def metadata_from_index(shard) -> tf.Operation:
+    """A shard's keys, counts (1), last steps (0), free stack and live count
+    rebuilt from its index: a restore brought the map back without them (a
+    SavedModel, a checkpoint written before they were saved by the table)."""
+    ids, rows = shard.index.export()
+    local = rows - shard.offset
+    size = [shard.rows]
+    empty = tf.constant("" if ids.dtype == tf.string else 0, ids.dtype)
+    count = tf.tensor_scatter_nd_update(tf.zeros(size, tf.int64), local[:, None],
+                                        tf.ones_like(local))
+    free = tf.where(count == 0)[:, 0]
+    k = tf.size(free, out_type=tf.int64)
+    return tf.group(
+        shard.key.assign(tf.tensor_scatter_nd_update(tf.fill(size, empty), local[:, None], ids)),
+        shard.count.assign(count), shard.last.assign(tf.zeros(size, tf.int64)),
+        shard.free.assign(tf.concat([tf.reverse(free, [0]), tf.zeros([shard.rows - k],
+                                                                     tf.int64)], 0)),
+        shard.free_rows.assign(k), shard.live.assign(tf.size(local, out_type=tf.int64)))
 
 
 def _sort_keep(rows, score, stay):

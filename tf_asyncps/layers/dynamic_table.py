@@ -182,11 +182,14 @@ class _Shard(tf.Module):
     # -- inside the critical section, on the ps -------------------------------
     def index_complete(self):
         """Rebuilds the index from the rows' keys if it holds fewer ids than
-        there are live rows (see ``live``)."""
+        there are live rows (see ``live``), the rows' metadata from the index
+        if it holds more (a SavedModel holds the index only)."""
         def rebuild():
             live = tf.where(self.count > 0)[:, 0]
             return self.index.insert(tf.gather(self.key, live), live + self.offset)
-        return tf.cond(self.index.size() < self.live.read_value(), rebuild, tf.no_op)
+        size, live = self.index.size(), self.live.read_value()
+        return tf.cond(size < live, rebuild, lambda: tf.cond(
+            size > live, lambda: reshard_lib.metadata_from_index(self), tf.no_op))
 
     def find(self, ids, step, admit: bool, serving: bool = False):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
