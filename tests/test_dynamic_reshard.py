@@ -145,7 +145,7 @@ def test_slots_move_with_their_rows(tmp_path):
         slots_b, name="s")).read(path)
     b.dt.lookup(IDS[:1])  # re-homes the rows; the slots wait
     assert [bool(s.marks.slots_pending.numpy()) for s in b.dt.shards] == [True] * 3
-    dynamic_reshard.slots_ready(b.dt, b.dt.shards, [(slots_b, 0.5)])
+    dynamic_reshard.prepare_slots(b.dt, [(slots_b, 0.5)])
     assert [bool(s.marks.slots_pending.numpy()) for s in b.dt.shards] == [False] * 3
     rows_b, _ = b.dt.rows_of(tf.constant(IDS))
     full = tf.concat(slots_b, 0).numpy()
@@ -175,3 +175,20 @@ def test_tf_keras_saved_model_reload_rebuilds_the_metadata_from_the_map(tmp_path
     assert sorted(table.export()[0].numpy().tolist()) == [5, 6, 7]
     table.lookup(tf.constant([8, 5], tf.int64), step=tf.constant(1, tf.int64), training=True)
     assert sorted(_invariants(type("M", (), {"dt": table})())) == [5, 6, 7, 8]
+
+
+def test_a_restore_after_the_step_was_traced_fails_with_the_fix(tmp_path):
+    a = _trained([15, 15], IDS)
+    path = tf.train.Checkpoint(m=a).write(str(tmp_path / "ckpt"))
+    b = _table([10, 10, 10])
+    step = tf.function(lambda: b.dt.lookup(tf.constant(IDS), step=tf.constant(1, tf.int64),
+                                           training=True))
+    step()  # traced before the restore: it holds no re-homing
+    tf.train.Checkpoint(m=b).read(path)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"after this step function was traced: call "
+                             r"layer.dynamic_table.prepare\(\) after the restore"):
+        step()
+    b.dt.prepare()
+    step()
+    assert sorted(_invariants(b)) == sorted(IDS.tolist())

@@ -195,7 +195,8 @@ class _Shard(tf.Module):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
         in training (``admit``) admits ids and counts sightings. ``serving``
         (a SavedModel export): the index only."""
-        with tf.control_dependencies([] if serving else [self.index_complete()]):
+        with tf.control_dependencies(
+                [] if serving else [reshard_lib.check(self), self.index_complete()]):
             rows = self.index.lookup(ids)
         rows.set_shape(ids.shape)
         if not admit:
@@ -336,22 +337,22 @@ class DynamicTable(tf.Module):
         return self.refs.table
 
     # -- a restore onto other shards (dynamic_reshard.py) -------------------------
-    def restored_ready(self, shard) -> tf.Operation:
-        """Op on ``shard``'s ps: the table re-homed first if a restore onto
-        other shards is pending (else one scalar check)."""
-        return reshard_lib.ready(self, shard, lambda ids: _bucket(ids, len(self.shards)))
+    def prepare(self) -> None:
+        """Re-homes the table now (eagerly) if a restore onto another number
+        of shards is pending; every lookup and eviction pass calls it as it
+        is traced (or run eagerly)."""
+        reshard_lib.prepare(self, lambda ids: _bucket(ids, len(self.shards)))
 
     def before_update(self, optimizer, variables):
-        """The engine's before-update hook: the optimizer's slots of the rows
-        that a restore onto other shards moved, moved once (else one scalar
-        check per shard). None if ``variables`` hold no shard of this table."""
-        mine = [s for s in self.shards if any(v is s.var for v in variables)]
-        if not mine:
+        """The engine's before-update hook (traced with the update, when the
+        optimizer's slots exist): the slots of the rows that a restore onto
+        other shards moved, moved now, eagerly, once. Returns None."""
+        if not any(v is s.var for s in self.shards for v in variables):
             return None
         per_shard = [optimizer_slots(optimizer, s.var) for s in self.shards]
         slot_sets = [([slots[j][0] for slots in per_shard], per_shard[0][j][1])
                      for j in range(min(len(slots) for slots in per_shard))]
-        return reshard_lib.slots_ready(self, mine, slot_sets)
+        return reshard_lib.prepare_slots(self, slot_sets)
 
     def reshard_stats(self) -> dict:
         """The last restore onto other shards in this process (eager; ints):
@@ -414,11 +415,8 @@ class DynamicTable(tf.Module):
           (rows, found): int64 [n] global rows (-1: none), bool [n].
         """
         parts, where = self._parts(ids)
-        found = []
-        for shard, part in zip(self.shards, parts):
-            ready = [] if serving else [self.restored_ready(shard)]
-            with tf.control_dependencies(ready):
-                found.append(shard.find(part, None, admit=False, serving=serving))
+        found = [shard.find(part, None, admit=False, serving=serving)
+                 for shard, part in zip(self.shards, parts)]
         rows = self._stitch(found, where)
         return rows, rows >= 0
 
@@ -444,6 +442,8 @@ class DynamicTable(tf.Module):
         ps once, its row (and a found bit) comes back.
         """
         ids = self.check_ids(ids)
+        if not serving:  # (an export: dynamic_reshard.prepare_export did it)
+            self.prepare()
         unique, position = tf.unique(tf.reshape(ids, [-1]))
         if not training:
             # By global row on the whole table: a SavedModel restores a
@@ -457,8 +457,7 @@ class DynamicTable(tf.Module):
             parts, where = self._parts(unique)
             outs = []
             for shard, part in zip(self.shards, parts):
-                with tf.device(shard.device), tf.control_dependencies(
-                        [self.restored_ready(shard)]):
+                with tf.device(shard.device):
                     rows = shard.lock.execute(
                         lambda s=shard, p=part: s.find(p, step, admit=True),
                         exclusive_resource_access=False)
@@ -488,6 +487,7 @@ class DynamicTable(tf.Module):
           The op (one critical-section run per shard).
         """
         step = tf.cast(step, tf.int64)  # a Python int too
+        self.prepare()
         ops = []
         for shard in self.shards:
             resets = [(shard.var, self.initializer)]
@@ -497,8 +497,7 @@ class DynamicTable(tf.Module):
             # pass then sends nothing between devices (measured: computing
             # `period` on the worker cost ~6 KB per step on the embedding
             # workload).
-            with tf.device(shard.device), tf.control_dependencies(
-                    [self.restored_ready(shard)]):
+            with tf.device(shard.device):
                 g = tf.identity(step)
                 period = g // self.evict_every
 
