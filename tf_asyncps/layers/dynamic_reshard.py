@@ -57,7 +57,9 @@ def save_state(table) -> dict:
 
     Returns:
       ``{"key", "count", "last", "filter", "waiting", "free"}``: ``[capacity]``
-      tensors by global row (``free``: each shard's stack of local rows);
+      tensors by global row (``free``: each shard's stack of local rows;
+      ``filter``: the shards' filters one after the other, whatever their
+      length);
       ``"shards"``: int64 ``[num_shards, len(COUNTERS)]``. Nothing in a
       SavedModel export (its graph cannot read these variables, which are
       not its objects): the served function reads the index only, and a
@@ -100,8 +102,14 @@ def restore_state(table, restored) -> tf.Operation:
     with tf.control_dependencies([check]):
         totals = tf.reduce_sum(saved, 0)
         passes = tf.reduce_max(saved[:, COUNTERS.index("passes")])
+        at = 0  # the filters' own offsets (a filter need not be as long as its shard)
         for i, s in enumerate(shards):
             local = {name: restored[name][s.offset:s.offset + s.rows] for name in _ROWS}
+            length = int(s.filter.shape[0])
+            local["filter"] = tf.cond(  # on other shards its slots mean nothing
+                same, lambda a=at, n=length: restored["filter"][a:a + n],
+                lambda n=length: tf.zeros([n], tf.int64))
+            at += length
             mine = saved[tf.minimum(i, tf.shape(saved)[0] - 1)]
 
             def counter(name, moved, mine=mine):
@@ -111,7 +119,7 @@ def restore_state(table, restored) -> tf.Operation:
             zero = tf.constant(0, tf.int64)
             ops += [s.key.assign(local["key"]), s.count.assign(local["count"]),
                     s.last.assign(local["last"]),
-                    s.filter.assign(tf.where(same, local["filter"], 0)),
+                    s.filter.assign(local["filter"]),
                     s.waiting.assign(tf.logical_and(same, local["waiting"])),
                     s.free.assign(local["free"]),
                     s.free_rows.assign(counter("free_rows", s.free_rows.read_value())),
@@ -272,7 +280,7 @@ def rehome(table, home_of) -> tf.Operation:
             index = s.index.insert(tf.boolean_mask(keys, here), local + s.offset)
         ops += [s.key.assign(placed(keys, empty_key)), s.count.assign(new_count),
                 s.last.assign(placed(last, tf.constant(0, tf.int64))),
-                s.filter.assign(tf.zeros([s.rows], tf.int64)),
+                s.filter.assign(tf.zeros_like(s.filter)),
                 s.waiting.assign(tf.zeros([s.rows], tf.bool)),
                 # The stack: lowest free row on top, as a new shard's.
                 s.free.assign(tf.concat([tf.reverse(free_after, [0]),
