@@ -47,12 +47,33 @@ def test_every_policy_keeps_the_table_invariants():
 
 @pytest.mark.timeout(300)
 def test_checkpoint_restores_map_rows_and_predictions():
-    r = run_scenario("dynamic_checkpoint", timeout=280)
+    """Onto the same shards; then (same cluster, 3 ps) a table trained on 2
+    shards restored onto 3: see _assert_resharded."""
+    r = run_scenario("dynamic_checkpoint", timeout=280, reshard_capacity=30)
     # As many live rows as were saved (an eviction pass may have run last).
     assert r["ids_equal"] and r["live"] == r["live_saved"] and 1 <= r["live"] <= 8
     assert r["rows_max_diff"] == 0.0 and r["pred_max_diff"] == 0.0
     after = r["stats_after_more_training"]
     assert after["live_rows"] <= 8 and after["evicted"] > 0
+    _assert_resharded(r["reshard"]["2to3"], before=2, shards=3)
+
+
+def _assert_resharded(p, before, shards, ids=10):
+    """A checkpoint of ``ids`` ids written with the table on ``before``
+    shards, restored onto ``shards`` (capacity 30, 2 workers): the same ids,
+    rows, Adagrad accumulators and predictions; each id on its home shard,
+    once; training goes on. (3 -> 2, 2 -> 1 and a full home shard:
+    tests/test_dynamic_reshard.py, in one process.)"""
+    assert p["reshard"]["from_shards"] == before and p["reshard"]["dropped"] == 0
+    assert p["reshard"]["moved"] >= 1  # ids whose home shard changed
+    assert p["ids_equal"] and p["rows_max_diff"] == 0.0 and p["acc_max_diff"] == 0.0
+    assert p["pred_max_diff"] <= 1e-6 and p["emb_max_diff"] <= 1e-6
+    assert p["slots_pending"] == [False] * shards  # moved at the first update
+    for state in (p["after_restore"], p["after_training"]):
+        assert state["shards"] == shards and state["homes_ok"]
+        assert state["live"] == ids and sum(state["index"]) == ids  # each id once, <= 30
+        assert state["free_slots_max_diff"] == 0.0
+    assert p["after_training"]["rows_changed"] > 0  # the 2 steps trained
 
 
 @pytest.mark.timeout(300)

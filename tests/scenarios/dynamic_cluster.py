@@ -40,9 +40,13 @@ def _model(embedding):
     return tf_keras.Model(i, tf_keras.layers.Dense(1, kernel_initializer="ones")(flat))
 
 
-def _fit(strategy, model, x, y, epochs=2, steps=8):
+def _fit(strategy, model, x, y, epochs=2, steps=8, weight=None):
+    """``model.fit`` on (x, y) for ``epochs`` x ``steps``; ``weight``: every
+    sample's weight (0.0: a step of zero gradients)."""
+    data = (x, y) if weight is None else (x, y, np.full([len(x)], weight, "float32"))
+
     def dataset_fn(ctx):
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        return tf.data.Dataset.from_tensor_slices(data).batch(8).repeat()
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
               steps_per_epoch=steps, verbose=0)
 
@@ -125,13 +129,15 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
 
 
 @scenario
-def dynamic_checkpoint(num_workers=2):
+def dynamic_checkpoint(num_workers=2, reshard_capacity=None):
     """Train, save a tf.train.Checkpoint, restore into a new model (same
-    cluster shape): same live ids, rows and predictions; training goes on."""
+    cluster shape): same live ids, rows and predictions; training goes on.
+    With ``reshard_capacity``, also :func:`dynamic_reshard` on the same
+    cluster (3 ps; the tables above on 2 shards), as ``"reshard"``."""
     x, y = _data()
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    with cluster(num_workers=num_workers, num_ps=2) as c:
+    with cluster(num_workers=num_workers, num_ps=2 if reshard_capacity is None else 3) as c:
         strategy = _strategy(c)
         model = _adagrad_model(strategy, 8)
         _fit(strategy, model, x, y)
@@ -148,8 +154,12 @@ def dynamic_checkpoint(num_workers=2):
             "pred_max_diff": float(np.abs(model.predict(x, verbose=0)
                                           - again.predict(x, verbose=0)).max()),
             "live": again.layers[1].stats()["live_rows"], "live_saved": len(before[0])}
-        _fit(strategy, again, x, y, epochs=1)
+        # Training goes on with ids the table never saw: its passes evict the
+        # restored rows, which no lookup sees any more, for them.
+        _fit(strategy, again, x + 1000, y, epochs=2)
         result["stats_after_more_training"] = again.layers[1].stats()
+        if reshard_capacity is not None:
+            result["reshard"] = _reshard(c, reshard_capacity, path, back=False)
         return result
 
 
@@ -286,3 +296,90 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
                 "stats": layer.stats(), "ids": ids, "distinct": sorted(vocab.tolist()),
                 "shards": len(layer.dynamic_table.shards), "free_slots": free_slots,
                 "free_rows": free_rows}
+
+
+def _table_state(model):
+    """{id: (row values, Adagrad accumulator row)} of the live ids, and the
+    table's invariants: each id once, on its home shard; the accumulators of
+    free rows at their initial value."""
+    from tf_asyncps.layers import dynamic_table as dt
+    layer, opt = model.layers[1], model.optimizer
+    table = layer.dynamic_table
+    n = len(table.shards)
+    out, homes_ok, free_slots = {}, True, 0.0
+    for i, s in enumerate(table.shards):
+        count, keys = s.count.numpy(), s.key.numpy()
+        values = s.var.numpy()
+        slots = dt.optimizer_slots(opt, s.var)
+        acc = slots[0][0].numpy() if slots else np.zeros_like(values)
+        live = np.flatnonzero(count > 0)
+        if len(live):
+            homes_ok &= bool((dt._bucket(tf.constant(keys[live]), n).numpy() == i).all()) \
+                if n > 1 else True
+        for r in live:
+            assert int(keys[r]) not in out, f"id {keys[r]} on two rows"
+            out[int(keys[r])] = (values[r], acc[r])
+        free = np.flatnonzero(count == 0)
+        if slots:
+            free_slots = max(free_slots, float(np.abs(acc[free] - slots[0][1]).max(initial=0)))
+    return out, {"homes_ok": homes_ok, "free_slots_max_diff": free_slots,
+                 "live": layer.stats()["live_rows"], "shards": n,
+                 "index": [int(s.index.size()) for s in table.shards]}
+
+
+def _compare(before, after):
+    """Largest differences of the rows and accumulators of the same ids."""
+    same = sorted(before) == sorted(after)
+    rows = max(float(np.abs(before[k][0] - after[k][0]).max()) for k in before) if same else -1
+    acc = max(float(np.abs(before[k][1] - after[k][1]).max()) for k in before) if same else -1
+    return {"ids_equal": same, "rows_max_diff": rows, "acc_max_diff": acc}
+
+
+@scenario
+def dynamic_reshard(capacity=30, num_workers=2, back=False):
+    """:func:`_reshard` on a new cluster of 3 ps."""
+    import tempfile
+    with cluster(num_workers=num_workers, num_ps=3) as c:
+        return _reshard(c, capacity, os.path.join(tempfile.mkdtemp(), "reshard"), back)
+
+
+def _reshard(c, capacity, base, back):
+    """Train with the table on 2 shards, checkpoint, restore it onto 3
+    shards (a strategy with another variable_partitioner on cluster ``c``,
+    3 ps; with ``back``, then onto 2 again): the same ids, rows, Adagrad
+    accumulators and predictions; each id on its home shard; training goes
+    on. Returns one result per restore ("2to3", "3to2")."""
+    x, y = _data()
+    query, batch = tf.constant(RAW[:, None]), tf.constant(x)
+    out = {}
+    model = _adagrad_model(_strategy(c, 2), capacity)
+    _fit(None, model, x, y, epochs=1, weight=1.0)
+    for name, shards in (("2to3", 3), ("3to2", 2))[:2 if back else 1]:
+        before, _ = _table_state(model)
+        # Eager calls on the chief: no predict function to trace (seconds).
+        pred = model(batch, training=False).numpy()
+        emb = model.layers[1](query, training=False).numpy()
+        saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+            f"{base}_{name}")
+        strategy = _strategy(c, shards)
+        again = _adagrad_model(strategy, capacity)
+        with strategy.scope():  # as BackupAndRestore does: slots restored now
+            again.optimizer.build(again.trainable_variables)
+        tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
+        r = {"pred_max_diff": float(np.abs(again(batch, training=False).numpy() - pred).max()),
+             "emb_max_diff": float(np.abs(
+                 again.layers[1](query, training=False).numpy() - emb).max()),
+             "reshard": again.layers[1].dynamic_table.reshard_stats()}
+        # One step of zero gradients: the accumulators move (at the
+        # first update after the restore) and nothing else changes.
+        _fit(None, again, x, y, epochs=1, steps=1, weight=0.0)
+        after, r["after_restore"] = _table_state(again)
+        r.update(_compare(before, after))
+        r["slots_pending"] = [bool(s.marks.slots_pending.numpy())
+                              for s in again.layers[1].dynamic_table.shards]
+        _fit(None, again, x, y, epochs=1, steps=2, weight=1.0)
+        trained, r["after_training"] = _table_state(again)
+        r["after_training"]["rows_changed"] = _compare(after, trained)["rows_max_diff"]
+        out[name] = r
+        model = again
+    return out

@@ -14,6 +14,9 @@ with:
   per-worker variables, resource-variable ops, autograph, graphs; and what
   tf_asyncps adds to any TensorFlow/Keras object: method hooks and untracked
   attributes).
+* :mod:`tf_asyncps.compat.tensorflow_checkpoint`: TensorFlow 2.21.0's
+  ``Trackable`` save/restore protocol (a dynamic table's metadata saved as
+  whole-table tensors; apart from ``tensorflow`` for its 600-line limit).
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, the
   optimizers' ``apply_gradients`` hook).

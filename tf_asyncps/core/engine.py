@@ -86,6 +86,7 @@ class PolicyEngine:
         self._warned = set()  # optimizers already warned about dense table updates
         self._after_update = []  # see add_after_update
         self._gradient_filters = []  # see add_gradient_filter
+        self._before_update = []  # see add_before_update
 
     worker_index = staticmethod(worker_index)
 
@@ -141,18 +142,30 @@ class PolicyEngine:
         (tf_asyncps/layers/dynamic_table.py)."""
         self._gradient_filters.append(fn)
 
-    def _filtered(self, apply_fn):
-        """``apply_fn`` with the gradient filters run on its gradients."""
-        if not self._gradient_filters:
+    def add_before_update(self, fn) -> None:
+        """Registers ``fn(optimizer, variables) -> op or None``, traced right
+        before the optimizer's own update (with the gradient filters): the
+        update waits for its op. A dynamic table restored onto another number
+        of shards moves its rows' optimizer slots there, once, when the
+        optimizer's slots exist (tf_asyncps/layers/dynamic_reshard.py)."""
+        self._before_update.append(fn)
+
+    def _filtered(self, apply_fn, optimizer):
+        """``apply_fn`` with the before-update hooks and the gradient filters
+        run on its gradients."""
+        if not self._gradient_filters and not self._before_update:
             return apply_fn
 
         def apply_filtered(grads_and_vars):
-            pairs = []
-            for g, v in grads_and_vars:
-                for fn in self._gradient_filters:
-                    g = g if g is None else fn(g, v)
-                pairs.append((g, v))
-            return apply_fn(pairs)
+            variables = [v for g, v in grads_and_vars if g is not None]
+            before = [fn(optimizer, variables) for fn in self._before_update]
+            with tf.control_dependencies([op for op in before if op is not None]):
+                pairs = []
+                for g, v in grads_and_vars:
+                    for fn in self._gradient_filters:
+                        g = g if g is None else fn(g, v)
+                    pairs.append((g, v))
+                return apply_fn(pairs)
         return apply_filtered
 
     # -- the worker step ------------------------------------------------------
@@ -288,7 +301,7 @@ class PolicyEngine:
             mixed_precision.check_local_copies(self.policy, optimizer)
             return self.local.apply(step, grads_and_vars, apply_fn, marked)
         locking = self.policy.atomic or marked
-        apply_fn = self._filtered(apply_fn)
+        apply_fn = self._filtered(apply_fn, optimizer)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)

@@ -12,6 +12,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.layers import dynamic_reshard
 from tf_asyncps.layers import dynamic_table as dt
 
 __all__ = ["DynamicEmbedding", "attach_to_strategy", "keras3_layer"]
@@ -34,8 +35,9 @@ def reset_initializer(initializer, name):
 
 def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
     """Registers ``table``'s eviction with the AsyncParameterServerStrategy in
-    scope (run after each update) and its filter of evicted rows' gradients
-    (run before each update); returns that strategy, else None."""
+    scope (run after each update), its filter of evicted rows' gradients and
+    its move of slots after a restore onto other shards (run before each
+    update); returns that strategy, else None."""
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     engine = getattr(getattr(strategy, "extended", None), "engine", None)
     if engine is None or not hasattr(engine, "add_after_update"):
@@ -48,6 +50,7 @@ def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
 
     engine.add_after_update(after_update)
     engine.add_gradient_filter(table.drop_free_rows)
+    engine.add_before_update(table.before_update)
     return strategy
 
 
@@ -100,10 +103,13 @@ class _Mixin:
         # An export traces inference only (tf_keras also traces training=True
         # calls): the served function captures nothing of the cluster (no
         # global step, no lock), so it runs in a process with no cluster.
-        training = bool(training) and not tf_compat.in_save_context()
+        serving = tf_compat.in_save_context()
+        if serving:  # the served function then reads the index only
+            dynamic_reshard.prepare_export(self.dynamic_table)
+        training = bool(training) and not serving
         step = self._global_step
         step = tf.cast(step.read_value(), tf.int64) if training and step is not None else None
-        return self.dynamic_table.lookup(ids, step, training=training)
+        return self.dynamic_table.lookup(ids, step, training=training, serving=serving)
 
     def _dynamic_config(self) -> dict:
         return {"output_dim": self.output_dim, "capacity": self.capacity,

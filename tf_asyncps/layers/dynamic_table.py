@@ -54,17 +54,22 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 
 import functools
 import numbers
-import re
 import types
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tensorflow_checkpoint
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
+from tf_asyncps.layers import slots as slots_lib
+from tf_asyncps.layers import dynamic_reshard as reshard_lib
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
+
+# Re-exported: where the table and its callers have always found it.
+optimizer_slots = slots_lib.optimizer_slots
 
 EVICTIONS = ("lfu", "lru")
 #: Slots of a shard's counting filter at least (as many as its rows above
@@ -125,9 +130,10 @@ def _bucket(ids, buckets: int, key=None):
 
 class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
-    ``offset + rows - 1`` of the table), all on that shard's ps. Its
-    variables and its index are checkpointed (through the layer); the lock
-    is not."""
+    ``offset + rows - 1`` of the table), all on that shard's ps. Its index
+    is checkpointed with it; its variables (Keras weights of the layer) are
+    checkpointed by the table as whole-table arrays (dynamic_reshard.py); the
+    lock and the restore marks are not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
                  name: str):
@@ -143,34 +149,37 @@ class _Shard(tf.Module):
         zeros = tf.zeros([self.rows], tf.int64)
         with placement.beside(var):
             empty_key = tf.fill([self.rows], "") if key_dtype == tf.string else zeros
-            self.key = tf.Variable(empty_key, trainable=False, name=f"{name}_key")
-            self.count = tf.Variable(zeros, trainable=False, name=f"{name}_count")
-            self.last = tf.Variable(zeros, trainable=False, name=f"{name}_last_step")
+
+            def variable(attr, value, suffix=None):
+                # Not a checkpoint dependency: saved by the table (by global
+                # row); still a Keras weight of the layer (.h5 files).
+                untracked(attr, tf.Variable(value, trainable=False,
+                                            name=f"{name}_{suffix or attr}"))
+
+            variable("key", empty_key)
+            variable("count", zeros)
+            variable("last", zeros, "last_step")
             # Sightings of ids without a row, by hashed slot (admission), and
             # the slots of ids refused a row since the last pass (eviction).
-            slots = tf.zeros([self.filter_slots], tf.int64)
-            self.filter = tf.Variable(slots, trainable=False, name=f"{name}_filter")
-            self.waiting = tf.Variable(tf.zeros([self.filter_slots], tf.bool), trainable=False,
-                                       name=f"{name}_waiting")
+            variable("filter", tf.zeros([self.filter_slots], tf.int64))
+            variable("waiting", tf.zeros([self.filter_slots], tf.bool))
             # Free local rows as a stack (its first `free_rows` entries; the
             # lowest row on top): admission pops, eviction pushes.
-            self.free = tf.Variable(tf.range(self.rows - 1, -1, -1, dtype=tf.int64),
-                                    trainable=False, name=f"{name}_free")
-            self.free_rows = tf.Variable(tf.constant(self.rows, tf.int64), trainable=False,
-                                         name=f"{name}_free_rows")
+            variable("free", tf.range(self.rows - 1, -1, -1, dtype=tf.int64))
+            variable("free_rows", tf.constant(self.rows, tf.int64))
             # Rows holding an id. A restore that brings the rows back but not
             # the index (tf_keras .h5 files hold weights only) leaves the index
             # smaller than this: the next lookup rebuilds it from the keys.
-            self.live = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                    name=f"{name}_live")
             scalar = tf.constant(0, tf.int64)
-            self.refused = tf.Variable(scalar, trainable=False, name=f"{name}_refused")
-            self.passes = tf.Variable(scalar, trainable=False, name=f"{name}_passes")
-            self.evicted = tf.Variable(scalar, trainable=False, name=f"{name}_evicted")
-            # How many shards wrote a checkpoint: restoring onto another
-            # number of ps shards is refused at the first lookup.
-            self.shards_saved = tf.Variable(tf.constant(num_shards, tf.int64), trainable=False,
-                                            name=f"{name}_num_shards")
+            for attr in ("live", "refused", "passes", "evicted"):
+                variable(attr, scalar)
+            # Restore marks (not weights): the shard count of a checkpoint
+            # restored onto other shards (0: none; dynamic_reshard.rehome
+            # runs first), and slots still to move (dynamic_reshard.move_slots).
+            untracked("marks", types.SimpleNamespace(
+                pending=tf.Variable(scalar, trainable=False, name=f"{name}_pending"),
+                slots_pending=tf.Variable(False, trainable=False,
+                                          name=f"{name}_slots_pending")))
         with tf.init_scope(), tf.device(var.device):
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
@@ -188,25 +197,23 @@ class _Shard(tf.Module):
         return self.refs.var
 
     # -- inside the critical section, on the ps -------------------------------
-    def _same_shards(self):
-        return tf.debugging.assert_equal(
-            self.shards_saved, tf.constant(self.num_shards, tf.int64), message=(
-                "DynamicEmbedding: this table was restored from a checkpoint written with "
-                f"another number of table shards (now {self.num_shards}): restore it with "
-                "the variable_partitioner and number of ps tasks it was saved with."))
-
-    def _index_complete(self):
+    def index_complete(self):
         """Rebuilds the index from the rows' keys if it holds fewer ids than
-        there are live rows (see ``live``)."""
+        there are live rows (see ``live``), the rows' metadata from the index
+        if it holds more (a SavedModel holds the index only)."""
         def rebuild():
             live = tf.where(self.count > 0)[:, 0]
             return self.index.insert(tf.gather(self.key, live), live + self.offset)
-        return tf.cond(self.index.size() < self.live.read_value(), rebuild, tf.no_op)
+        size, live = self.index.size(), self.live.read_value()
+        return tf.cond(size < live, rebuild, lambda: tf.cond(
+            size > live, lambda: reshard_lib.metadata_from_index(self), tf.no_op))
 
-    def find(self, ids, step, admit: bool):
+    def find(self, ids, step, admit: bool, serving: bool = False):
         """Global rows of ``ids`` (distinct, 1-D), -1 where there is none;
-        in training (``admit``) admits ids and counts sightings."""
-        with tf.control_dependencies([self._same_shards(), self._index_complete()]):
+        in training (``admit``) admits ids and counts sightings. ``serving``
+        (a SavedModel export): the index only."""
+        with tf.control_dependencies(
+                [] if serving else [reshard_lib.check(self), self.index_complete()]):
             rows = self.index.lookup(ids)
         rows.set_shape(ids.shape)
         if not admit:
@@ -342,11 +349,43 @@ class DynamicTable(tf.Module):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
                                       f"{name}_{i}"))
             offset += int(var.shape[0])
+        # Not model state: what a restore onto other shards moved.
+        tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
+            parts[0], name))
+        # Last: a restore deferred until now finds every shard's variables.
+        self.state = tensorflow_checkpoint.checkpointed_tensors(
+            lambda: reshard_lib.save_state(self),
+            lambda restored: reshard_lib.restore_state(self, restored))
 
     @property
     def table(self):
         """The table variable (``tf.Variable`` or ``ShardedVariable``)."""
         return self.refs.table
+
+    # -- a restore onto other shards (dynamic_reshard.py) -------------------------
+    def prepare(self) -> None:
+        """Re-homes the table now (eagerly) if a restore onto another number
+        of shards is pending; every lookup and eviction pass calls it as it
+        is traced (or run eagerly)."""
+        reshard_lib.prepare(self, lambda ids: _bucket(ids, len(self.shards)))
+
+    def before_update(self, optimizer, variables):
+        """The engine's before-update hook (traced with the update, when the
+        optimizer's slots exist): the slots of the rows that a restore onto
+        other shards moved, moved now, eagerly, once. Returns None."""
+        if not any(v is s.var for s in self.shards for v in variables):
+            return None
+        per_shard = [optimizer_slots(optimizer, s.var) for s in self.shards]
+        slot_sets = [([slots[j][0] for slots in per_shard], per_shard[0][j][1])
+                     for j in range(min(len(slots) for slots in per_shard))]
+        return reshard_lib.prepare_slots(self, slot_sets)
+
+    def reshard_stats(self) -> dict:
+        """The last restore onto other shards in this process (eager; ints):
+        ``{"from_shards", "moved", "dropped"}`` (ids whose row moved to their
+        home shard; ids evicted because that shard was full), zeros if none."""
+        return dict(zip(("from_shards", "moved", "dropped"),
+                        self.reshard.counts.numpy().tolist()))
 
     # -- lookups ----------------------------------------------------------------
     def check_ids(self, ids):
@@ -388,19 +427,22 @@ class DynamicTable(tf.Module):
         return (tf.dynamic_partition(ids, owner, n),
                 tf.dynamic_partition(tf.range(tf.size(ids)), owner, n))
 
-    def rows_of(self, ids) -> Tuple[tf.Tensor, tf.Tensor]:
+    def rows_of(self, ids, serving: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
         """Global rows of the distinct ``ids``, without admitting or counting
         (inference; no device named: the index's ops run beside it, and a
         SavedModel serves with no cluster).
 
         Args:
           ids: 1-D distinct ids of the key dtype.
+          serving: a SavedModel export traces this: only the index is read
+            (dynamic_reshard.prepare_export made it whole).
 
         Returns:
           (rows, found): int64 [n] global rows (-1: none), bool [n].
         """
         parts, where = self._parts(ids)
-        found = [shard.find(part, None, admit=False) for shard, part in zip(self.shards, parts)]
+        found = [shard.find(part, None, admit=False, serving=serving)
+                 for shard, part in zip(self.shards, parts)]
         rows = self._stitch(found, where)
         return rows, rows >= 0
 
@@ -415,21 +457,25 @@ class DynamicTable(tf.Module):
         return tf.scatter_nd(tf.where(found), values,
                              tf.stack([tf.cast(n, tf.int64), self.output_dim]))
 
-    def lookup(self, ids, step=None, training: bool = False) -> tf.Tensor:
+    def lookup(self, ids, step=None, training: bool = False,
+               serving: bool = False) -> tf.Tensor:
         """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
         (zeros) for ids without a row. The gradient reaches admitted rows only.
+        ``serving``: a SavedModel export traces it (see :meth:`rows_of`).
 
         In training each shard's ps finds the rows (admitting and counting in
         its critical section) and gathers them itself: an id crosses to its
         ps once, its row (and a found bit) comes back.
         """
         ids = self.check_ids(ids)
+        if not serving:  # (an export: dynamic_reshard.prepare_export did it)
+            self.prepare()
         unique, position = tf.unique(tf.reshape(ids, [-1]))
         if not training:
             # By global row on the whole table: a SavedModel restores a
             # partitioned table as one variable, which a shard's own gather
             # would not index right.
-            rows, found = self.rows_of(unique)
+            rows, found = self.rows_of(unique, serving=serving)
             values = tf.nn.embedding_lookup(self.table, tf.boolean_mask(rows, found))
             out = self._rows_at(found, values, tf.size(unique))
         else:
@@ -467,6 +513,7 @@ class DynamicTable(tf.Module):
           The op (one critical-section run per shard).
         """
         step = tf.cast(step, tf.int64)  # a Python int too
+        self.prepare()
         ops = []
         for shard in self.shards:
             resets = [(shard.var, self.initializer)]
@@ -549,40 +596,3 @@ class DynamicTable(tf.Module):
             ids.append(tf.gather(shard.key, live))
             rows.append(tf.gather(shard.var, live))
         return tf.concat(ids, 0), tf.concat(rows, 0)
-
-
-#: Slot names of Keras 3's optimizers (``"{variable path}_{slot}"``).
-_KERAS3_SLOTS = ("accumulator", "momentum", "velocity", "velocity_hat", "average_gradient",
-                 "accumulated_grad", "accumulated_delta_var", "linear", "m", "u", "r", "c",
-                 "v")
-
-
-def optimizer_slots(optimizer, var) -> list:
-    """``[(slot, initial value)]``: the optimizer's variables beside ``var``
-    (same shape, same device, named after it as a whole: tf_keras names a
-    slot ``"{optimizer}/{slot}/{variable}"``, Keras 3 ``"{variable path}_{slot}"``;
-    a layer named ``power_user`` is not ``user``). An accumulator starts at the
-    optimizer's ``initial_accumulator_value`` (Adagrad), every other slot at 0."""
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
-    if inner is not None:
-        optimizer = inner
-    variables = optimizer.variables
-    variables = variables() if callable(variables) else variables
-    strip = functools.partial(re.sub, r"(/part_\d+)?(:\d+)?$", "")
-    base = strip(var.name)
-    # Keras 3 names a slot after the variable's path, or, for a shard under a
-    # variable_partitioner, after the shard's whole name ("..._part_0_0").
-    keras3 = {base.replace("/", "_"), re.sub(r"[/:]", "_", var.name)}
-    named = re.compile(r"(^|/)(" + re.escape(base) + "|(" + "|".join(map(re.escape, keras3)) +
-                       ")_(" + "|".join(_KERAS3_SLOTS) + "))$")
-    initial = float(getattr(optimizer, "initial_accumulator_value", 0.0) or 0.0)
-    out = []
-    for v in variables:
-        v = getattr(v, "value", v) if not hasattr(v, "device") else v
-        for part in tf_compat.shards(v) or [v]:
-            if part is var or getattr(part, "shape", None) != var.shape or \
-                    getattr(part, "device", None) != var.device:
-                continue
-            if named.search(strip(part.name)):
-                out.append((part, initial if "accumulator" in part.name else 0.0))
-    return out
