@@ -106,7 +106,7 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
                                                 initializer="zeros"))
                 opt = _optimizer(optimizer)
                 model.compile(opt, "mse")
-            _fit(strategy, model, x, y, epochs=2, steps=10)
+            _fit(strategy, model, x, y, epochs=1, steps=16)
             layer = model.layers[1]
             ids, rows = layer.export()
             table = layer.dynamic_table
