@@ -24,7 +24,7 @@ def test_one_worker_equals_integer_lookup_and_embedding(optimizer):
 
 @pytest.mark.timeout(600)
 def test_every_policy_keeps_the_table_invariants():
-    """10 ids for 6 rows, 2 workers, 2 ps, an eviction pass every 4 steps:
+    """10 ids for 6 rows, 2 workers, 2 ps, an eviction pass every 2 steps:
     never more live rows than capacity, no id on two rows, free rows and
     their Adagrad accumulators back at their initial values."""
     r = run_scenario("dynamic_policies", timeout=580, policies=POLICIES)
