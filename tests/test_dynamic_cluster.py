@@ -129,8 +129,8 @@ def test_saved_model_serves_raw_ids_in_a_process_with_no_cluster(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_keras3_eviction_resets_rows_and_adagrad_slots():
-    r = run_scenario("dynamic_keras3_exact", timeout=280, capacity=6,
-                     num_workers=2, optimizer="adagrad")
+    r = run_scenario("dynamic_keras3_exact", timeout=280, capacity=6, num_workers=2,
+                     optimizer="adagrad", evict_every=2, shifted=True)
     assert 1 <= r["stats"]["live_rows"] <= 6 and len(set(r["ids"])) == len(r["ids"])
     assert r["stats"]["evicted"] > 0 and r["stats"]["refused"] > 0
     assert r["free_slots"] == [0.0, 0.0]  # one accumulator per shard, reset to 0.1

@@ -34,6 +34,13 @@ def _data(seed=0, n=64):
     return rng.choice(RAW, size=(n, 3)), rng.normal(size=(n, 1)).astype("float32")
 
 
+def _shifted_data(seed=0):
+    """64 rows: 32 of 6 of the ids, then 32 of the other 4 and 2 of those."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.choice(RAW[:6], size=(32, 3)), rng.choice(RAW[4:], size=(32, 3))])
+    return x, rng.normal(size=(64, 1)).astype("float32")
+
+
 def _model(embedding):
     i = tf_keras.Input([3], dtype=tf.int64)
     flat = tf_keras.layers.Flatten()(embedding(i))
@@ -100,9 +107,7 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
     those, so the passes evict (3-10 rows a policy in 2 runs; uniform draws
     of all 10 ids with a pass every 4 steps evicted 1-4, as the counts
     ranked them)."""
-    rng = np.random.default_rng(0)
-    x = np.concatenate([rng.choice(RAW[:6], size=(32, 3)), rng.choice(RAW[4:], size=(32, 3))])
-    y = rng.normal(size=(64, 1)).astype("float32")
+    x, y = _shifted_data()
     out = {}
     with cluster(num_workers=num_workers, num_ps=2) as c:
         for policy in policies:
@@ -260,11 +265,14 @@ def _evicted_between_lookup_and_update(strategy, coordinator, x, y):
 
 
 @scenario
-def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
+def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
+                         evict_every=4, shifted=False):
     """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
-    predictions of Keras 3 IntegerLookup + Embedding trained the same way."""
+    predictions of Keras 3 IntegerLookup + Embedding trained the same way.
+    ``shifted``: the batches move from 6 of the ids to the other 4 and 2 of
+    those (as in :func:`dynamic_policies`), so that passes evict."""
     import keras
-    x, y = _data()
+    x, y = _shifted_data() if shifted else _data()
     vocab = np.unique(x)
 
     def head(e):
@@ -282,7 +290,8 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd"):
         ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         with strategy.scope():
             i = keras.Input((3,), dtype="int64")
-            layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=4,
+            layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity,
+                                                       evict_every=evict_every,
                                                        initializer="zeros")
             model = keras.Model(i, head(layer(i)))
             model.compile(make(), "mse")
