@@ -350,8 +350,8 @@ def prepare_export(table) -> None:
     tf_keras .h5 file), so that a SavedModel's served function reads the
     index only (no lock, none of the shards' other variables)."""
     with tf.init_scope():
+        table.prepare()
         for shard in table.shards:
-            table.prepare()
             with tf.device(shard.device):
                 shard.lock.execute(shard.index_complete, exclusive_resource_access=False)
 
