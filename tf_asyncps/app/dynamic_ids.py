@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_asyncps.callbacks.dynamic import dynamic_layers
+
 __all__ = ["capacities", "spec", "dynamic_layers", "table_stats", "evaluate"]
 
 
@@ -29,11 +31,6 @@ def spec(cfg, data) -> Optional[Dict[str, Any]]:
         return None
     return {"capacity": capacities(data.vocab, cfg.dynamic_capacity),
             "evict_every": cfg.dynamic_evict_every}
-
-
-def dynamic_layers(model) -> list:
-    from tf_asyncps.layers import DynamicEmbedding
-    return [layer for layer in model.layers if isinstance(layer, DynamicEmbedding)]
 
 
 def table_stats(model, data) -> Dict[str, Dict[str, Any]]:

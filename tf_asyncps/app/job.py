@@ -20,7 +20,7 @@ import tf_keras
 
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps.callbacks import recovery
-from tf_asyncps.callbacks.dynamic import DynamicEviction, dynamic_layers
+from tf_asyncps.callbacks.dynamic import DynamicEviction
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies
 from tf_asyncps.app import datasets, dynamic_ids
@@ -541,7 +541,7 @@ def run_reference(cfg: JobConfig, print_fn=None) -> Dict[str, Any]:
                **_binary_metrics(data, probs),
                "wall_time_s": time.perf_counter() - t_job}
     if cfg.dynamic_ids:
-        metrics["dynamic_tables"] = {layer.name: layer.stats() for layer in dynamic_layers(model)}
+        metrics["dynamic_tables"] = dynamic_ids.table_stats(model, data)
     say(f"reference: {_quality_line(metrics, test_acc, test_loss)}  "
         f"{metrics['steps_per_sec']:.1f} steps/s")
     if cfg.output_dir:

@@ -373,7 +373,7 @@ class DynamicTable(tf.Module):
         """The engine's before-update hook (traced with the update, when the
         optimizer's slots exist): the slots of the rows that a restore onto
         other shards moved, moved now, eagerly, once. Returns None."""
-        if not any(v is s.var for s in self.shards for v in variables):
+        if not any(self.owns(v) for v in variables):
             return None
         per_shard = [optimizer_slots(optimizer, s.var) for s in self.shards]
         slot_sets = [([slots[j][0] for slots in per_shard], per_shard[0][j][1])
