@@ -18,6 +18,17 @@ from tf_asyncps.core import lookup, placement
 IDS = np.array([[3, 1, 3], [7, 3, 1], [1, 1, 1], [0, 7, 3]], np.int64)  # 4 distinct of 12
 
 
+def _ancestors(tensor):
+    """The op types ``tensor`` is computed from."""
+    seen, todo = set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        if op.type not in seen:
+            seen.add(op.type)
+            todo.extend(t.op for t in op.inputs)
+    return seen
+
+
 def _table(seed=0, rows=9, dim=2):
     return tf.Variable(np.random.RandomState(seed).randn(rows, dim).astype("float32"))
 
@@ -57,11 +68,32 @@ def test_a_lookup_reads_each_distinct_id_once_with_the_same_rows_and_gradient():
     np.testing.assert_allclose(grad_d.numpy(), grad_p.numpy())
     assert grad_d.numpy()[1].tolist() == [5.0, 10.0]
 
-    def gathers(run):
+    def ops(run, kind):
         graph = run.get_concrete_function(IDS).graph
-        return [op for op in graph.get_operations() if op.type == "ResourceGather"]
-    assert [op.inputs[1].op.type for op in gathers(run_d)] == ["Unique"]
-    assert [op.inputs[1].op.type for op in gathers(run_p)] != ["Unique"]
+        return [op for op in graph.get_operations() if op.type == kind]
+    # The distinct int64 ids cross as int32 (a table under 2**31 rows).
+    [gather] = ops(run_d, "ResourceGather")
+    assert gather.inputs[1].dtype == tf.int32
+    assert gather.inputs[1].op.type == "Cast"
+    assert "Unique" in _ancestors(gather.inputs[1])
+    assert [op.inputs[1].op.type for op in ops(run_p, "ResourceGather")] != ["Cast"]
+    # The gradient of the expanding gather takes the shape of rows that are
+    # already on the worker, not of the ps's tensor (one transfer a step).
+    [expand] = ops(run_d, "GatherV2")
+    assert expand.inputs[0].op.type == "Identity"
+    assert expand.inputs[0].op.colocation_groups() != gather.colocation_groups()
+
+
+def test_ids_out_of_a_tables_range_are_still_refused():
+    table = _table()
+    lookup.read_distinct_rows(table)
+    run = tf.function(lambda ids: tf.nn.embedding_lookup(table, ids))
+    # 2**32 + 1 would wrap to row 1 as int32: it is clipped, so still refused.
+    for bad in (9, 2 ** 32 + 1, -1, -(2 ** 32) + 1):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+            run(tf.constant([1, bad], tf.int64))
+    np.testing.assert_array_equal(run(tf.constant([1, 8], tf.int64)).numpy(),
+                                  table.numpy()[[1, 8]])
 
 
 def test_eager_reads_and_vectors_are_left_as_they_are():
@@ -122,3 +154,45 @@ def test_gradient_ops_run_on_their_variables_ps_and_scalars_move():
     branch_ops = [n for f in graph.as_graph_def().library.function for n in f.node_def
                   if n.op in ("RealDiv", "Identity")]
     assert branch_ops and {n.device for n in branch_ops} == {"/job:ps/task:1"}
+
+
+PS = "/job:ps/replica:0/task:1/device:CPU:0"
+
+
+def _copies_on_ps(graph):
+    """The tensors copied onto PS (the Identity ops placed there): what crosses."""
+    return [op.inputs[0] for op in graph.get_operations()
+            if op.type == "Identity" and op.device == PS]
+
+
+@pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
+def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
+    values = np.arange(24, dtype=np.float32).reshape(4, 2, 3) / 8  # exact in bfloat16
+    indices = np.array([7, 0, 2 ** 31 - 2, 3], np.int64)
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 1, 2, 3]))
+    out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 1)
+    assert out.indices.dtype == tf.int64 and out.values.dtype == tf.float32
+    assert out.indices.numpy().tolist() == indices.tolist()
+    np.testing.assert_array_equal(out.values.numpy(), values)
+
+    @tf.function
+    def send(v, i):
+        return grads_lib.copy_to(tf.IndexedSlices(v, i, tf.constant([9, 2, 3])), PS,
+                                 wire_dtype=wire, rows=9)
+    graph = send.get_concrete_function(tf.TensorSpec([None, 2, 3]),
+                                       tf.TensorSpec([None], tf.int64)).graph
+    [crossing] = _copies_on_ps(graph)  # values and indices in one tensor
+    # 6 values a row, then the int32 index's bits: 1 float32 or 2 bfloat16.
+    assert crossing.dtype == (wire or tf.float32)
+    assert crossing.shape.as_list() == [None, 6 + (2 if wire else 1)]
+
+
+def test_a_sparse_gradient_of_an_unknown_or_huge_table_crosses_as_two_tensors():
+    @tf.function
+    def send(v, i):
+        g = tf.IndexedSlices(v, i, tf.constant([9, 2]))
+        return [grads_lib.copy_to(g, PS, rows=rows) for rows in (None, 2 ** 31)]
+    graph = send.get_concrete_function(tf.TensorSpec([None, 2]),
+                                       tf.TensorSpec([None], tf.int64)).graph
+    assert sorted(t.dtype.name for t in _copies_on_ps(graph)) == [
+        "float32", "float32", "int64", "int64"]

@@ -329,7 +329,8 @@ class PolicyEngine:
         # wire_dtype: float32 values cross as bfloat16, float32 again on the
         # ps (after the finite check above, which sees the worker's values).
         grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device,
-                                   wire_dtype=self.wire_dtype)
+                                   wire_dtype=self.wire_dtype,
+                                   rows=_static_rows(keras_compat.backing_variable(v)))
                  for g, v in zip(grads, variables)]
         w = grads_lib.copy_to(step.worker_index, device)
         finite = None if finite is None else grads_lib.copy_to(finite, device)
@@ -469,6 +470,12 @@ class PolicyEngine:
                            lambda: choose(j + 1, chosen))
 
         return choose(0, [])
+
+
+def _static_rows(var):
+    """A variable's static number of rows, or None (a scalar, an unknown shape)."""
+    shape = var.shape
+    return shape[0] if shape.rank and shape[0] is not None else None
 
 
 def _keep_groups(keep, n, finite):

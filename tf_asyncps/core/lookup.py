@@ -50,6 +50,7 @@ from tf_asyncps.compat import tensorflow as tf_compat
 __all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id"]
 
 _local = threading.local()
+_INT32_MAX = 2 ** 31 - 1
 
 
 @contextlib.contextmanager
@@ -81,7 +82,7 @@ def _over_wire(rows, ids_op, wire_dtype):
 
 
 def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
-                         wire_dtype=None):
+                         wire_dtype=None, num_rows=None):
     """``sparse_read(indices)`` with each distinct index read once.
 
     Args:
@@ -92,6 +93,8 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
         cast below applies).
       wire_dtype: None, or the dtype ("bfloat16") float32 rows cross in: cast
         on the ps, float32 again on the worker (inside functions only).
+      num_rows: the variable's number of rows, or None; under 2**31 the distinct
+        int64 ids cross as int32.
 
     Returns:
       The rows, shape ``indices.shape + var.shape[1:]``, dtype of the variable,
@@ -107,8 +110,16 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     # ids and their rows cross.
     with tf_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
+        if unique.dtype == tf.int64 and num_rows is not None and num_rows < _INT32_MAX:
+            # 4 bytes an id on the wire; out-of-range ids stay out of range
+            # (clipped to -1 or int32's max), so the ps's gather refuses them.
+            unique = tf.cast(tf.clip_by_value(unique, -1, _INT32_MAX), tf.int32)
     rows = _over_wire(sparse_read(unique, name=name), op, wire_dtype)
     with tf_compat.colocate_only_with(op):
+        # The rows on the worker first: the gather's gradient takes the shape
+        # of its params beside them, which would be one more transfer from
+        # the ps every step if they were the ps's tensor.
+        rows = tf.identity(rows)
         out = tf.gather(rows, position)
         shape = tf.concat([tf.shape(indices, out_type=tf.int32),
                            tf.shape(rows, out_type=tf.int32)[1:]], 0)
@@ -131,4 +142,5 @@ def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
     if var.shape.rank is None or var.shape.rank < 2:
         return False
     return tf_compat.replace_sparse_read(var, functools.partial(
-        distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype))
+        distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype,
+        num_rows=var.shape[0]))
