@@ -390,7 +390,10 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         each distinct id of a batch to its ps once and expand the rows on the
         worker; the gradient then carries one row per distinct id
         (core/lookup.py). Same values and updates; False: TensorFlow's gather
-        (every id, every row), as vanilla ParameterServerStrategy.
+        (every id, every row), as vanilla ParameterServerStrategy. Either
+        way, a sparse gradient of a table under 2**31 rows crosses to its ps
+        as one tensor with int32 indices (``core/grads.copy_to``); with
+        de-duplication the distinct ids cross as int32 too.
       wire_dtype: None or "float32" (default: float32 crosses as it is), or
         "bfloat16": the float32 gradients a worker pushes (dense tensors, the
         values of IndexedSlices) are cast to bfloat16 on the worker and back
