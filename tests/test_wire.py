@@ -168,9 +168,9 @@ def _copies_on_ps(graph):
 @pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
 def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
     values = np.arange(24, dtype=np.float32).reshape(4, 2, 3) / 8  # exact in bfloat16
-    indices = np.array([7, 0, 2 ** 31 - 2, 3], np.int64)
-    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 1, 2, 3]))
-    out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 1)
+    indices = np.array([7, 0, 2 ** 31 - 3, 3], np.int64)
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 2, 2, 3]))
+    out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 2)
     assert out.indices.dtype == tf.int64 and out.values.dtype == tf.float32
     assert out.indices.numpy().tolist() == indices.tolist()
     np.testing.assert_array_equal(out.values.numpy(), values)
