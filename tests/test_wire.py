@@ -168,9 +168,9 @@ def _copies_on_ps(graph):
 @pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
 def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
     values = np.arange(24, dtype=np.float32).reshape(4, 2, 3) / 8  # exact in bfloat16
-    indices = np.array([7, 0, 2 ** 31 - 2, 3], np.int64)
-    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 1, 2, 3]))
-    out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 1)
+    indices = np.array([7, 0, 2 ** 31 - 3, 3], np.int64)
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 2, 2, 3]))
+    out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 2)
     assert out.indices.dtype == tf.int64 and out.values.dtype == tf.float32
     assert out.indices.numpy().tolist() == indices.tolist()
     np.testing.assert_array_equal(out.values.numpy(), values)
@@ -185,6 +185,28 @@ def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
     # 6 values a row, then the int32 index's bits: 1 float32 or 2 bfloat16.
     assert crossing.dtype == (wire or tf.float32)
     assert crossing.shape.as_list() == [None, 6 + (2 if wire else 1)]
+
+
+@pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
+def test_a_vectors_sparse_gradient_crosses_as_one_tensor(wire):
+    """A per-id bias (a rank-1 variable read by tf.gather): gradient rows of
+    one value each; 9 entries, ids 7, 0, 7 (repeated rows stay as they are)."""
+    bias = tf.Variable(np.zeros(9, np.float32))
+
+    @tf.function
+    def send(ids, device):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(bias, ids) * [0.5, 2.0, 4.0])
+        g = tape.gradient(loss, bias)
+        out = grads_lib.copy_to(g, device, wire_dtype=wire, rows=9)
+        return g.indices, out.values, out.indices
+
+    ids = tf.constant([7, 0, 7], tf.int64)
+    sent_indices, values, indices = send(ids, "/cpu:0")
+    assert values.dtype == tf.float32 and values.numpy().tolist() == [0.5, 2.0, 4.0]
+    assert indices.dtype == sent_indices.dtype and indices.numpy().tolist() == [7, 0, 7]
+    [crossing] = _copies_on_ps(send.get_concrete_function(ids, PS).graph)
+    assert crossing.shape.as_list() == [3, 1 + (2 if wire else 1)]
 
 
 def test_a_sparse_gradient_of_an_unknown_or_huge_table_crosses_as_two_tensors():

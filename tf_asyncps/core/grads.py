@@ -92,7 +92,9 @@ def _unpack(packed, values, indices):
     dtypes (indices back to int64 where they were)."""
     k = values.shape[1:].num_elements()
     n = tf.shape(packed)[0]
-    vals = tf.reshape(packed[:, :k], tf.concat([[n], values.shape[1:].as_list()], 0))
+    # int32 dims: a vector's values have none ([] alone would be float32).
+    dims = tf.constant(values.shape[1:].as_list(), tf.int32)
+    vals = tf.reshape(packed[:, :k], tf.concat([[n], dims], 0))
     vals.set_shape(values.shape)
     idx = tf.reshape(tf.bitcast(packed[:, k:], tf.int32), [n])
     return vals, tf.cast(idx, indices.dtype)
