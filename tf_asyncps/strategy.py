@@ -393,7 +393,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         (every id, every row), as vanilla ParameterServerStrategy. Either
         way, a sparse gradient of a table under 2**31 rows crosses to its ps
         as one tensor with int32 indices (``core/grads.copy_to``); with
-        de-duplication the distinct ids cross as int32 too.
+        de-duplication the distinct ids cross as int32 too (a gradient taken
+        of such a read has int32 indices, and an out-of-range id is refused
+        with its value clipped to int32's range in the message).
       wire_dtype: None or "float32" (default: float32 crosses as it is), or
         "bfloat16": the float32 gradients a worker pushes (dense tensors, the
         values of IndexedSlices) are cast to bfloat16 on the worker and back
