@@ -3,13 +3,14 @@
 Every helper keeps a sparse gradient sparse (indices and dense_shape kept),
 so embedding gradients never densify on their way to the PS. Policies use
 :func:`map_values`, :func:`scale` and :func:`all_finite`; the engine uses
-:func:`cast`, :func:`copy_to` and :func:`sum_parts`.
+:func:`cast`, :func:`copy_to` and :func:`sum_parts`; row reads
+(core/lookup.py) use :func:`narrow_indices`, as :func:`copy_to` does.
 """
 
 import tensorflow as tf
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
-           "flat_tensors", "unique_rows"]
+           "flat_tensors", "unique_rows", "narrow_indices"]
 
 
 def map_values(fn, grad):
@@ -74,13 +75,21 @@ def _packable(values, indices, rows) -> bool:
             and values.shape[1:].is_fully_defined())
 
 
-def _pack(values, indices):
+def narrow_indices(indices, rows):
+    """int64 row indices of a table of ``rows`` rows (static; None: unknown)
+    as int32 when ``rows`` is under 2**31 (4 bytes an index on the wire);
+    other indices as they are. Out-of-range indices stay out of range
+    (clipped to -1 or int32's max), so the ps's op still refuses them."""
+    if indices.dtype != tf.int64 or rows is None or rows >= _INT32_MAX:
+        return indices
+    return tf.cast(tf.clip_by_value(indices, -1, _INT32_MAX), tf.int32)
+
+
+def _pack(values, indices, rows):
     """[n, k + c] of ``values``' dtype: each row's values, flattened, then
-    the bits of its int32 index (c = 4 bytes / the dtype's size). Out-of-range
-    indices stay out of range (clipped to -1 or int32's max), so the ps's op
-    still refuses them."""
-    if indices.dtype == tf.int64:
-        indices = tf.cast(tf.clip_by_value(indices, -1, _INT32_MAX), tf.int32)
+    the bits of its int32 index (c = 4 bytes / the dtype's size; see
+    :func:`narrow_indices`)."""
+    indices = narrow_indices(indices, rows)
     n = tf.shape(indices)[0]
     k = values.shape[1:].num_elements()
     bits = tf.reshape(tf.bitcast(indices, values.dtype), [n, 4 // values.dtype.size])
@@ -128,7 +137,7 @@ def copy_to(value, device, wire_dtype=None, rows=None):
     packed = (isinstance(value, tf.IndexedSlices)
               and _packable(values, value.indices, rows))
     if packed:
-        one = _pack(values, value.indices)
+        one = _pack(values, value.indices, rows)
     with tf.device(device):
         if packed:
             values, indices = _unpack(tf.identity(one), values, value.indices)

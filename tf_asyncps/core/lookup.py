@@ -46,11 +46,11 @@ import threading
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import grads as grads_lib
 
 __all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id"]
 
 _local = threading.local()
-_INT32_MAX = 2 ** 31 - 1
 
 
 @contextlib.contextmanager
@@ -110,10 +110,7 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     # ids and their rows cross.
     with tf_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
-        if unique.dtype == tf.int64 and num_rows is not None and num_rows < _INT32_MAX:
-            # 4 bytes an id on the wire; out-of-range ids stay out of range
-            # (clipped to -1 or int32's max), so the ps's gather refuses them.
-            unique = tf.cast(tf.clip_by_value(unique, -1, _INT32_MAX), tf.int32)
+        unique = grads_lib.narrow_indices(unique, num_rows)  # int32 on the wire
     rows = _over_wire(sparse_read(unique, name=name), op, wire_dtype)
     with tf_compat.colocate_only_with(op):
         # The rows on the worker first: the gather's gradient takes the shape
