@@ -170,7 +170,7 @@ def dynamic_checkpoint(num_workers=2, reshard_capacity=None):
         _fit(strategy, again, x + 1000, y, epochs=2)
         result["stats_after_more_training"] = again.layers[1].stats()
         if reshard_capacity is not None:
-            result["reshard"] = _reshard(c, reshard_capacity, path, back=False)
+            result["reshard"] = _reshard(c, reshard_capacity, path, back=False, unbuilt=True)
         return result
 
 
@@ -358,12 +358,14 @@ def dynamic_reshard(capacity=30, num_workers=2, back=False):
         return _reshard(c, capacity, os.path.join(tempfile.mkdtemp(), "reshard"), back)
 
 
-def _reshard(c, capacity, base, back):
+def _reshard(c, capacity, base, back, unbuilt=False):
     """Train with the table on 2 shards, checkpoint, restore it onto 3
     shards (a strategy with another variable_partitioner on cluster ``c``,
     3 ps; with ``back``, then onto 2 again): the same ids, rows, Adagrad
     accumulators and predictions; each id on its home shard; training goes
-    on. Returns one result per restore ("2to3", "3to2")."""
+    on. Returns one result per restore ("2to3", "3to2"); with ``unbuilt``,
+    also "2to3_unbuilt": the same checkpoint restored into an optimizer
+    that has no slots yet (the first step builds them)."""
     x, y = _data()
     query, batch = tf.constant(RAW[:, None]), tf.constant(x)
     out = {}
@@ -376,25 +378,38 @@ def _reshard(c, capacity, base, back):
         emb = model.layers[1](query, training=False).numpy()
         saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             f"{base}_{name}")
-        strategy = _strategy(c, shards)
-        again = _adagrad_model(strategy, capacity)
-        with strategy.scope():  # as BackupAndRestore does: slots restored now
-            again.optimizer.build(again.trainable_variables)
-        tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
-        r = {"pred_max_diff": float(np.abs(again(batch, training=False).numpy() - pred).max()),
-             "emb_max_diff": float(np.abs(
-                 again.layers[1](query, training=False).numpy() - emb).max()),
-             "reshard": again.layers[1].dynamic_table.reshard_stats()}
-        # One step of zero gradients: the accumulators move (at the
-        # first update after the restore) and nothing else changes.
-        _fit(None, again, x, y, epochs=1, steps=1, weight=0.0)
-        after, r["after_restore"] = _table_state(again)
-        r.update(_compare(before, after))
-        r["slots_pending"] = [bool(s.marks.slots_pending.numpy())
-                              for s in again.layers[1].dynamic_table.shards]
-        _fit(None, again, x, y, epochs=1, steps=2, weight=1.0)
-        trained, r["after_training"] = _table_state(again)
-        r["after_training"]["rows_changed"] = _compare(after, trained)["rows_max_diff"]
-        out[name] = r
-        model = again
+        if unbuilt and name == "2to3":
+            out["2to3_unbuilt"], _ = _restored(c, shards, capacity, saved, before, pred, emb,
+                                               build=False)
+        out[name], model = _restored(c, shards, capacity, saved, before, pred, emb)
     return out
+
+
+def _restored(c, shards, capacity, saved, before, pred, emb, build=True):
+    """(result, model): checkpoint ``saved`` restored onto ``shards`` shards
+    (``build``: into an optimizer built first, as BackupAndRestore does),
+    compared with the saved model's table state, predictions and embeddings;
+    then trained for 2 steps."""
+    x, y = _data()
+    query, batch = tf.constant(RAW[:, None]), tf.constant(x)
+    strategy = _strategy(c, shards)
+    again = _adagrad_model(strategy, capacity)
+    if build:
+        with strategy.scope():  # slots restored now
+            again.optimizer.build(again.trainable_variables)
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(saved)
+    r = {"pred_max_diff": float(np.abs(again(batch, training=False).numpy() - pred).max()),
+         "emb_max_diff": float(np.abs(
+             again.layers[1](query, training=False).numpy() - emb).max()),
+         "reshard": again.layers[1].dynamic_table.reshard_stats()}
+    # One step of zero gradients: the accumulators move (at the
+    # first update after the restore) and nothing else changes.
+    _fit(None, again, x, y, epochs=1, steps=1, weight=0.0)
+    after, r["after_restore"] = _table_state(again)
+    r.update(_compare(before, after))
+    r["slots_pending"] = [bool(s.marks.slots_pending.numpy())
+                          for s in again.layers[1].dynamic_table.shards]
+    _fit(None, again, x, y, epochs=1, steps=2, weight=1.0)
+    trained, r["after_training"] = _table_state(again)
+    r["after_training"]["rows_changed"] = _compare(after, trained)["rows_max_diff"]
+    return r, again

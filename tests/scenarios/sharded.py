@@ -152,11 +152,13 @@ def sharded_embedding(runs, num_workers=1, num_ps=2):
 
 
 @scenario(shares_cluster=True)
-def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
+def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6, build_first=True):
     """Embedding model with Adam, FixedShardsPartitioner(num_ps).
 
     Without ``restore_from``: trains ``steps`` steps. With it: restores that
-    tf.train.Checkpoint (written with another number of ps tasks). Then writes
+    tf.train.Checkpoint (written with another number of ps tasks), into an
+    optimizer built first or (``build_first=False``) one whose slots the
+    next step creates. Then writes
     a checkpoint to ``save_to``, and takes one more step on the next batch: a
     restore that lost Adam's slots or step count would make that step differ.
     """
@@ -171,7 +173,8 @@ def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6):
             model = _embedding_model(emb0, k0)
             opt = tf_keras.optimizers.Adam(0.05)
             model.compile(opt, "mse")
-            opt.build(model.trainable_variables)  # slots exist before a restore
+            if build_first:
+                opt.build(model.trainable_variables)  # slots exist before a restore
         ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
         if restore_from:
             ckpt.read(restore_from).assert_existing_objects_matched()

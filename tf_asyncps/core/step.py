@@ -125,6 +125,8 @@ def _hook(original, adapt_args):
         if step is None:
             return original(self, *args, **kwargs)
         grads_and_vars, rebuild = adapt_args(self, args, kwargs)
+        # Before the engine's before-update hooks, which need the slots.
+        tf_keras_compat.build_for_pending_restore(self, [v for _, v in grads_and_vars])
 
         def run_original(gv):
             new_args, new_kwargs = rebuild(gv)
