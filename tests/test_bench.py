@@ -232,12 +232,14 @@ def test_runs_share_a_cluster_per_shape_until_a_task_dies(monkeypatch):
 def test_hosts_runs_and_their_targets():
     runs = bench.hosts_configs(num_workers=2, sync_every=16, local_sgd_steps=1920)
     assert [r["name"] for r in runs] == ["vanilla@1m", "async@1m", "sync_replicas@1m",
-                                         "local_sgd@1m", "vanilla@emb", "async@emb",
-                                         "async+dedup@emb", "async+bf16@emb"]
-    assert [r.get("steps") for r in runs] == [None, None, None, 1920, None, None, None, None]
-    assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs[:4])
-    assert all(r["model"] == "emb" and r["num_ps"] == 2 for r in runs[4:])
-    assert [r.get("dedup") for r in runs[4:]] == [None, False, True, True]
+                                         "local_sgd@1m", "async+bf16@1m", "vanilla@emb",
+                                         "async@emb", "async+dedup@emb", "async+bf16@emb"]
+    assert [r.get("steps") for r in runs] == [None, None, None, 1920] + [None] * 5
+    assert all(r["model"] == "mlp_1m" and r["num_workers"] == 2 for r in runs[:5])
+    assert [r.get("wire_dtype") for r in runs[:5]] == [None] * 4 + ["bfloat16"]
+    assert runs[4] == dict(runs[1], name="async+bf16@1m", wire_dtype="bfloat16")
+    assert all(r["model"] == "emb" and r["num_ps"] == 2 for r in runs[5:])
+    assert [r.get("dedup") for r in runs[5:]] == [None, False, True, True]
     with pytest.raises(ValueError, match="bench_hosts"):
         bench.hosts_configs(only=["single"])
     settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 320,
@@ -252,9 +254,14 @@ def test_hosts_runs_and_their_targets():
 
     results = [entry("vanilla@1m", [2.0, 2.5], [0.93, 0.95], 4.6e6),
                entry("local_sgd@1m", [14.0, 11.0], [0.935, 0.945], 2.9e5)]
-    doc = bench_report.summarize(results, settings)
+    doc = bench_report.summarize(results + [entry("async+bf16@1m", [3.8, 4.4], [0.93, 0.94],
+                                                  2.3e6)], settings)
     checks = {c["check"]: c for c in doc["checks"]}
     at = " (mlp_1m, 100 Mbit/s links)"
+    # 4.1 / 2.25 = 1.82 (medians); paired repeats 1.9 and 1.76 straddle 1.8.
+    c = checks["async+bf16 throughput / vanilla PSS" + at]
+    assert c["value"] == pytest.approx(4.1 / 2.25) and c["range"] == pytest.approx([1.76, 1.9])
+    assert c["verdict"] == "unclear" and c["target"] == 1.8
     # 12.5 / 2.25 = 5.56 (median ratio); paired repeats 7.0 and 4.4 straddle 5.
     c = checks["local_sgd throughput / vanilla PSS" + at]
     assert c["value"] == pytest.approx(12.5 / 2.25) and c["verdict"] == "unclear"

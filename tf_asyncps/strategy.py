@@ -37,7 +37,7 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import faults, lookup, mixed_precision, placement, replicas
+from tf_asyncps.core import faults, lookup, mixed_precision, placement, replicas, wire_reads
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
@@ -94,7 +94,7 @@ def _wire_dtype(wire_dtype):
     if isinstance(name, bool) or name not in WIRE_DTYPES:
         raise ValueError(
             f"wire_dtype must be one of None, 'float32', 'bfloat16' (the dtype float32 "
-            f"gradients and table rows cross the network in), got {wire_dtype!r}.")
+            f"gradients and weights read cross the network in), got {wire_dtype!r}.")
     return tf.bfloat16 if name == "bfloat16" else None
 
 
@@ -197,6 +197,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
                     # A table's distinct ids only cross; rows in wire_dtype.
                     lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups,
                                               wire_dtype=wire)
+                if trainable:  # its dense reads in wire_dtype (a Dense kernel)
+                    wire_reads.cast_dense_reads(part, wire)
         return var
 
     # -- the worker step ------------------------------------------------------
@@ -399,15 +401,17 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
       wire_dtype: None or "float32" (default: float32 crosses as it is), or
         "bfloat16": the float32 gradients a worker pushes (dense tensors, the
         values of IndexedSlices) are cast to bfloat16 on the worker and back
-        to float32 on their variable's ps, and the rows a worker reads of the
-        tables created in the scope (row reads: ``tf.nn.embedding_lookup``,
-        tf_keras and Keras 3 ``Embedding``) are cast to bfloat16 on the ps and
-        back to float32 on the worker: half the bytes of those values on the
+        to float32 on their variable's ps, and what a worker step reads of
+        the float32 trainable variables created in the scope (row reads:
+        ``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``; dense
+        reads: a Dense kernel, a bias) is cast to bfloat16 on the ps and back
+        to float32 on the worker: half the bytes of those values on the
         wire, rounded to bfloat16 (8 significant bits, relative error <=
-        2^-8). Variables, optimizer slots, policies and the non-finite check
-        stay float32. Dense reads (a Dense kernel) still cross as float32:
-        README, "bfloat16 on the wire". No effect on local_sgd (whole
-        variables move, core/local_copies.py) nor on non-float32 values.
+        2^-8). Variables, optimizer slots, policies, the update's own reads
+        and the non-finite check stay float32; so do eager reads, evaluation
+        and prediction (docs/guides/mixed_precision.md, "bfloat16 on the
+        wire"). No effect on local_sgd (whole variables move,
+        core/local_copies.py) nor on non-float32 values.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 

@@ -318,3 +318,33 @@ def embedding_traffic(rows_list, dim=32, ids_per_step=64, steps=100, num_ps=2,
             out.append({"rows": rows, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
                         "table_bytes": rows * dim * 4, "wire_dtype": wire})
     return {"runs": out}
+
+
+@scenario
+def dense_traffic(hidden=256, steps=60, wire_dtypes=(None, "bfloat16")):
+    """TCP bytes per worker step (all the cluster's tasks, 1 worker, 1 ps) of
+    an MLP 64-``hidden``-10 (tf_keras fit, SGD), once per ``wire_dtypes``
+    entry: each step reads every weight and pushes every gradient."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(32 * steps, 64).astype(np.float32)
+    y = rng.randint(0, 10, size=(32 * steps,)).astype(np.int64)
+    out = []
+    with cluster(num_workers=1, num_ps=1) as c:
+        for wire in wire_dtypes:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), wire_dtype=wire)
+            with strategy.scope():
+                model = tf_keras.Sequential([
+                    tf_keras.Input(shape=(64,)),
+                    tf_keras.layers.Dense(hidden, activation="relu"),
+                    tf_keras.layers.Dense(10)])
+                model.compile(tf_keras.optimizers.SGD(0.05), tf_keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True), steps_per_execution=10)
+            data = tf_keras.utils.experimental.DatasetCreator(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat())
+            model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # traced, warm
+            before = _cluster_tcp_bytes(c)
+            model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            out.append({"wire_dtype": wire, "bytes_per_step": (_cluster_tcp_bytes(c) - before) / steps,
+                        "params": int(model.count_params()),
+                        "dtypes": sorted({v.dtype.name for v in model.weights})})
+    return {"runs": out}

@@ -138,7 +138,8 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
                   only: Optional[List[str]] = None,
                   local_sgd_steps: Optional[int] = None) -> List[Dict[str, Any]]:
     """The runs of ``--bench_hosts=netns``: HOSTS_RUNS on "mlp_1m", named
-    NAME@1m, with ``num_workers`` workers and 1 ps, each task on its own host,
+    NAME@1m, and ``async+bf16@1m`` (``async``, ``wire_dtype="bfloat16"``),
+    with ``num_workers`` workers and 1 ps, each task on its own host,
     then the embedding runs (:mod:`tf_asyncps.app.bench_emb`, NAME@emb, 2 ps;
     ``local_sgd@emb`` only when named). In ``only``, ``emb`` stands for the
     default embedding runs.
@@ -157,6 +158,9 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
         for r in runs:
             if r.get("policy") == "local_sgd":
                 r["steps"] = local_sgd_steps
+    # async with every read and gradient in bfloat16 on the wire (#24 item 4).
+    runs += [dict(r, name="async+bf16@1m", wire_dtype="bfloat16") for r in runs
+             if r["name"] == "async@1m"]
     from tf_asyncps.app import bench_emb
     runs += bench_emb.emb_configs(num_workers, sync_every, steps_per_execution)
     if not only:
@@ -277,7 +281,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         else:
             strategy = AsyncParameterServerStrategy(
                 cluster_lib.cluster_resolver(config), update_policy=policies.get(
-                    run["policy"], **run["policy_args"]))
+                    run["policy"], **run["policy_args"]), wire_dtype=run.get("wire_dtype"))
         with strategy.scope():
             model = build()
         fit_data = tf_keras.utils.experimental.DatasetCreator(ds_fn)

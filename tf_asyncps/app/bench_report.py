@@ -28,7 +28,9 @@ BACKUP_TARGET = 2.0
 #: ``--bench_hosts=netns`` (links at --bench_bandwidth_mbit): local_sgd's
 #: steps/s over vanilla PSS, and its test accuracy minus vanilla's (>= -0.01:
 #: within 1 point).
-HOSTS_TARGETS = {"x_vanilla": 5.0, "accuracy_vs_vanilla": -0.01}
+HOSTS_TARGETS = {"x_vanilla": 5.0, "accuracy_vs_vanilla": -0.01,
+                 # async over a bfloat16 wire: steps/s over vanilla PSS (#24).
+                 "bf16_x_vanilla": 1.8}
 
 
 def _paired(a, b, key, combine):
@@ -106,6 +108,11 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
             if r and r.get("x_vanilla") is not None:
                 check(f"{name} throughput / vanilla PSS{label}", r["x_vanilla"],
                       r["x_vanilla_range"], target)
+        bf16 = ok.get("async+bf16" + sfx)
+        if bf16 and settings.get("bandwidth_mbit") and bf16.get("x_vanilla") is not None:
+            check(f"async+bf16 throughput / vanilla PSS ({model}, "
+                  f"{settings['bandwidth_mbit']:g} Mbit/s links)", bf16["x_vanilla"],
+                  bf16["x_vanilla_range"], HOSTS_TARGETS["bf16_x_vanilla"])
         ls = ok.get("local_sgd" + sfx)
         if ls and settings.get("bandwidth_mbit"):
             at = f" ({model}, {settings['bandwidth_mbit']:g} Mbit/s links)"

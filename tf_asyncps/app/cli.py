@@ -82,8 +82,8 @@ flags.DEFINE_string("gpus", None,
                     "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
                     "CUDA_VISIBLE_DEVICES. launch assigns GPUs with --gpus_per_worker instead.")
 flags.DEFINE_enum("wire_dtype", "float32", ["float32", "bfloat16"],
-                  "dtype the float32 gradients and embedding-table rows cross the network "
-                  "in; bfloat16 halves those bytes (variables and slots stay float32 on the "
+                  "dtype the float32 gradients and the weights a training step reads cross "
+                  "the network in; bfloat16 halves those bytes (variables and slots stay float32 on the "
                   "ps; README 'bfloat16 on the wire').")
 flags.DEFINE_enum("mixed_precision", "none",
                   ["none", "mixed_float16", "mixed_bfloat16", "auto"],

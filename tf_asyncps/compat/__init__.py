@@ -17,6 +17,9 @@ with:
 * :mod:`tf_asyncps.compat.tensorflow_checkpoint`: TensorFlow 2.21.0's
   ``Trackable`` save/restore protocol (a dynamic table's metadata saved as
   whole-table tensors; apart from ``tensorflow`` for its 600-line limit).
+* :mod:`tf_asyncps.compat.tensorflow_variables`: TensorFlow 2.21.0's resource
+  variable read path (a variable's dense reads over a bfloat16 wire; apart
+  for the same reason).
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, the
   optimizers' ``apply_gradients`` hook).

@@ -29,14 +29,8 @@ variables only (``compat.tensorflow.replace_sparse_read``). In eager code
 With ``AsyncParameterServerStrategy(wire_dtype="bfloat16")`` the rows read
 cross as bfloat16: cast on the ps (colocated with the read), float32 again on
 the worker, so the table stays float32 and only the bytes on the wire halve
-(also with ``deduplicate_lookups=False``: then every id's row). Only row
-reads: a dense read of a variable (a Dense kernel, a bias) is the variable's
-``ReadVariableOp``, which layers call through ``var.value()`` /
-``tf.convert_to_tensor(var)`` and whose tensor TensorFlow hands to the
-worker's ops directly; casting it on the ps would mean replacing the
-variable's read path itself (``_dense_var_to_tensor``, ``value``,
-``read_value``, the handle's gradient), not one method of it, so dense reads
-stay float32.
+(also with ``deduplicate_lookups=False``: then every id's row). Dense reads
+(a Dense kernel, a bias) take the same two casts in core/wire_reads.py.
 """
 
 import contextlib

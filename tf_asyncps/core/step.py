@@ -67,6 +67,11 @@ class WorkerStep:
         self._applying = False
         self._updated_by = None  # the optimizer of the step's update, once made
 
+    @property
+    def applying(self) -> bool:
+        """Whether the step's update (policy, optimizer) is being traced."""
+        return self._applying
+
     @contextlib.contextmanager
     def active(self):
         stack = getattr(_local, "stack", None)
