@@ -73,6 +73,41 @@ def test_nothing_pending_nothing_built():
     assert not tf_keras_compat.build_for_pending_restore(legacy, _variables(m))
 
 
+class _Counting(tf_keras.optimizers.Adagrad):
+    """Adagrad with state of its own made in build and outside ``_variables``:
+    a variable attribute and a list with one variable per model variable."""
+
+    def build(self, var_list):
+        if getattr(self, "_built", False):
+            return
+        super().build(var_list)
+        self.steps_seen = tf.Variable(0.0, trainable=False)
+        self.seen = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in var_list]
+
+    def update_step(self, gradient, variable):
+        super().update_step(gradient, variable)
+        i = self._index_dict[self._var_key(variable)]
+        self.seen[i].assign_add(tf.ones(variable.shape) * (i + 1))
+        self.steps_seen.assign_add(1.0)
+
+
+def test_state_outside_variables_is_still_restored(tmp_path):
+    """What build_for_pending_restore does not take over (lists not in
+    ``_variables``, plain attributes) is restored as tf_keras would, and a
+    LossScaleOptimizer's inner optimizer is the one built."""
+    m, opt = _model([3, 3]), tf_keras.mixed_precision.LossScaleOptimizer(_Counting(0.1))
+    opt.apply_gradients(zip([tf.ones([3, 2]), tf.ones([3, 2]) * 2, tf.ones([2])], _variables(m)))
+    path = tf.train.Checkpoint(m=m, opt=opt).write(str(tmp_path / "ckpt"))
+    m2, opt2 = _model([3, 3]), tf_keras.mixed_precision.LossScaleOptimizer(_Counting(0.1))
+    tf.train.Checkpoint(m=m2, opt=opt2).read(path)
+    assert tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    inner = opt2.inner_optimizer
+    np.testing.assert_array_equal(_slots(inner), _slots(opt.inner_optimizer))
+    assert float(inner.steps_seen.numpy()) == 3.0
+    for i, v in enumerate(inner.seen):
+        np.testing.assert_array_equal(v.numpy(), np.full(v.shape, i + 1.0))
+
+
 def _legacy_slots(opt, m):
     """Every slot of a legacy optimizer, the table's whole (its shards' slots
     by global row), then the bias's."""
