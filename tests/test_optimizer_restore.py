@@ -71,3 +71,77 @@ def test_nothing_pending_nothing_built():
     assert not opt.variables[1:]  # still no slots: tf_keras builds them at its first step
     legacy = tf_keras.optimizers.legacy.Adagrad(0.1)
     assert not tf_keras_compat.build_for_pending_restore(legacy, _variables(m))
+
+
+class _Counting(tf_keras.optimizers.Adagrad):
+    """Adagrad with state of its own made in build and outside ``_variables``:
+    a variable attribute and a list with one variable per model variable."""
+
+    def build(self, var_list):
+        if getattr(self, "_built", False):
+            return
+        super().build(var_list)
+        self.steps_seen = tf.Variable(0.0, trainable=False)
+        self.seen = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in var_list]
+
+    def update_step(self, gradient, variable):
+        super().update_step(gradient, variable)
+        i = self._index_dict[self._var_key(variable)]
+        self.seen[i].assign_add(tf.ones(variable.shape) * (i + 1))
+        self.steps_seen.assign_add(1.0)
+
+
+def test_state_outside_variables_is_still_restored(tmp_path):
+    """What build_for_pending_restore does not take over (lists not in
+    ``_variables``, plain attributes) is restored as tf_keras would, and a
+    LossScaleOptimizer's inner optimizer is the one built."""
+    m, opt = _model([3, 3]), tf_keras.mixed_precision.LossScaleOptimizer(_Counting(0.1))
+    opt.apply_gradients(zip([tf.ones([3, 2]), tf.ones([3, 2]) * 2, tf.ones([2])], _variables(m)))
+    path = tf.train.Checkpoint(m=m, opt=opt).write(str(tmp_path / "ckpt"))
+    m2, opt2 = _model([3, 3]), tf_keras.mixed_precision.LossScaleOptimizer(_Counting(0.1))
+    tf.train.Checkpoint(m=m2, opt=opt2).read(path)
+    assert tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    inner = opt2.inner_optimizer
+    np.testing.assert_array_equal(_slots(inner), _slots(opt.inner_optimizer))
+    assert float(inner.steps_seen.numpy()) == 3.0
+    for i, v in enumerate(inner.seen):
+        np.testing.assert_array_equal(v.numpy(), np.full(v.shape, i + 1.0))
+
+
+def _legacy_slots(opt, m):
+    """Every slot of a legacy optimizer, the table's whole (its shards' slots
+    by global row), then the bias's."""
+    out = []
+    for name in opt.get_slot_names():
+        out.append(np.concatenate([opt.get_slot(p, name).numpy() for p in m.table.variables]).ravel())
+        out.append(opt.get_slot(m.bias, name).numpy().ravel())
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "Adam"])
+@pytest.mark.parametrize("sizes", [[3, 3], [2, 2, 2]], ids=["same", "2to3"])
+def test_legacy_slots_restored_before_build_come_back_by_global_row(tmp_path, name, sizes):
+    """tf_keras's legacy optimizers restore a sharded table's slot before
+    they have slots as one whole variable (eagerly, under the table's key),
+    which their first step then replaces by the shards' fresh slots: Adagrad's
+    accumulators came back at 0.1 instead of 1.1 and 4.1, with no error."""
+    m, opt = _model([3, 3]), getattr(tf_keras.optimizers.legacy, name)(0.1)
+    grads = [tf.reshape(tf.range(6, 12, dtype=tf.float32), [3, 2]),
+             tf.reshape(tf.range(0, 6, dtype=tf.float32), [3, 2]), tf.ones([2])]
+    opt.apply_gradients(zip(grads, _variables(m)))
+    path, want = tf.train.Checkpoint(m=m, opt=opt).write(str(tmp_path / "ckpt")), \
+        _legacy_slots(opt, m)
+    m2, opt2 = _model(sizes), getattr(tf_keras.optimizers.legacy, name)(0.1)
+    tf.train.Checkpoint(m=m2, opt=opt2).read(path)
+    assert tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    np.testing.assert_array_equal(_legacy_slots(opt2, m2), want)
+    # Only the shards' slots remain (no whole-table copy), as in an optimizer
+    # built before the restore: iterations, then one slot per shard and name.
+    assert len(opt2.weights) == 1 + len(opt2.get_slot_names()) * (len(sizes) + 1)
+    assert not tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+
+
+def test_legacy_without_a_sharded_slot_pending_is_left_alone(tmp_path):
+    m, opt = _model([3, 3]), tf_keras.optimizers.legacy.Adagrad(0.1)
+    assert not tf_keras_compat.build_for_pending_restore(opt, _variables(m))
+    assert not opt.weights  # tf_keras builds it at its first step

@@ -181,13 +181,18 @@ def build_for_pending_restore(optimizer, variables) -> bool:
     a restore deferred until ``build`` matches the saved ``ShardedVariable`` to
     the list's first shard: the slots come back wrong, with no error (Adagrad
     accumulators off by up to 121 on a 6-row table, onto the same or another
-    shard count). Here the restore goes through ``_variables`` only. Legacy
-    optimizers (``tf_keras.optimizers.legacy``) are left alone: theirs keep
-    their initial values in the same test.
+    shard count). Here the restore goes through ``_variables`` only.
+
+    Legacy optimizers (``tf_keras.optimizers.legacy``) restore such a slot
+    eagerly, as one whole variable under the ``ShardedVariable``'s key, which
+    their first step replaces by the shards' fresh slots (measured on 2.21.0:
+    Adagrad accumulators back at their initial 0.1 instead of 4.1, no error).
+    Here they create their slots now and take the whole slot's rows, by global
+    row, and the whole slot is dropped from ``optimizer.weights``.
 
     Args:
       optimizer: any optimizer (of a LossScaleOptimizer, its inner one); only
-        tf_keras's (non-legacy) ones are built here.
+        tf_keras's are built here.
       variables: the model variables about to be updated (shards, not
         ``ShardedVariable`` objects, as ``model.trainable_variables`` gives).
 
@@ -222,7 +227,39 @@ def build_for_pending_restore(optimizer, variables) -> bool:
                     with tf.init_scope():
                         optimizer._handle_deferred_dependencies(name, value)
         return True
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        return _build_legacy_for_pending_restore(optimizer, variables)
     return False
+
+
+def _build_legacy_for_pending_restore(optimizer, variables) -> bool:
+    """The legacy half of :func:`build_for_pending_restore` (tf_keras
+    2.21.0's ``OptimizerV2``: ``_slots``, ``_weights``, ``_create_all_weights``)."""
+    import tensorflow as tf
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+    containers = {}
+    for v in variables:
+        container = getattr(v, "_sharded_container", None)
+        if container is not None:
+            sv = container()
+            containers.setdefault(optimizer_v2._var_key(sv), sv)
+    # A restored slot of a whole ShardedVariable sits where, once built, the
+    # ShardedVariable itself marks that its shards hold the slots.
+    restored = [(sv, name, slot) for key, sv in containers.items()
+                for name, slot in optimizer._slots.get(key, {}).items() if slot is not sv]
+    if not restored:
+        return False
+    with tf.name_scope(optimizer._name), tf.init_scope():
+        optimizer._create_all_weights(variables)
+        for sv, name, whole in restored:
+            # Same rows as the table: restoring the table itself checked them.
+            row = 0
+            for p in sv.variables:
+                n = int(p.shape[0])
+                optimizer.get_slot(p, name).assign(whole[row:row + n])
+                row += n
+            optimizer._weights[:] = [w for w in optimizer._weights if w is not whole]
+    return True
 
 
 def _object_ids(variables) -> set:
