@@ -399,3 +399,23 @@ def test_keras3_fit_under_the_strategy_refuses_dynamic_eviction_with_the_fix():
     from tf_asyncps.callbacks.keras3 import check_callbacks
     with pytest.raises(ValueError, match="ps tasks run them after the updates: remove the"):
         check_callbacks([DynamicEviction()])
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["tf_keras", "tf_keras_legacy"])
+def test_each_shard_gets_its_own_slots_even_two_shards_on_one_ps(legacy):
+    """Shards part_0 and part_1 of equal shape on one device (4 shards on 2
+    ps tasks): an eviction in part_1 resets part_1's slots, not part_0's
+    (before: both shards' slots for each, the first one used; legacy
+    optimizers: none found, so nothing reset)."""
+    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    parts = [tf.Variable(tf.zeros([3, 2]), name=f"emb/table/part_{i}") for i in range(2)]
+    table = tf.__internal__.distribute.ShardedVariable(parts)  # noqa: F841 (kept: slots find it)
+    optimizers = tf_keras.optimizers.legacy if legacy else tf_keras.optimizers
+    for opt, kinds in ((optimizers.Adagrad(0.1, initial_accumulator_value=0.25), [0.25]),
+                       (optimizers.Adam(0.1), [0.0, 0.0])):
+        opt.apply_gradients(zip([tf.ones([3, 2])] * 2, parts))
+        for i, part in enumerate(parts):
+            slots = optimizer_slots(opt, part)
+            assert [init for _, init in slots] == kinds
+            assert all(f"part_{i}" in s.name and f"part_{1 - i}" not in s.name
+                       for s, _ in slots), [s.name for s, _ in slots]
