@@ -408,8 +408,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         to float32 on the worker: half the bytes of those values on the
         wire, rounded to bfloat16 (8 significant bits, relative error <=
         2^-8). Variables, optimizer slots, policies, the update's own reads
-        and the non-finite check stay float32; so do eager reads, evaluation
-        and prediction (docs/guides/mixed_precision.md, "bfloat16 on the
+        and the non-finite check stay float32, and so do the chief's eager
+        reads; evaluation and prediction scheduled on the workers read as
+        training does (docs/guides/mixed_precision.md, "bfloat16 on the
         wire"). No effect on local_sgd (whole variables move,
         core/local_copies.py) nor on non-float32 values.
       _connect_timeout_name: internal: how the caller set

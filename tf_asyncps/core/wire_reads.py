@@ -14,12 +14,15 @@ reads do (core/lookup.py). The gradient flows back through both casts
 (rounded to bfloat16 on the worker, as the gradient push rounds it anyway:
 ``grads.copy_to``).
 
-Cast: reads traced in a worker step (``core.step.current_step()``), outside
-its update. Not cast: eager reads (the chief's ``get_weights``, checkpoints,
-exports), evaluation and prediction functions (no worker step), reads in the
-update (the optimizer, the policies, ``dc_asgd``'s read values: they run on
-the ps), non-trainable and non-float32 variables, ``local_sgd`` (its steps
-read the worker's local copies: nothing crosses).
+Cast: reads traced in a worker step (``core.step.current_step()``: every
+``strategy.run`` on a worker, so also tf_keras's ``evaluate``/``predict`` and
+a ``fit``'s validation scheduled there, as row reads are), outside its
+update. Not cast: eager reads (the chief's ``get_weights``, ``model(x)``,
+checkpoints, exports), functions traced outside a worker step (a SavedModel's,
+the chief's own), reads in the update (the optimizer, the policies,
+``dc_asgd``'s read values: they run on the ps), non-trainable and
+non-float32 variables, ``local_sgd`` (its steps read the worker's local
+copies: nothing crosses).
 """
 
 import tensorflow as tf
