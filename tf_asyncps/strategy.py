@@ -476,6 +476,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 policy.name, self.num_replicas_in_sync))
         engine.build(PS_DEVICE)
         install_optimizer_hooks()
+        keras_compat.checkpoint_partitioned_whole()
         mixed_precision.allow_loss_scaling(AsyncParameterServerStrategy)
         # Model.fit and user code get this coordinator (one per strategy).
         self._coordinator = _AsyncCoordinator(self)

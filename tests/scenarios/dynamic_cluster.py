@@ -413,3 +413,55 @@ def _restored(c, shards, capacity, saved, before, pred, emb, build=True):
     trained, r["after_training"] = _table_state(again)
     r["after_training"]["rows_changed"] = _compare(after, trained)["rows_max_diff"]
     return r, again
+
+
+@scenario
+def dynamic_keras3_checkpoint(capacity=30):
+    """Keras 3 fit (2 workers, Adagrad, the table on 2 shards), a
+    tf.train.Checkpoint of the model and its optimizer, restored into a new
+    model on the same shards whose optimizer the first step builds (as the
+    Keras 3 trainer does on partitioned weights): the same ids, rows,
+    accumulators and predictions after one step of zero gradients."""
+    import keras
+    import tempfile
+    x, y = _data()
+
+    def make(strategy):
+        with strategy.scope():
+            i = keras.Input((3,), dtype="int64")
+            layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=5)
+            model = keras.Model(i, keras.layers.Dense(1, kernel_initializer="ones")(
+                keras.layers.Flatten()(layer(i))))
+            model.compile(_optimizer("adagrad", "keras3"), "mse")
+        return model, layer
+
+    def state(model, layer):
+        out = {}
+        for s in layer.dynamic_table.shards:
+            [(slot, _)] = tf_asyncps.layers.dynamic_table.optimizer_slots(model.optimizer, s.var)
+            count, keys, rows, acc = s.count.numpy(), s.key.numpy(), s.var.numpy(), slot.numpy()
+            for r in np.flatnonzero(count > 0):
+                out[int(keys[r])] = (rows[r], acc[r])
+        return out
+
+    def data(weight):
+        w = np.full([len(x)], weight, "float32")
+        return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(8).repeat()
+
+    with cluster(num_workers=2, num_ps=2) as c:
+        model, layer = make(_strategy(c, 2))
+        model.fit(data(1.0), epochs=1, steps_per_epoch=8, verbose=0)
+        before, pred = state(model, layer), model(tf.constant(x), training=False).numpy()
+        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+            os.path.join(tempfile.mkdtemp(), "ckpt"))
+        again, layer2 = make(_strategy(c, 2))
+        tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path)
+        pred_diff = float(np.abs(again(tf.constant(x), training=False).numpy() - pred).max())
+        again.fit(data(0.0), epochs=1, steps_per_epoch=1, verbose=0)
+        after = state(again, layer2)
+        same = sorted(before) == sorted(after)
+        diff = lambda i: max(float(np.abs(before[k][i] - after[k][i]).max()) for k in before)
+        return {"ids": sorted(after), "ids_equal": same, "pred_max_diff": pred_diff,
+                "rows_max_diff": diff(0) if same else -1.0,
+                "acc_max_diff": diff(1) if same else -1.0,
+                "acc_max": max(float(np.abs(v[1]).max()) for v in before.values())}

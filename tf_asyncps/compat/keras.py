@@ -22,7 +22,7 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "symbolic_build", "metrics_in_order", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
-           "train_step_on", "lookup_rows_in_call", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
+           "train_step_on", "lookup_rows_in_call", "checkpoint_partitioned_whole", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
            "hook_apply", "tensorboard_profiles"]
 
 # tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
@@ -475,3 +475,47 @@ def tensorboard_profiles(callback) -> bool:
     ``_start_batch``/``_stop_batch`` (``_profile_batch`` is read too, as
     releases before it may name it)."""
     return bool(getattr(callback, "_profile_batch", 0) or getattr(callback, "_start_batch", 0))
+
+
+def checkpoint_partitioned_whole() -> bool:
+    """Makes ``tf.train.Checkpoint`` save a partitioned Keras 3 variable (its
+    value a ShardedVariable, under ``variable_partitioner``) as one whole
+    tensor, and restore it onto any number of shards. Keras 3.15's TensorFlow
+    ``Variable._serialize_to_tensors`` hands the saver the ShardedVariable
+    itself, which fails there (``'ShardedVariable' object has no attribute
+    'device'``), so no such model could be written. Other variables are left
+    to Keras. Hooks the class once (idempotent).
+
+    Returns:
+      False if Keras 3 is not installed.
+    """
+    if optimizer_class() is None:
+        return False
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import core
+    from tf_asyncps.compat import tensorflow as tf_compat
+
+    def make_serialize(original):
+        def _serialize_to_tensors(self):
+            shards = sharded_value(self)
+            if not shards:
+                return original(self)
+            return {"VARIABLE_VALUE": tf.concat([s.read_value() for s in shards], 0)}
+        return _serialize_to_tensors
+
+    def make_restore(original):
+        def _restore_from_tensors(self, restored_tensors):
+            shards = sharded_value(self)
+            if not shards:
+                return original(self, restored_tensors)
+            value, ops, row = restored_tensors["VARIABLE_VALUE"], [], 0
+            for s in shards:  # the saved rows split by this model's shards
+                ops.append(s.assign(value[row:row + s.shape[0]]))
+                row += s.shape[0]
+            return tf.group(ops)
+        return _restore_from_tensors
+
+    tf_compat.hook_method(core.Variable, "_serialize_to_tensors", make_serialize)
+    tf_compat.hook_method(core.Variable, "_restore_from_tensors", make_restore)
+    return True
+
