@@ -386,7 +386,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         connections before failing (float > 0).
       skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
         step whose gradients hold NaN or Inf, so the shared model never
-        receives a non-finite update.
+        receives a non-finite update. Its cost: the update becomes a
+        ``tf.cond`` on that check, and a cond whose branches span several ps
+        tasks crosses between them every step (on the embedding workload of
+        docs/benchmarks.md, 2 ps, loopback: 141-172 steps/s and 76.2 KB per
+        worker step with it, 191-249 and 73.6 KB without; vanilla 189).
       deduplicate_lookups: row reads of the tables created in the scope
         (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
         each distinct id of a batch to its ps once and expand the rows on the
