@@ -294,6 +294,10 @@ def test_embedding_runs_are_selected_by_the_group_name_emb():
     runs = bench.hosts_configs(only=["dynamic@emb"])
     assert [(r["name"], r["policy"], r["dedup"], r["dynamic"]) for r in runs] == \
         [("dynamic@emb", "async", True, True)]
+    # async+nocheck@emb: async+dedup@emb without the non-finite check.
+    (nocheck,) = bench.hosts_configs(only=["async+nocheck@emb"])
+    (dedup,) = bench.hosts_configs(only=["async+dedup@emb"])
+    assert nocheck == dict(dedup, name="async+nocheck@emb", skip_nonfinite=False)
     with pytest.raises(ValueError, match=r"unknown run\(s\) \['async@embb'\]"):
         bench.hosts_configs(only=["async@embb"])
 

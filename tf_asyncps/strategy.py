@@ -390,7 +390,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         ``tf.cond`` on that check, and a cond whose branches span several ps
         tasks crosses between them every step (on the embedding workload of
         docs/benchmarks.md, 2 ps, loopback: 141-172 steps/s and 76.2 KB per
-        worker step with it, 191-249 and 73.6 KB without; vanilla 189).
+        worker step with it, 191-249 and 73.6 KB without; vanilla 189; the
+        bench's ``async+nocheck@emb`` run measures it over netns links).
       deduplicate_lookups: row reads of the tables created in the scope
         (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
         each distinct id of a batch to its ps once and expand the rows on the

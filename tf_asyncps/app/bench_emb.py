@@ -33,8 +33,10 @@ BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: ``tf_asyncps.layers.DynamicEmbedding`` of the same 1M rows on the same ids
 #: (as raw ids: an id -> row map on the ps, admission, an eviction pass every
 #: 1000 global steps).
+#: ``async+nocheck@emb`` (also by name): ``async+dedup@emb`` with
+#: ``skip_nonfinite=False``, what the non-finite check costs.
 EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb",
-            "dynamic@emb")
+            "dynamic@emb", "async+nocheck@emb")
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
 DEFAULT_EMB_RUNS = EMB_RUNS[:4]
 _HASH = 2654435761  # Knuth's multiplicative hash: hot ids spread over both shards
@@ -70,7 +72,8 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
     ``async+dedup@emb`` (the default: distinct ids only), ``async+bf16@emb``
     (distinct ids, ``wire_dtype="bfloat16"``: rows read and gradients pushed
     as bfloat16), ``local_sgd@emb``,
-    ``dynamic@emb`` (``async+dedup@emb`` with a DynamicEmbedding of ROWS rows)."""
+    ``dynamic@emb`` (``async+dedup@emb`` with a DynamicEmbedding of ROWS rows),
+    ``async+nocheck@emb`` (``async+dedup@emb``, ``skip_nonfinite=False``)."""
     base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
             "locking": False, "spe": steps_per_execution, "batch": BATCH}
     return [dict(base, name="vanilla@emb", kind="vanilla"),
@@ -83,7 +86,9 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
             dict(base, name="local_sgd@emb", kind="policy", policy="local_sgd",
                  policy_args={"sync_every": sync_every}, spe=sync_every, dedup=True),
             dict(base, name="dynamic@emb", kind="policy", policy="async", policy_args={},
-                 dedup=True, dynamic=True)]
+                 dedup=True, dynamic=True),
+            dict(base, name="async+nocheck@emb", kind="policy", policy="async",
+                 policy_args={}, dedup=True, skip_nonfinite=False)]
 
 
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -122,7 +127,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
             cluster_lib.cluster_resolver(config),
             update_policy=policies.get(run["policy"], **run["policy_args"]),
             variable_partitioner=part, deduplicate_lookups=run["dedup"],
-            wire_dtype=run.get("wire_dtype"))
+            wire_dtype=run.get("wire_dtype"), skip_nonfinite=run.get("skip_nonfinite", True))
     tf_keras.utils.set_random_seed(settings["seed"])
     with strategy.scope():
         if run.get("dynamic"):
