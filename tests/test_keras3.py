@@ -129,7 +129,9 @@ def test_every_policy_trains_the_digits_job_on_keras3(policy, args):
     r = run_scenario("keras3_digits_job", shared=(2, 1), policy=policy, policy_args=args,
                      epochs=4, steps_per_epoch=100)
     assert r["keras"].startswith("3.") and r["policy"] == policy
-    assert r["test_accuracy"] >= 0.90, r
+    # >= 90% of the 360 test examples, counted: Keras 3 reports a float32
+    # accuracy, and 324/360 in float32 (0.89999998) is below Python's 0.9.
+    assert round(r["test_accuracy"] * 360) >= 324, r
     s = r["staleness"]
     assert r["worker_steps"] == 400
     if policy == "local_sgd":  # applied counts exchanges, local_steps worker steps
