@@ -115,7 +115,7 @@ def test_digits_with_sync_replicas(tmp_path):
                  f"--output_dir={tmp_path}"], timeout=280)
     m = json.loads((tmp_path / "metrics.json").read_text())
     s = m["staleness"]
-    assert m["test_accuracy"] >= 0.90
+    assert round(m["test_accuracy"] * 360) >= 324  # 90% of the 360 digits, counted (float32)
     assert s["applied"] + s["dropped"] == m["worker_steps"] == 600
     assert s["global_step"] == s["applied"] // 2
 

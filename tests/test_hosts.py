@@ -239,7 +239,7 @@ def test_the_digits_job_across_four_hosts(tmp_path):
     assert rc == 0, text[-4000:]
     assert leftover == []  # launch removed its hosts itself
     m = _metrics(out)
-    assert m["test_accuracy"] >= 0.90 and m["worker_steps"] == 600
+    assert round(m["test_accuracy"] * 360) >= 324 and m["worker_steps"] == 600  # 90%, counted
     tasks = _tasks(out)
     assert sorted(tasks) == ["chief:0", "ps:0", "worker:0", "worker:1"]
     hosts = {t["address"].rsplit(":", 1)[0] for t in tasks.values()}
@@ -277,7 +277,7 @@ def test_a_worker_whose_link_goes_down_mid_fit_is_survived(tmp_path):
     assert rc == 0, text[-4000:]
     m = _metrics(out)
     assert m["worker_steps"] == 1200 and _accounting_holds(m, 1)
-    assert m["test_accuracy"] >= 0.90
+    assert round(m["test_accuracy"] * 360) >= 324  # 90% of the 360 digits, counted (float32)
     # worker:1 came back: it completed closures after its link was up again.
     log = m["epoch_log"]
     assert epochs_at_up < len(log)

@@ -36,7 +36,7 @@ def test_main_job_trains_to_090_and_writes_metrics(main_job):
     m = json.loads((out / "metrics.json").read_text())
     assert KEYS <= set(m) and STALENESS_KEYS <= set(m["staleness"])
     assert m["policy"] == "async" and m["num_workers"] == 2 and m["num_ps"] == 1
-    assert m["test_accuracy"] >= 0.90
+    assert round(m["test_accuracy"] * 360) >= 324  # 90% of the 360 digits, counted (float32)
     assert m["worker_steps"] == 10 * 100 == m["staleness"]["applied"]
     assert m["staleness"]["global_step"] == m["staleness"]["applied"]
     assert m["optimizer_iterations"] == 1000
