@@ -4,13 +4,19 @@ Every helper keeps a sparse gradient sparse (indices and dense_shape kept),
 so embedding gradients never densify on their way to the PS. Policies use
 :func:`map_values`, :func:`scale` and :func:`all_finite`; the engine uses
 :func:`cast`, :func:`copy_to` and :func:`sum_parts`; row reads
-(core/lookup.py) use :func:`narrow_indices`, as :func:`copy_to` does.
+(core/lookup.py) use :func:`narrow_indices`, as :func:`copy_to` does. The
+wire dtype's rule (what crosses narrower, and where it is cast) is here
+once: :func:`wire_dtype_of` for gradients (:func:`copy_to`) and reads
+(:func:`read_over_wire`: core/lookup.py's rows, core/wire_reads.py's dense
+reads).
 """
 
 import tensorflow as tf
 
+from tf_asyncps.compat import tensorflow as tf_compat
+
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
-           "flat_tensors", "unique_rows", "narrow_indices"]
+           "flat_tensors", "unique_rows", "narrow_indices", "wire_dtype_of", "read_over_wire"]
 
 
 def map_values(fn, grad):
@@ -75,6 +81,33 @@ def _packable(values, indices, rows) -> bool:
             and values.shape[1:].is_fully_defined())
 
 
+def wire_dtype_of(dtype, wire_dtype):
+    """The dtype a value of ``dtype`` crosses the network in under the
+    strategy's ``wire_dtype``: the wire dtype for a float32 value, None where
+    the value crosses as it is (other dtypes; no wire dtype, or float32)."""
+    if wire_dtype is None or dtype != tf.float32:
+        return None
+    wire = tf.as_dtype(wire_dtype)
+    return None if wire == tf.float32 else wire
+
+
+def read_over_wire(value, wire_dtype, back_with=None):
+    """``value``, just read on its ps, as its reader sees it: cast to the wire
+    dtype beside the read (on the ps) and to float32 again beside
+    ``back_with`` (an op; None: in the caller's device scope, the worker's),
+    so only the bytes that cross change. Returned as it is where
+    :func:`wire_dtype_of` says it crosses as it is."""
+    wire = wire_dtype_of(value.dtype, wire_dtype)
+    if wire is None:
+        return value
+    with tf_compat.colocate_only_with(value.op):
+        value = tf.cast(value, wire)
+    if back_with is None:
+        return tf.cast(value, tf.float32)
+    with tf_compat.colocate_only_with(back_with):
+        return tf.cast(value, tf.float32)
+
+
 def narrow_indices(indices, rows):
     """int64 row indices of a table of ``rows`` rows (static; None: unknown)
     as int32 when ``rows`` is under 2**31 (4 bytes an index on the wire);
@@ -129,9 +162,9 @@ def copy_to(value, device, wire_dtype=None, rows=None):
     Returns:
       The copy on ``device``, of ``value``'s dtype.
     """
-    wire = None if wire_dtype is None else tf.as_dtype(wire_dtype)
     values = value.values if isinstance(value, tf.IndexedSlices) else value
-    cast = wire is not None and wire != tf.float32 and values.dtype == tf.float32
+    wire = wire_dtype_of(values.dtype, wire_dtype)
+    cast = wire is not None
     if cast:
         values = tf.cast(values, wire)  # on the worker: half the bytes cross
     packed = (isinstance(value, tf.IndexedSlices)

@@ -64,17 +64,6 @@ def every_id():
         _local.every_id = before
 
 
-def _over_wire(rows, ids_op, wire_dtype):
-    """float32 ``rows`` (read on the ps) cast to ``wire_dtype`` there and back
-    to float32 with ``ids_op`` (the worker); other dtypes as they are."""
-    if wire_dtype is None or rows.dtype != tf.float32 or tf.as_dtype(wire_dtype) == tf.float32:
-        return rows
-    with tf_compat.colocate_only_with(rows.op):
-        rows = tf.cast(rows, wire_dtype)
-    with tf_compat.colocate_only_with(ids_op):
-        return tf.cast(rows, tf.float32)
-
-
 def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
                          wire_dtype=None, num_rows=None):
     """``sparse_read(indices)`` with each distinct index read once.
@@ -99,13 +88,14 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     if op is None:  # eager: a read on the chief, nothing to save
         return sparse_read(indices, name=name)
     if getattr(_local, "every_id", False) or not distinct:
-        return _over_wire(sparse_read(indices, name=name), op, wire_dtype)
+        return grads_lib.read_over_wire(sparse_read(indices, name=name), wire_dtype,
+                                        back_with=op)
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
     with tf_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
         unique = grads_lib.narrow_indices(unique, num_rows)  # int32 on the wire
-    rows = _over_wire(sparse_read(unique, name=name), op, wire_dtype)
+    rows = grads_lib.read_over_wire(sparse_read(unique, name=name), wire_dtype, back_with=op)
     with tf_compat.colocate_only_with(op):
         # The rows on the worker first: the gather's gradient takes the shape
         # of its params beside them, which would be one more transfer from

@@ -27,8 +27,8 @@ copies: nothing crosses).
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import step as step_lib
 
 __all__ = ["cast_dense_reads"]
@@ -44,20 +44,15 @@ def cast_dense_reads(var, wire_dtype) -> bool:
     Returns:
       True if its reads were replaced.
     """
-    if wire_dtype is None or var.dtype != tf.float32:
-        return False
-    wire = tf.as_dtype(wire_dtype)
-    if wire == tf.float32:
+    if grads_lib.wire_dtype_of(var.dtype, wire_dtype) is None:
         return False
 
     def after_read(value):
-        if tf.executing_eagerly() or value.dtype != tf.float32:
+        if tf.executing_eagerly():
             return value
         step = step_lib.current_step()
         if step is None or step.applying:
             return value
-        with tf_compat.colocate_only_with(value.op):
-            value = tf.cast(value, wire)
-        return tf.cast(value, tf.float32)
+        return grads_lib.read_over_wire(value, wire_dtype)
 
     return variables_compat.replace_dense_read(var, after_read)
