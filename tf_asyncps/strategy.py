@@ -12,6 +12,9 @@ StrategyExtended hooks and hands the work to the policy engine
   with one replica per worker there is nothing to merge, so updates run
   directly in the replica context (this is what lets the engine put an
   optimizer update under ``tf.cond``).
+* ``_update``: each variable's update, gated by the step's non-finite check
+  on the variable's own ps task while the engine asks for it
+  (``core/update_gate.py``).
 * ``_reduce_to``/``_batch_reduce_to``: inside a K-replica step's one update
   the optimizer's all-reduce passes the already summed gradients through.
 * ``_distribute_datasets_from_function``: one input pipeline per worker.
@@ -37,7 +40,8 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import faults, lookup, mixed_precision, placement, replicas, wire_reads
+from tf_asyncps.core import (faults, lookup, mixed_precision, placement, replicas, update_gate,
+                             wire_reads)
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
@@ -114,6 +118,13 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
     # -- one replica per worker: no merge_call needed -------------------------
     def _use_merge_call(self):
         return self._num_replicas_in_sync > 1
+
+    gates_updates = True  # see _update
+
+    def _update(self, var, fn, args, kwargs, group):
+        # A step's non-finite check: one cond per variable, on its ps task
+        # (core/update_gate.py), when the engine gates this update.
+        return super()._update(var, update_gate.gate(var, fn), args, kwargs, group)
 
     def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
         if self._use_merge_call():
@@ -386,12 +397,15 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         connections before failing (float > 0).
       skip_nonfinite: drop (and count in ``StalenessStats.nonfinite``) any
         step whose gradients hold NaN or Inf, so the shared model never
-        receives a non-finite update. Its cost: the update becomes a
-        ``tf.cond`` on that check, and a cond whose branches span several ps
-        tasks crosses between them every step (on the embedding workload of
-        docs/benchmarks.md, 2 ps, loopback: 141-172 steps/s and 76.2 KB per
-        worker step with it, 191-249 and 73.6 KB without; vanilla 189; the
-        bench's ``async+nocheck@emb`` run measures it over netns links).
+        receives a non-finite update. With a tf_keras, legacy tf_keras or
+        Keras 3 optimizer (no EMA, no gradient accumulation) and a policy
+        that keeps the step (``async``, ``staleness_aware``, ``ssp``, ``dc_asgd``),
+        each variable's update is a ``tf.cond`` on its own ps task
+        (``core/update_gate.py``); otherwise one ``tf.cond`` spans the ps
+        tasks. Its cost on the embedding workload of docs/benchmarks.md
+        (2 ps, loopback): 1.4 KB per worker step (74.9 against 73.5 KB; 76.2
+        with one cond over both tasks); the bench's ``async+nocheck@emb``
+        run measures it over netns links.
       deduplicate_lookups: row reads of the tables created in the scope
         (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
         each distinct id of a batch to its ps once and expand the rows on the

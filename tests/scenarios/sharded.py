@@ -80,20 +80,25 @@ def _state_placement(strategy):
 
 def _sharded_run(c, num_ps, policy="async", policy_args=None, optimizer="sgd", lr=0.5,
                  partitioner="fixed", locking=False, steps=12, full_batch=False,
-                 reference=True, mixed=False, wire_dtype=None):
+                 reference=True, mixed=False, wire_dtype=None, nan_batches=()):
     if mixed:  # mixed_float16: float32 shards, float16 compute, loss scaling
         tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         return _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner,
-                            locking, steps, full_batch, reference, wire_dtype)
+                            locking, steps, full_batch, reference, wire_dtype, nan_batches)
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
 
 
 def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, locking, steps,
-                 full_batch, reference, wire_dtype=None):
+                 full_batch, reference, wire_dtype=None, nan_batches=()):
     ids, ys, emb0, k0 = _embedding_problem(steps)
     batch = len(ids) if full_batch else EMB_BATCH
+    clean = np.ones(len(ids), bool)
+    for b in nan_batches:  # NaN targets: the step's gradients are NaN, the step is dropped
+        ys = ys.copy()
+        ys[b * batch:(b + 1) * batch] = np.nan
+        clean[b * batch:(b + 1) * batch] = False
     loss = "mse"
 
     def dataset_fn(ctx):
@@ -135,8 +140,8 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
         # Plain single-process tf_keras training on the same batches.
         ref = _embedding_model(emb0, k0)
         ref.compile(make_optimizer(optimizer, lr), loss)
-        ref.fit(tf.data.Dataset.from_tensor_slices((ids, ys)).batch(batch).repeat(),
-                epochs=1, steps_per_epoch=steps, verbose=0)
+        ref.fit(tf.data.Dataset.from_tensor_slices((ids[clean], ys[clean])).batch(batch).repeat(),
+                epochs=1, steps_per_epoch=steps - len(nan_batches), verbose=0)
         ref_table, ref_kernel = ref.get_weights()
         out["max_abs_diff"] = float(max(np.max(np.abs(table - ref_table)),
                                         np.max(np.abs(kernel - ref_kernel))))

@@ -19,7 +19,10 @@ with:
   whole-table tensors; apart from ``tensorflow`` for its 600-line limit).
 * :mod:`tf_asyncps.compat.tensorflow_variables`: TensorFlow 2.21.0's resource
   variable read path (a variable's dense reads over a bfloat16 wire; apart
-  for the same reason).
+  for the same reason), redirected while one update is traced, and an
+  optimizer counter's ``assign_add`` made conditional.
+* :mod:`tf_asyncps.compat.tensorflow_graph`: TensorFlow 2.21.0's
+  ``Operation._set_device`` (constants moved beside their consumers).
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, the
   optimizers' ``apply_gradients`` hook).

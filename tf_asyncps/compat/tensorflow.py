@@ -160,9 +160,9 @@ PSS_EXTENDED_HOOKS = frozenset({
     # overridden hooks
     "_use_merge_call", "_replica_ctx_update", "_replica_ctx_all_reduce", "_reduce_to",
     "_batch_reduce_to", "_distribute_datasets_from_function", "_create_variable",
-    "_call_for_each_replica",
+    "_call_for_each_replica", "_update",
     # read
-    "_update", "_num_replicas_in_sync", "_num_workers", "_container_strategy",
+    "_num_replicas_in_sync", "_num_workers", "_container_strategy",
 })
 
 

@@ -1,11 +1,14 @@
 """TensorFlow resource-variable internals (TF 2.21.0; the same read path in
-2.18-2.20): a variable's dense read, replaced on one instance.
+2.18-2.20): a variable's dense read, replaced on one instance; an
+optimizer's counter increment, made conditional while one update is traced.
 
 Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit);
 importable without TensorFlow being imported first.
 """
 
-__all__ = ["replace_dense_read"]
+import contextlib
+
+__all__ = ["replace_dense_read", "adding_only_if", "reads_redirected"]
 
 
 def replace_dense_read(var, after_read) -> bool:
@@ -46,3 +49,72 @@ def replace_dense_read(var, after_read) -> bool:
     _read_variable_op._asyncps_replaced = True
     var._read_variable_op = _read_variable_op
     return True
+
+
+@contextlib.contextmanager
+def adding_only_if(var, pred):
+    """While this context is active, ``var.assign_add(delta, ...)`` adds
+    ``delta * cast(pred)``: an instance attribute on this object only,
+    removed (or the previous one put back) on exit.
+
+    For an optimizer's iteration counter (``optimizer.iterations``), which
+    tf_keras 2.21.0 (``Optimizer`` and ``legacy.OptimizerV2``) and Keras
+    3.15.1 increment with ``iterations.assign_add(1)`` once per
+    ``apply_gradients`` call, outside ``extended.update``: a step gated
+    per variable (core/update_gate.py) must not count a dropped step.
+
+    Args:
+      var: a ``tf.Variable`` or a Keras 3 ``Variable`` (integer dtype).
+      pred: scalar tf.bool.
+    """
+    import tensorflow as tf
+    had = "assign_add" in vars(var)
+    previous = vars(var).get("assign_add")
+    original = var.assign_add
+
+    def assign_add(delta, *args, **kwargs):
+        dtype = tf.as_dtype(getattr(var, "dtype", tf.int64))
+        return original(tf.cast(delta, dtype) * tf.cast(pred, dtype), *args, **kwargs)
+
+    var.assign_add = assign_add
+    try:
+        yield
+    finally:
+        if had:
+            var.assign_add = previous
+        else:
+            del var.assign_add
+
+
+@contextlib.contextmanager
+def reads_redirected(var, redirect):
+    """While this context is active, a dense read of ``var`` (the path of
+    :func:`replace_dense_read`) returns ``redirect(read)``, where ``read()``
+    makes the original read op in the current graph. On exit the previous
+    read (a :func:`replace_dense_read` one included) is put back.
+
+    Args:
+      var: a ``tf.Variable`` (the strategy's wrapper of one: the wrapped
+        variable's reads are redirected).
+      redirect: ``fn(read: Callable[[], tf.Tensor]) -> tf.Tensor``.
+    """
+    while hasattr(var, "_v") and hasattr(var._v, "_read_variable_op"):
+        var = var._v
+    if getattr(var, "_read_variable_op", None) is None:
+        yield
+        return
+    had = "_read_variable_op" in vars(var)
+    previous = vars(var).get("_read_variable_op")
+    current = var._read_variable_op
+
+    def _read_variable_op(*args, **kwargs):
+        return redirect(lambda: current(*args, **kwargs))
+
+    var._read_variable_op = _read_variable_op
+    try:
+        yield
+    finally:
+        if had:
+            var._read_variable_op = previous
+        else:
+            del var._read_variable_op

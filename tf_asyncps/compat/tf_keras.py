@@ -10,7 +10,7 @@ import functools
 import sys
 from typing import Callable, List, Optional
 
-__all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "update_loss_scale",
+__all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
            "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
            "pss_evaluation_shards", "hook_apply_gradients", "build_for_pending_restore"]
@@ -168,6 +168,16 @@ def hook_apply_gradients(make_hook) -> bool:
                 *loss_scale_optimizer_classes()):
         tf_compat.hook_method(cls, "apply_gradients", make_hook)
     return True
+
+
+def optimizer_classes() -> tuple:
+    """tf_keras's optimizer base classes (``tf_keras.optimizers.Optimizer``,
+    ``tf_keras.optimizers.legacy.Optimizer``); empty if tf_keras is missing."""
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return ()
+    return (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
 
 
 def build_for_pending_restore(optimizer, variables) -> bool:

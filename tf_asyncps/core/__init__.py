@@ -9,6 +9,8 @@ one concept per module:
   ``StepInfo``, ``Decision``);
 * ``step.py``: the worker step's trace-time context and the optimizer hooks;
 * ``staleness.py``: the global step and the τ histograms on the PS;
+* ``update_gate.py``: the non-finite check as one cond per variable, on its
+  ps task;
 * ``locking.py``: the update lock on the PS (bounded wait);
 * ``gate.py``: per-worker token gates on the PS (``ssp``, ``sync_replicas``);
 * ``watchdog.py``: the chief-side threads that bound every wait;

@@ -14,6 +14,10 @@ One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
                   else:      dropped_histogram[τ] += 1 (loss scale adjusted)
                   [release]  after_step(w)
 
+A kept step under the non-finite check is gated per variable instead, each
+``tf.cond`` on the variable's own ps task (core/update_gate.py), and counted
+without a cond (``StalenessTracker.record_gated``).
+
 Everything after the copy runs on the PS in the step's PS partition: no extra
 worker<->PS round trip. ``local_copies`` policies take another path
 (core/local_copies.py) and K-replica workers join their replicas first
@@ -31,7 +35,8 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import mixed_precision, placement, replicas
+from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.core import mixed_precision, placement, replicas, update_gate
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime, StepInfo, as_decision
@@ -322,6 +327,10 @@ class PolicyEngine:
         # such a step is counted as dropped and lowers the loss scale.
         lso = mixed_precision.loss_scale_optimizer(optimizer)
         finite = grads_lib.all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
+        # The worker's predicate, for one cond per variable on its ps (see
+        # _gated_apply) where the optimizer and the step allow it.
+        gate = finite if (finite is not None and lso is None and not locking
+                          and self._can_gate(optimizer, variables)) else None
         # Bring every worker-side input onto the PS first: the locked region
         # then never waits for a worker that may die, and the decision's
         # tf.cond runs entirely on the PS (measured faster).
@@ -343,7 +352,8 @@ class PolicyEngine:
             # Each gradient's ops on its variable's ps, τ's on the tracker's.
             with placement.beside_inputs(device):
                 return self._decide_and_apply(step, grads, variables, state, w, finite,
-                                              read_values, lso, apply_fn, inputs, locking)
+                                              read_values, lso, apply_fn, inputs, locking,
+                                              gate, optimizer)
 
         if locking:
             # Placed on the PS: a worker that dies cannot hold the lock.
@@ -406,11 +416,56 @@ class PolicyEngine:
                     out.append(b.read_value())
         return out
 
+    def _can_gate(self, optimizer, variables) -> bool:
+        """Whether each variable's update of this optimizer can be gated on
+        its own ps (core/update_gate.py): the strategy's ``extended.update``
+        gates, and the optimizer is a tf_keras, legacy tf_keras or Keras 3
+        one whose every write of a step goes through it (no EMA, no Keras 3
+        gradient accumulation or overwrite-with-gradient variables)."""
+        if not getattr(tf.distribute.get_strategy().extended, "gates_updates", False):
+            return False
+        keras3 = keras_compat.optimizer_class()
+        families = tf_keras_compat.optimizer_classes() + ((keras3,) if keras3 else ())
+        if not isinstance(optimizer, families) or getattr(optimizer, "use_ema", False):
+            return False
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            return False
+        return not any(getattr(v, "overwrite_with_gradient", False) for v in variables)
+
+    def _gated_apply(self, step, decision, variables, gate, finite, tau, tau_from_increment,
+                     apply_fn, optimizer):
+        """Applies a kept step with each variable's update gated by ``gate``
+        (the worker's finite check) on its own ps, the optimizer's counter
+        advanced by it, and the counters recorded without a cond."""
+        pairs = [(decision.grads[i], v) for i, v in enumerate(variables)]
+        with tf.init_scope():  # legacy optimizers create them on first use
+            counter = optimizer.iterations
+            lr = getattr(optimizer, "learning_rate", None)
+        hoisted = [keras_compat.backing_variable(h) for h in (lr, counter)]
+        hoisted = [h for h in hoisted if isinstance(h, tf.Variable)]
+        with update_gate.gated_by(gate, hoisted) as gated, \
+                variables_compat.adding_only_if(counter, finite):
+            _, update_ops = run_collecting_ops(apply_fn, pairs)
+        missed = [v.name for v in variables
+                  if id(v) not in gated and id(keras_compat.backing_variable(v)) not in gated]
+        if missed:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} updated {missed} without the strategy's "
+                "extended.update, so a step with NaN/Inf gradients could not be dropped "
+                "there; pass skip_nonfinite=False to AsyncParameterServerStrategy or "
+                "update through extended.update.")
+        with tf.control_dependencies(placement.one_per_device(update_ops)):
+            return self.tracker.record_gated(step.read_step, finite,
+                                             None if tau_from_increment else tau)
+
     def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
-                          lso, apply_fn, inputs, locking):
+                          lso, apply_fn, inputs, locking, gate=None, optimizer=None):
         tracker, policy = self.tracker, self.policy
-        # g is read once the gradients exist: τ covers the whole step.
-        with tf.control_dependencies(inputs):
+        # g is read once the gradients exist: τ covers the whole step. A rule
+        # that ignores τ gets it from the increment; its read waits for
+        # nothing (each wait on a gradient was a message from its ps task).
+        tau_from_increment = not locking and not policy.uses_tau
+        with tf.control_dependencies([] if tau_from_increment else inputs):
             g_now = tracker.read_step()
         tau = g_now - step.read_step
         info = StepInfo(tau=tau, read_step=step.read_step, global_step=g_now,
@@ -420,7 +475,6 @@ class PolicyEngine:
         groups = _keep_groups(decision.keep, len(variables), finite)
         # Without the lock and with a rule that ignores τ, τ comes from the
         # atomic increment itself: every update gets its own g.
-        tau_from_increment = not locking and not policy.uses_tau
 
         def applied(indices):
             # The counters move only after every op of the optimizer's update:
@@ -428,7 +482,7 @@ class PolicyEngine:
             # to each other and to their return value.
             pairs = [(decision.grads[i], variables[i]) for i in indices]
             _, update_ops = run_collecting_ops(apply_fn, pairs)
-            with tf.control_dependencies(update_ops):
+            with tf.control_dependencies(placement.one_per_device(update_ops)):
                 if tau_from_increment:
                     g_after = tracker.record_increment(step.read_step)
                 else:
@@ -455,6 +509,12 @@ class PolicyEngine:
                 return tf.cond(decision.accepted,
                                lambda: tracker.record(tau, applied=True, increment=0),
                                dropped)
+
+        if gate is not None and decision.accepted is None and decision.after_apply is None \
+                and all(k is True for k in (decision.keep if isinstance(decision.keep, (list, tuple))
+                                            else [decision.keep])):
+            return self._gated_apply(step, decision, variables, gate, finite, tau,
+                                     tau_from_increment, apply_fn, optimizer)
 
         def choose(j, chosen):
             # One optimizer call for the kept parts together (route: one keep

@@ -200,6 +200,43 @@ class StalenessTracker:
             with tf.control_dependencies(ops):
                 return tf.identity(g_after)
 
+    def record_gated(self, read_step: tf.Tensor, applied: tf.Tensor,
+                     tau: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """Counts one gradient, applied or dropped as non-finite by the
+        tensor ``applied``, with no ``tf.cond``: ``g`` advances by
+        ``cast(applied)`` and each counter's index is arithmetic on it
+        (core/update_gate.py gates the update itself).
+
+        Args:
+          read_step: int64 scalar r, the step the worker read.
+          applied: scalar tf.bool; False counts a non-finite drop.
+          tau: int64 scalar τ taken before the update (a rule that used τ);
+            None takes it from the increment, as :meth:`record_increment`.
+
+        Returns:
+          int64 scalar: ``g`` after this record.
+        """
+        bins = self.max_tracked + 1
+        with tf.device(self.device):
+            a = tf.cast(applied, tf.int64)
+            g_after = self.global_step.assign_add(a)
+            if tau is None:
+                tau = g_after - a - tf.cast(read_step, tf.int64)
+            tau = tf.maximum(tf.cast(tau, tf.int64), 0)
+            b = tf.minimum(tau, self.max_tracked)
+            dropped = 1 - a
+            idx = tf.stack([b + dropped * bins,
+                            self._sum_applied + dropped * (self._sum_dropped - self._sum_applied),
+                            tf.constant(self._nonfinite, tf.int64)])
+            ops = [
+                self.counts.scatter_add(tf.IndexedSlices(
+                    tf.stack([tf.constant(1, tf.int64), tau, dropped]), idx)),
+                self.tau_max.scatter_max(tf.IndexedSlices(
+                    tf.reshape(tau, [1]), tf.reshape(dropped, [1]))),
+            ]
+            with tf.control_dependencies(ops):
+                return tf.identity(g_after)
+
     def add_local_steps(self, n: tf.Tensor) -> tf.Tensor:
         """Adds ``n`` (int64 scalar) worker steps trained on local copies
         (``local_sgd``). Returns the op's output (int64 vector, the counts)."""

@@ -1,0 +1,35 @@
+"""TensorFlow graph internals (TF 2.21.0; ``Operation._set_device`` is the
+same in 2.16-2.20): an op's device changed after it was created.
+
+Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit).
+"""
+
+__all__ = ["constants_beside_consumers"]
+
+
+def constants_beside_consumers(ops) -> int:
+    """Moves each ``Const`` of ``ops`` whose consumers all run on one other
+    device to that device.
+
+    :func:`tf_asyncps.core.placement.beside_inputs` places an op by its
+    inputs; a constant has none, so it got the default device (ps 0) and
+    crossed to its consumer on ps 1 at every step (measured: tf_keras's
+    sparse de-duplication, 3 constants per step per table shard). The
+    placer does not move an op whose device was set.
+
+    Args:
+      ops: ``tf.Operation``s of one graph.
+
+    Returns:
+      how many constants moved (int).
+    """
+    moved = 0
+    for op in ops:
+        if op.type != "Const" or not op.device:
+            continue
+        consumers = [c for t in op.outputs for c in t.consumers()]
+        devices = {c.device for c in consumers}
+        if len(devices) == 1 and "" not in devices and devices != {op.device}:
+            op._set_device(devices.pop())
+            moved += 1
+    return moved
