@@ -131,6 +131,24 @@ def test_slots_come_back_by_global_row_on_any_shard_count(tmp_path, name, sizes,
     _assert_same(_state(model2, opt2), _state(model, opt))
 
 
+@pytest.mark.parametrize("sizes,again", [([3, 3], [2, 2, 2]), ([2, 2, 2], [3, 3])],
+                         ids=["2to3", "3to2"])
+def test_a_loss_scale_optimizer_restores_its_inner_slots(tmp_path, sizes, again):
+    """mixed_float16's LossScaleOptimizer: its inner optimizer holds the slots."""
+    make = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.1))
+    model, opt = _model(sizes), make()
+    opt.build(_sources(model))
+    _train(model, opt, 3)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+    model2, opt2 = _model(again), make()
+    tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
+    assert keras_slots.build_for_pending_restore(opt2, _sources(model2))
+    _assert_same(_state(model2, opt2.inner_optimizer), _state(model, opt.inner_optimizer))
+    _train(model, opt, 2, first=3)
+    _train(model2, opt2, 2, first=3)
+    _assert_same(_state(model2, opt2.inner_optimizer), _state(model, opt.inner_optimizer))
+
+
 def test_checkpoint_holds_each_slot_whole(tmp_path):
     """One tensor per slot of the partitioned table (6 rows), none per
     shard: the checkpoint reads the same on any shard count."""
