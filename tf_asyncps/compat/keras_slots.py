@@ -1,23 +1,30 @@
 """Keras 3 optimizer slots of partitioned weights in ``tf.train.Checkpoint``.
 
-Tested with Keras 3.15.1 (TensorFlow 2.21.0). Importing this module imports
-nothing; functions import Keras and TensorFlow when called.
+Tested with Keras 3.15.1 and TensorFlow 2.21.0. Importing this module imports
+nothing; functions import Keras and TensorFlow when called. Private names
+used: Keras 3.15's ``TFOptimizer`` (``keras.src.backend.tensorflow.optimizer``),
+its ``_variables``/``_trainable_variables`` and ``add_variable_from_reference``;
+TensorFlow 2.21's ``ListWrapper``, ``Trackable._trackable_children``,
+``_deferred_dependencies`` and ``CheckpointPosition.restore``.
 
 Under ``variable_partitioner`` a Keras 3 optimizer is built on a partitioned
 weight's shards (``tf_asyncps/keras3``): one slot per shard (Adagrad's
 accumulator, Adam's momentum and velocity). Keras tracks them by position, in
 ``_variables`` and in each slot list (``_accumulators``, ``_momentums``...),
 and the shards themselves in ``_trainable_variables``: a checkpoint written
-on 2 shards and read onto 3 matched the positions of other slots and left the
-shards' slots at their initial values, with no error (measured: Adagrad
-accumulators up to 1694 came back at 0.1). Here such an optimizer's
-checkpoint holds, instead, each partitioned weight's slots whole (one tensor
-per slot name and weight, rows in global order, like the weight itself:
+on 2 shards and read onto 3 (or 3 onto 2) gave each position to whatever
+slot sits there now and left the shards' slots at their initial values, with
+no error (tests/test_keras3_slots.py: Adagrad accumulators up to 106.0 back
+at 0.1). Here such an optimizer's checkpoint holds, instead, each
+partitioned weight's slots whole (one tensor per slot name and weight, rows
+in global order, like the weight itself:
 :func:`tf_asyncps.compat.keras.checkpoint_partitioned_whole`), and its
 position lists without the shards and their slots, so that every position
 means the same thing on any number of shards. A restore splits the whole
 slot by this model's shards.
 """
+
+import functools
 
 __all__ = ["TESTED_VERSIONS", "checkpoint_slots_whole", "build_for_pending_restore",
            "WHOLE_SLOTS"]
@@ -61,6 +68,7 @@ def _partitioned(optimizer):
     return groups
 
 
+@functools.lru_cache(maxsize=None)
 def _whole_slot_class():
     import tensorflow as tf
 
@@ -214,7 +222,8 @@ def build_for_pending_restore(optimizer, variables) -> bool:
       ValueError: if a checkpoint restored into it holds whole slots of
         partitioned weights and ``variables`` holds no shard, or holds no
         whole slots while ``variables`` holds shards: slot values would be
-        lost (or start again) silently otherwise.
+        lost (or start again) silently otherwise; or if a whole slot has
+        another number of rows than this weight.
     """
     import sys
     import tensorflow as tf
@@ -277,8 +286,7 @@ def _apply(obj, deferred, lists):
     children = obj._trackable_children()
     for name, positions in lists.items():
         target = children.get(name)
-        if target is None:
-            deferred.setdefault(name, [])  # the list is gone: nothing to give them to
+        if target is None:  # not after Keras 3.15's build: it keeps both lists
             continue
         target_children = target._trackable_children()
         for index, index_positions in positions.items():
