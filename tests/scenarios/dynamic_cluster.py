@@ -416,15 +416,21 @@ def _restored(c, shards, capacity, saved, before, pred, emb, build=True):
 
 
 @scenario
-def dynamic_keras3_checkpoint(capacity=30):
-    """Keras 3 fit (2 workers, Adagrad, the table on 2 shards), a
-    tf.train.Checkpoint of the model and its optimizer, restored into a new
-    model on the same shards whose optimizer the first step builds (as the
-    Keras 3 trainer does on partitioned weights): the same ids, rows,
-    accumulators and predictions after one step of zero gradients."""
+def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad"):
+    """Keras 3 fit (2 workers, ``optimizer``, the table on 2 shards), a
+    tf.train.Checkpoint of the model and its optimizer, then one step of zero
+    gradients on the saved model (the reference: Adam's moments decay and
+    move the rows). The checkpoint restored into new models on 2 and on 3
+    shards whose optimizer the first step builds (as the Keras 3 trainer
+    does on partitioned weights), each taking the same step; then the
+    3-shard one saved, stepped, and restored onto 2 the same way. Per
+    restore: the predictions right after it, then the same ids, rows, slots
+    (every one: Adagrad's accumulator, Adam's momentum and velocity),
+    iterations and predictions as its reference."""
     import keras
     import tempfile
     x, y = _data()
+    batch = tf.constant(x)
 
     def make(strategy):
         with strategy.scope():
@@ -432,36 +438,66 @@ def dynamic_keras3_checkpoint(capacity=30):
             layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=capacity, evict_every=5)
             model = keras.Model(i, keras.layers.Dense(1, kernel_initializer="ones")(
                 keras.layers.Flatten()(layer(i))))
-            model.compile(_optimizer("adagrad", "keras3"), "mse")
+            model.compile(_optimizer(optimizer, "keras3"), "mse")
         return model, layer
 
     def state(model, layer):
+        """{id: (row, slot rows...)} of the live ids."""
         out = {}
         for s in layer.dynamic_table.shards:
-            [(slot, _)] = tf_asyncps.layers.dynamic_table.optimizer_slots(model.optimizer, s.var)
-            count, keys, rows, acc = s.count.numpy(), s.key.numpy(), s.var.numpy(), slot.numpy()
+            slots = tf_asyncps.layers.dynamic_table.optimizer_slots(model.optimizer, s.var)
+            count, keys, rows = s.count.numpy(), s.key.numpy(), s.var.numpy()
+            values = [slot.numpy() for slot, _ in sorted(slots, key=lambda p: p[0].name)]
             for r in np.flatnonzero(count > 0):
-                out[int(keys[r])] = (rows[r], acc[r])
+                out[int(keys[r])] = (rows[r],) + tuple(v[r] for v in values)
         return out
 
     def data(weight):
         w = np.full([len(x)], weight, "float32")
         return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(8).repeat()
 
-    with cluster(num_workers=2, num_ps=2) as c:
-        model, layer = make(_strategy(c, 2))
-        model.fit(data(1.0), epochs=1, steps_per_epoch=8, verbose=0)
-        before, pred = state(model, layer), model(tf.constant(x), training=False).numpy()
+    def save_then_step(model, layer):
+        """(path, predictions at the save, {id: ...} and predictions after one
+        zero-gradient step taken after the save: the reference)."""
+        saved_pred = model(batch, training=False).numpy()
         path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             os.path.join(tempfile.mkdtemp(), "ckpt"))
-        again, layer2 = make(_strategy(c, 2))
+        model.fit(data(0.0), epochs=1, steps_per_epoch=1, verbose=0)
+        return path, saved_pred, state(model, layer), model(batch, training=False).numpy()
+
+    def restored(c, shards, saved):
+        """A new model on ``shards`` shards: the checkpoint, then the same step."""
+        path, saved_pred, before, pred = saved
+        again, layer2 = make(_strategy(c, shards))
         tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path)
-        pred_diff = float(np.abs(again(tf.constant(x), training=False).numpy() - pred).max())
+        restored_diff = float(np.abs(again(batch, training=False).numpy() - saved_pred).max())
         again.fit(data(0.0), epochs=1, steps_per_epoch=1, verbose=0)
         after = state(again, layer2)
         same = sorted(before) == sorted(after)
         diff = lambda i: max(float(np.abs(before[k][i] - after[k][i]).max()) for k in before)
-        return {"ids": sorted(after), "ids_equal": same, "pred_max_diff": pred_diff,
-                "rows_max_diff": diff(0) if same else -1.0,
-                "acc_max_diff": diff(1) if same else -1.0,
-                "acc_max": max(float(np.abs(v[1]).max()) for v in before.values())}
+        n_slots = len(next(iter(before.values()))) - 1
+        return again, layer2, {
+            "ids": sorted(after), "ids_equal": same, "restored_pred_max_diff": restored_diff,
+            "pred_max_diff": float(np.abs(again(batch, training=False).numpy() - pred).max()),
+            "rows_max_diff": diff(0) if same else -1.0,
+            "slots_max_diff": max(diff(i) for i in range(1, n_slots + 1)) if same else -1.0,
+            "iterations": int(again.optimizer.iterations.numpy()),
+            "shards": len(layer2.dynamic_table.shards),
+            "moved": layer2.dynamic_table.reshard_stats()["moved"]}
+
+    with cluster(num_workers=2, num_ps=3) as c:
+        model, layer = make(_strategy(c, 2))
+        model.fit(data(1.0), epochs=1, steps_per_epoch=8, verbose=0)
+        saved = state(model, layer)
+        on_two = save_then_step(model, layer)
+        before = on_two[2]
+        out = {"slots": len(next(iter(before.values()))) - 1,
+               "slot_max": max(float(np.abs(v[1:]).max()) for v in saved.values()),
+               "moved_by_step": max(float(np.abs(np.stack(before[k]) - np.stack(saved[k])).max())
+                                    for k in before),
+               "iterations": int(model.optimizer.iterations.numpy())}
+        _, _, out["2to2"] = restored(c, 2, on_two)
+        on_three, layer3, out["2to3"] = restored(c, 3, on_two)
+        # 3 -> 2: the restored 3-shard model saved, then stepped (the reference).
+        _, _, out["3to2"] = restored(c, 2, save_then_step(on_three, layer3))
+        return out

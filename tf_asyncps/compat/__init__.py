@@ -29,6 +29,10 @@ with:
 * :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables and
   optimizer counters, the optimizers' ``apply`` hook, TensorBoard's
   profiling range, frames of Keras 3's own code).
+* :mod:`tf_asyncps.compat.keras_slots`: Keras 3.15.1 with TensorFlow 2.21.0
+  (an optimizer's slots of partitioned weights saved whole in
+  ``tf.train.Checkpoint``, restored onto any number of shards; apart from
+  ``keras`` for its 600-line limit).
 
 Each module is importable without the library it wraps being imported
 first: functions import what they need when called.

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_slots
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 
@@ -132,6 +133,7 @@ def _hook(original, adapt_args):
         grads_and_vars, rebuild = adapt_args(self, args, kwargs)
         # Before the engine's before-update hooks, which need the slots.
         tf_keras_compat.build_for_pending_restore(self, [v for _, v in grads_and_vars])
+        keras_slots.build_for_pending_restore(self, [v for _, v in grads_and_vars])
 
         def run_original(gv):
             new_args, new_kwargs = rebuild(gv)
