@@ -389,6 +389,9 @@ def test_tiny_embedding_bench_reads_distinct_rows_only_with_dedup(tmp_path):
         # Nothing below the limit; nothing above every id's row and id both
         # ways plus the head, with headers (< 10%).
         assert limit <= r["bytes_per_step"] <= 1.1 * (bench_emb.BATCH * (8 + row) * 2 + 264), r
+        # Every link: the workers' traffic once, plus the ps tasks' between
+        # themselves and the chief's (a few KB per step).
+        assert r["bytes_per_step"] <= r["all_links_bytes_per_step"] <= r["bytes_per_step"] + 10e3
     # Without de-duplication a worker receives every id's row; with it about
     # the distinct ones' (half the limit), plus headers.
     assert by["async@emb"]["bytes_received_per_step"] >= bench_emb.BATCH * row

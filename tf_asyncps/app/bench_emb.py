@@ -141,6 +141,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         model.compile(tf_keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=run["spe"])
 
     workers = [f"worker:{i}" for i in range(run["num_workers"])]
+    every_host = ["chief:0"] + [f"ps:{i}" for i in range(NUM_PS)] + workers
     segments = []
 
     class Probe(tf_keras.callbacks.Callback):
@@ -150,13 +151,17 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.perf_counter() - self.t0
             c = [hosts.counters(w) for w in workers] if hosts else []
+            # Every host's sent bytes: each byte on the network once, the ps
+            # tasks' traffic between themselves and the chief's included.
+            every = sum(hosts.counters(h)["tx_bytes"] for h in every_host) if hosts else None
             gs = (strategy.staleness_stats().global_step
                   if isinstance(strategy, AsyncParameterServerStrategy) else None)
             segments.append({"steps": eval_every, "seconds": seconds, "global_step": gs,
                              "loss": float((logs or {}).get("loss", float("nan"))),
                              "test_accuracy": None,
                              **({"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
-                                 "worker_rx_bytes": sum(x["rx_bytes"] for x in c)} if c else {})})
+                                 "worker_rx_bytes": sum(x["rx_bytes"] for x in c),
+                                 "all_tx_bytes": every} if c else {})})
 
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn),
               epochs=max(2, steps_total // eval_every), steps_per_epoch=eval_every, verbose=0,
@@ -173,6 +178,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
                           ("worker_rx_bytes", "bytes_received_per_step")):
             out[name] = (segments[-1][key] - segments[0][key]) / steps
         out["bytes_per_step"] = out["bytes_sent_per_step"] + out["bytes_received_per_step"]
+        out["all_links_bytes_per_step"] = (
+            segments[-1]["all_tx_bytes"] - segments[0]["all_tx_bytes"]) / steps
     if isinstance(strategy, AsyncParameterServerStrategy):
         out["updates_per_sec"] = (segments[-1]["global_step"] -
                                   segments[0]["global_step"]) / secs

@@ -94,6 +94,11 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
         if lim and r.get("bytes_per_step") is not None:
             r["x_limit"] = r["bytes_per_step"] / lim
             r["x_limit_range"] = [x / lim for x in r["bytes_per_step_range"]]
+        if lim and r.get("all_links_bytes_per_step") is not None:
+            r["x_limit_all"] = r["all_links_bytes_per_step"] / lim
+            r["x_limit_all_range"] = [x / lim for x in
+                                      r.get("all_links_bytes_per_step_range")
+                                      or [r["all_links_bytes_per_step"]] * 2]
     checks = []
 
     def check(what, value, value_range, target):
@@ -255,16 +260,18 @@ def _emb_table(results, s, machine) -> List[str]:
         f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
         f"{machine['cpus']} CPUs, TensorFlow {machine['tensorflow']}. Limit: the id "
         f"stream's distinct ids per batch x 272 B (id and row read, id and gradient row "
-        f"pushed) plus the head, headers excluded.",
+        f"pushed) plus the head, headers excluded. KB / worker step: the workers' links "
+        f"(sent + received); all links: every host's sent bytes (the ps tasks' traffic "
+        f"between themselves and the chief's too), per worker step.",
         "",
         "| run | workers | steps/closure | steps/s | × vanilla | KB sent / worker step | "
         "KB received / worker step | KB / worker step | × vanilla bytes | limit KB | "
-        "× limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "× limit | KB all links / worker step | × limit, all links |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['num_workers']} | {r['spe']} | failed: "
-                         f"{r['error'].splitlines()[0]} |" + " |" * 7)
+                         f"{r['error'].splitlines()[0]} |" + " |" * 9)
             continue
         lim = r.get("limit_bytes_per_step")
         lines.append(
@@ -275,7 +282,9 @@ def _emb_table(results, s, machine) -> List[str]:
             f"{_kb(r, 'bytes_received_per_step', '.1f')} | {_kb(r, 'bytes_per_step', '.1f')} | "
             f"{_fmt_range(r.get('x_vanilla_bytes'), r.get('x_vanilla_bytes_range'))} | "
             f"{_fmt(None if lim is None else lim / 1e3, '.1f')} | "
-            f"{_fmt_range(r.get('x_limit'), r.get('x_limit_range'))} |")
+            f"{_fmt_range(r.get('x_limit'), r.get('x_limit_range'))} | "
+            f"{_kb(r, 'all_links_bytes_per_step', '.1f')} | "
+            f"{_fmt_range(r.get('x_limit_all'), r.get('x_limit_all_range'))} |")
     return lines
 
 
