@@ -17,10 +17,10 @@ LEGACY = {"adagrad": lambda: tf_keras.optimizers.legacy.Adagrad(0.1),
           "adam": lambda: tf_keras.optimizers.legacy.Adam(0.01)}
 
 
-def _legacy_model(strategy, optimizer, capacity, evict_every):
+def _legacy_model(strategy, optimizer, capacity, evict_every, ttl_steps=None):
     with strategy.scope():
         layer = DynamicEmbedding(4, capacity=capacity, evict_every=evict_every,
-                                 initializer="zeros")
+                                 initializer="zeros", ttl_steps=ttl_steps)
         model = _model(layer)
         model.compile(LEGACY[optimizer](), "mse")
     return model, layer
@@ -50,21 +50,28 @@ def _has_slot(opt, var, name):
 
 
 @scenario
-def dynamic_legacy_optimizers(optimizers=("adagrad", "adam"), capacity=6, evict_every=2):
+def dynamic_legacy_optimizers(optimizers=("adagrad", "adam"), capacity=6, evict_every=2,
+                              ttl_steps=6):
     """Per legacy optimizer, on 2 workers and 2 ps (``async``): 10 ids for
-    ``capacity`` rows, a pass every ``evict_every`` global steps; the
-    table's invariants, the free rows' slots, then a tf.train.Checkpoint
-    round trip onto the same shards (the restored layer with passes far
-    apart, so none runs in its one zero-weight step)."""
+    ``capacity`` rows, a pass every ``evict_every`` global steps (LFU, and
+    rows unseen for ``ttl_steps`` go), 16 steps; then 16 steps of 2 of the
+    ids only, so that the others' rows are free at the end (evicted, not
+    handed out again). The table's invariants, the free rows' slots, then
+    a tf.train.Checkpoint round trip onto the same shards (the restored
+    layer with passes far apart, so none runs in its one zero-weight step)."""
+    from scenarios.dynamic_cluster import RAW
     x, y = _shifted_data()
+    last = np.resize(RAW[6:8], x.shape)
     out = {}
     with cluster(num_workers=2, num_ps=2) as c:
         for name in optimizers:
             strategy = _strategy(c)
-            model, layer = _legacy_model(strategy, name, capacity, evict_every)
+            model, layer = _legacy_model(strategy, name, capacity, evict_every, ttl_steps)
             _fit(strategy, model, x, y, epochs=1, steps=16)
+            _fit(strategy, model, last, y, epochs=1, steps=16)
             state = _shard_state(model, layer)
-            r = {"stats": layer.stats(), "ids": layer.export()[0].numpy().tolist(),
+            r = {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
+                 "last_ids": sorted(RAW[6:8].tolist()),
                  "num_slots": sum(len(s["slots"]) for s in state),
                  "slot_names": sorted({n for s in state for n, _, _ in s["slots"]})}
             # Rows free now that held an id (RAW has no 0): evicted rows.
@@ -118,3 +125,135 @@ def _round_trip(c, model, layer, name, capacity, before, x, y):
              slots_max=max(float(np.abs(v).max()) for s in before for _, v, _ in s["slots"]),
              stats=layer2.stats())
     return r
+
+
+def _local_sgd(sync_every):
+    import tf_asyncps
+    return tf_asyncps.policies.get("local_sgd", sync_every=sync_every)
+
+
+@scenario
+def dynamic_local_sgd_phases(capacity=12, sync_every=2, ttl_steps=1, phase1=4, steps=40):
+    """local_sgd (exchange every ``sync_every`` local steps), 2 workers, 2
+    ps, Adagrad, a pass at every exchange with ``ttl_steps``: each worker's
+    batches hold all of 6 ids for ``phase1`` steps, then all of 3 others for
+    good. Returns the table's counters, the free rows' largest value on the
+    ps (zeros unless a worker's delta landed on a row after its reset) and
+    the rows' generations."""
+    from scenarios.dynamic_cluster import RAW, _optimizer
+    first = np.tile(RAW[:6].reshape(2, 3), (4, 1))  # 8 samples: every id of 6
+    then = np.tile(RAW[6:9].reshape(1, 3), (8, 1))
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(8, 1)).astype("float32")
+    with cluster(num_workers=2, num_ps=2) as c:
+        strategy = _strategy(c, update_policy=_local_sgd(sync_every))
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=capacity, evict_every=1,
+                                     initializer="zeros", ttl_steps=ttl_steps)
+            model = _model(layer)
+            model.compile(_optimizer("adagrad"), "mse")
+
+        def dataset_fn(ctx):
+            one = tf.data.Dataset.from_tensors((first, y)).repeat(phase1)
+            return one.concatenate(tf.data.Dataset.from_tensors((then, y)).repeat())
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                  steps_per_epoch=steps, verbose=0)
+        free_rows, generations, freed = 0.0, 0, 0
+        for shard in layer.dynamic_table.shards:
+            free = np.flatnonzero(shard.count.numpy() == 0)
+            gen = shard.gen.numpy()
+            freed += int(np.count_nonzero(gen[free]))
+            generations += int(gen.sum())
+            free_rows = max(free_rows, float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+        stats = strategy.staleness_stats()
+        return {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
+                "phase2_ids": sorted(RAW[6:9].tolist()),
+                "free_rows_max": free_rows, "generations": generations, "freed_rows": freed,
+                "global_step": stats.global_step, "local_steps": stats.local_steps,
+                "closures": strategy.closures_done_per_worker()}
+
+
+#: Two raw ids of the reused-row scenario (one table row, one shard).
+ID_A, ID_B = 10**12 + 7, -5
+
+
+@scenario
+def dynamic_local_sgd_reused_row(a_steps=4, b_steps=8, sync_every=2, lr=0.1, y_b=0.5):
+    """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
+    steps), a one-row table (LFU, a pass at every exchange), Adagrad, a
+    frozen head (Dense(1), kernel ones, no bias): ``a_steps`` batches of id
+    A (target 1), then ``b_steps`` of id B (target ``y_b``). B is refused
+    until a pass evicts A at an exchange; B then gets A's row, reset. Returns
+    the counters, the row and what the worker trained on it."""
+    x = np.concatenate([np.full([8 * a_steps, 3], ID_A), np.full([8 * b_steps, 3], ID_B)])
+    y = np.concatenate([np.ones([8 * a_steps, 1]), np.full([8 * b_steps, 1], y_b)])
+    y = y.astype("float32")
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = _strategy(c, num_ps=1, update_policy=_local_sgd(sync_every))
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=1, evict_every=1, initializer="zeros")
+            i = tf_keras.Input([3], dtype=tf.int64)
+            head = tf_keras.layers.Dense(1, kernel_initializer="ones", use_bias=False,
+                                         trainable=False)
+            model = tf_keras.Model(i, head(tf_keras.layers.Flatten()(layer(i))))
+            model.compile(tf_keras.optimizers.Adagrad(lr), "mse")
+
+        def dataset_fn(ctx):
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                  steps_per_epoch=a_steps + b_steps, verbose=0)
+        [shard] = layer.dynamic_table.shards
+        stats = strategy.staleness_stats()
+        return {"stats": layer.stats(), "ids": layer.export()[0].numpy().tolist(),
+                "row": shard.var.numpy()[0].tolist(), "generation": int(shard.gen.numpy()[0]),
+                "count": int(shard.count.numpy()[0]), "passes": int(shard.passes.numpy()),
+                "global_step": stats.global_step, "local_steps": stats.local_steps}
+
+
+@scenario
+def dynamic_local_sgd_stale_delta(sync_every=4, lr=0.1, target=1.0):
+    """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
+    steps), a custom loop, Adagrad, the frozen head of
+    :func:`dynamic_local_sgd_reused_row`, every batch id A (target
+    ``target``). After 2 local steps on A's row (not pushed yet: the
+    chief fetches the step's result, no join), a pass run by the chief
+    (ttl_steps=1 at a far step) evicts A; steps 3 and 4 admit A again to the
+    same row, which the worker's copy does not hold yet (default row); the
+    exchange before step 5 must drop the worker's delta of steps 1-2 on
+    it; step 5 trains the fresh row; the join pushes that."""
+    x = np.full([8, 3], ID_A)
+    y = np.full([8, 1], target, "float32")
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = _strategy(c, num_ps=1, update_policy=_local_sgd(sync_every))
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=1, ttl_steps=1, initializer="zeros")
+            i = tf_keras.Input([3], dtype=tf.int64)
+            head = tf_keras.layers.Dense(1, kernel_initializer="ones", use_bias=False,
+                                         trainable=False)
+            model = tf_keras.Model(i, head(tf_keras.layers.Flatten()(layer(i))))
+            opt = tf_keras.optimizers.Adagrad(lr)
+
+        @tf.function
+        def step(xb, yb):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+                variables = model.trainable_variables
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                return loss
+            return strategy.run(replica, args=(xb, yb))
+
+        args = (tf.constant(x), tf.constant(y))
+        [coordinator.schedule(step, args=args) for _ in range(2)][-1].fetch()
+        [shard] = layer.dynamic_table.shards
+        before = {"row": shard.var.numpy()[0].tolist(), "live": layer.stats()["live_rows"]}
+        layer.dynamic_table.maybe_evict(10**9)  # eagerly, on the chief
+        evicted = layer.stats()["evicted"]
+        losses = [coordinator.schedule(step, args=args) for _ in range(3)]
+        coordinator.join()
+        stats = strategy.staleness_stats()
+        return {"before": before, "evicted_by_chief": evicted, "stats": layer.stats(),
+                "losses": [float(v.fetch()) for v in losses],
+                "row": shard.var.numpy()[0].tolist(), "generation": int(shard.gen.numpy()[0]),
+                "global_step": stats.global_step, "local_steps": stats.local_steps}

@@ -299,7 +299,7 @@ class PolicyEngine:
         marked = self._is_locking(optimizer)
         if step.local_state is not None:
             mixed_precision.check_local_copies(self.policy, optimizer)
-            return self.local.apply(step, grads_and_vars, apply_fn, marked)
+            return self.local.apply(step, grads_and_vars, apply_fn, marked, optimizer)
         locking = self.policy.atomic or marked
         apply_fn = self._filtered(apply_fn, optimizer)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
