@@ -10,7 +10,9 @@ pytestmark = pytest.mark.cluster
 
 @pytest.mark.timeout(420)
 def test_legacy_optimizers_evict_reset_slots_and_round_trip():
-    """tf_keras.optimizers.legacy Adagrad and Adam, 2 workers, 2 ps, 10 ids
+    """tf_keras.optimizers.legacy Adagrad, and Adam under LockingOptimizer
+    (unlocked, a pass overlapping another worker's update lost its reset:
+    see test_after_update_hooks_run_inside_the_update_lock), 2 workers, 2 ps, 10 ids
     for 6 rows, a pass every 2 steps (LFU, ttl_steps=6), then 2 of the ids
     only: those 2 live at the end, each once; evicted rows and their slots
     back at their initial values (zeros; Adagrad's accumulator 0.1, Adam's
@@ -101,3 +103,14 @@ def test_local_sgd_two_workers_keep_the_table_invariants():
     assert r["stats"]["evicted"] >= 6 and r["generations"] == r["stats"]["evicted"]
     assert r["freed_rows"] >= 3 and r["free_rows_max"] == 0.0
     assert r["local_steps"] == 40 and sum(r["closures"]) == 40
+
+
+@pytest.mark.timeout(300)
+def test_after_update_hooks_run_inside_the_update_lock():
+    """Under LockingOptimizer the engine's after-update hooks (a dynamic
+    table's eviction pass) hold the update lock too, so no locked update
+    overlaps a pass: tf_keras Adam rewrites every row's moments at each
+    update, which undid a pass's resets. Before, they ran after its release
+    (the hook saw the lock's token back: [1, 1, 1])."""
+    r = run_scenario("after_update_hook_under_the_lock", timeout=280)
+    assert r["global_step"] == 3 and r["free_tokens_seen"] == [0, 0, 0]
