@@ -131,7 +131,8 @@ class PolicyEngine:
         traced after each step's update (applied or dropped), with the step's
         variables and the int64 global step after it: upkeep of state beside
         the variables, such as a dynamic table's eviction pass
-        (tf_asyncps/layers/dynamic_table.py)."""
+        (tf_asyncps/layers/dynamic_table.py). Under the update lock
+        (LockingOptimizer, atomic policies) it runs holding the lock."""
         self._after_update.append(fn)
 
     def add_gradient_filter(self, fn) -> None:

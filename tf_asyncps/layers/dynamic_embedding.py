@@ -202,7 +202,8 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
       eviction: "lfu" or "lru": which rows a pass frees when ids were refused
         a row (lowest count, oldest last step).
       evict_every: int >= 1, global steps between eviction passes (each
-        shard's pass runs once per period, by one worker).
+        shard's pass runs once per period, by one worker; under local_sgd
+        the global step counts exchanges, and the passes run at them).
       initializer: a tf_keras initializer (name or object) for the rows, used
         again for a row when it is evicted.
       ttl_steps: None, or int >= 1: rows unseen for this many global steps are
