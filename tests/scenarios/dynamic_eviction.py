@@ -185,30 +185,37 @@ ID_A, ID_B = 10**12 + 7, -5
 
 
 @scenario
-def dynamic_local_sgd_reused_row(a_steps=4, b_steps=8, sync_every=2, lr=0.1, y_b=0.5):
+def dynamic_local_sgd_reused_row(a_steps=4, b_steps=8, sync_every=2, lr=0.1, y_b=0.5,
+                                 keras_name="tf_keras"):
     """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
     steps), a one-row table (LFU, a pass at every exchange), Adagrad, a
     frozen head (Dense(1), kernel ones, no bias): ``a_steps`` batches of id
     A (target 1), then ``b_steps`` of id B (target ``y_b``). B is refused
     until a pass evicts A at an exchange; B then gets A's row, reset. Returns
-    the counters, the row and what the worker trained on it."""
+    the counters, the row and what the worker trained on it.
+    ``keras_name``: "tf_keras" or "keras3" (the model and its fit)."""
     x = np.concatenate([np.full([8 * a_steps, 3], ID_A), np.full([8 * b_steps, 3], ID_B)])
     y = np.concatenate([np.ones([8 * a_steps, 1]), np.full([8 * b_steps, 1], y_b)])
     y = y.astype("float32")
     with cluster(num_workers=1, num_ps=1) as c:
         strategy = _strategy(c, num_ps=1, update_policy=_local_sgd(sync_every))
+        keras3 = keras_name == "keras3"
+        if keras3:
+            import keras as k
+            embedding = tf_asyncps.keras3.DynamicEmbedding
+        else:
+            k, embedding = tf_keras, DynamicEmbedding
         with strategy.scope():
-            layer = DynamicEmbedding(4, capacity=1, evict_every=1, initializer="zeros")
-            i = tf_keras.Input([3], dtype=tf.int64)
-            head = tf_keras.layers.Dense(1, kernel_initializer="ones", use_bias=False,
-                                         trainable=False)
-            model = tf_keras.Model(i, head(tf_keras.layers.Flatten()(layer(i))))
-            model.compile(tf_keras.optimizers.Adagrad(lr), "mse")
+            layer = embedding(4, capacity=1, evict_every=1, initializer="zeros")
+            i = k.Input((3,), dtype="int64")
+            head = k.layers.Dense(1, kernel_initializer="ones", use_bias=False, trainable=False)
+            model = k.Model(i, head(k.layers.Flatten()(layer(i))))
+            model.compile(k.optimizers.Adagrad(lr), "mse")
 
-        def dataset_fn(ctx):
+        def dataset_fn(ctx=None):  # made on the worker (tf_keras's DatasetCreator)
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-                  steps_per_epoch=a_steps + b_steps, verbose=0)
+        data = dataset_fn() if keras3 else tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        model.fit(data, epochs=1, steps_per_epoch=a_steps + b_steps, verbose=0)
         [shard] = layer.dynamic_table.shards
         stats = strategy.staleness_stats()
         return {"stats": layer.stats(), "ids": layer.export()[0].numpy().tolist(),

@@ -413,9 +413,9 @@ class LocalCopies:
         step.applied = True
         if optimizer is not None:
             for _, v in grads_and_vars:
-                for key in (id(v), id(keras_compat.backing_variable(v))):
-                    if key in self._guards:
-                        self._optimizer_of[key] = optimizer
+                for part in keras_compat.tf_variables(v):
+                    if id(part) in self._guards:
+                        self._optimizer_of[id(part)] = optimizer
 
         def applied():
             _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
