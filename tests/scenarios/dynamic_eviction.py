@@ -144,9 +144,10 @@ def dynamic_local_sgd_phases(capacity=12, sync_every=2, ttl_steps=1, phase1=4, s
     """local_sgd (exchange every ``sync_every`` local steps), 2 workers, 2
     ps, Adagrad, a pass at every exchange with ``ttl_steps``: each worker's
     batches hold all of 6 ids for ``phase1`` steps, then all of 3 others for
-    good. Returns the table's counters, the free rows' largest value on the
-    ps (zeros unless a worker's delta landed on a row after its reset) and
-    the rows' generations."""
+    good (``steps`` in all); then ``steps // 2`` of the 3 only. After each
+    fit ("first", "then"): the table's counters, the free rows' largest
+    value on the ps (zeros unless a worker's delta landed on a row after its
+    reset) and the rows' generations."""
     from scenarios.dynamic_cluster import RAW, _optimizer
     first = np.tile(RAW[:6].reshape(2, 3), (4, 1))  # 8 samples: every id of 6
     then = np.tile(RAW[6:9].reshape(1, 3), (8, 1))
@@ -163,21 +164,32 @@ def dynamic_local_sgd_phases(capacity=12, sync_every=2, ttl_steps=1, phase1=4, s
         def dataset_fn(ctx):
             one = tf.data.Dataset.from_tensors((first, y)).repeat(phase1)
             return one.concatenate(tf.data.Dataset.from_tensors((then, y)).repeat())
-        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-                  steps_per_epoch=steps, verbose=0)
-        free_rows, generations, freed = 0.0, 0, 0
-        for shard in layer.dynamic_table.shards:
-            free = np.flatnonzero(shard.count.numpy() == 0)
-            gen = shard.gen.numpy()
-            freed += int(np.count_nonzero(gen[free]))
-            generations += int(gen.sum())
-            free_rows = max(free_rows, float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+
+        def state():
+            free_rows, generations, freed = 0.0, 0, 0
+            for shard in layer.dynamic_table.shards:
+                free = np.flatnonzero(shard.count.numpy() == 0)
+                gen = shard.gen.numpy()
+                freed += int(np.count_nonzero(gen[free]))
+                generations += int(gen.sum())
+                free_rows = max(free_rows,
+                                float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+            return {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
+                    "free_rows_max": free_rows, "generations": generations,
+                    "freed_rows": freed}
+
+        creator = tf_keras.utils.experimental.DatasetCreator
+        model.fit(creator(dataset_fn), epochs=1, steps_per_epoch=steps, verbose=0)
+        out = {"first": state(), "phase2_ids": sorted(RAW[6:9].tolist())}
+        # Then the 3 ids only: a worker that ran its first batches last may
+        # have kept the 6 live to the end; the passes of this fit free them.
+        model.fit(creator(lambda ctx: tf.data.Dataset.from_tensors((then, y)).repeat()),
+                  epochs=1, steps_per_epoch=steps // 2, verbose=0)
+        out["then"] = state()
         stats = strategy.staleness_stats()
-        return {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
-                "phase2_ids": sorted(RAW[6:9].tolist()),
-                "free_rows_max": free_rows, "generations": generations, "freed_rows": freed,
-                "global_step": stats.global_step, "local_steps": stats.local_steps,
-                "closures": strategy.closures_done_per_worker()}
+        out.update(global_step=stats.global_step, local_steps=stats.local_steps,
+                   closures=strategy.closures_done_per_worker())
+        return out
 
 
 #: Two raw ids of the reused-row scenario (one table row, one shard).
