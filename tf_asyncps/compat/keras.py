@@ -170,6 +170,17 @@ def sharded_value(var):
     return tf_compat.shards(inner) if inner is not None else None
 
 
+def tf_variables(var) -> list:
+    """The tf.Variables behind ``var``: a Keras 3 variable's value, or its
+    shards under ``variable_partitioner`` (its ``_value``; Keras 3.10-3.15);
+    ``[var]`` for any other variable."""
+    from tf_asyncps.compat import tensorflow as tf_compat
+    inner = getattr(var, "_value", None)
+    if inner is None or not hasattr(inner, "dtype"):
+        return [var]
+    return tf_compat.shards(inner) or [inner]
+
+
 def tf_value(var):
     """The TensorFlow variable behind a Keras 3 variable: a tf.Variable, or
     a ShardedVariable under ``variable_partitioner`` (its ``_value``; Keras

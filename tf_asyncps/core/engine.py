@@ -136,7 +136,8 @@ class PolicyEngine:
         traced after each step's update (applied or dropped), with the step's
         variables and the int64 global step after it: upkeep of state beside
         the variables, such as a dynamic table's eviction pass
-        (tf_asyncps/layers/dynamic_table.py)."""
+        (tf_asyncps/layers/dynamic_table.py). Under the update lock
+        (LockingOptimizer, atomic policies) it runs holding the lock."""
         self._after_update.append(fn)
 
     def add_gradient_filter(self, fn) -> None:
@@ -304,7 +305,7 @@ class PolicyEngine:
         marked = self._is_locking(optimizer)
         if step.local_state is not None:
             mixed_precision.check_local_copies(self.policy, optimizer)
-            return self.local.apply(step, grads_and_vars, apply_fn, marked)
+            return self.local.apply(step, grads_and_vars, apply_fn, marked, optimizer)
         locking = self.policy.atomic or marked
         apply_fn = self._filtered(apply_fn, optimizer)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -355,23 +356,35 @@ class PolicyEngine:
                                               read_values, lso, apply_fn, inputs, locking,
                                               gate, optimizer)
 
+        def after_update(g_after):
+            with tf.control_dependencies([g_after]):
+                ops = [fn(optimizer, variables, g_after) for fn in self._after_update]
+            return [op for op in ops if op is not None]
+
+        hooked = []
         if locking:
             # Placed on the PS: a worker that dies cannot hold the lock.
             if self.lock is None:
                 self.lock = PSLock(device, self._lock_timeout(optimizer), name="update_lock",
                                    anchor=self.tracker.global_step)
-            g_after = self.lock.execute(decide_and_apply, inputs=inputs + [step.read_step])
+
+            def locked():
+                # The after-update hooks hold the lock too: no locked update
+                # overlaps a dynamic table's eviction pass (Adam's update
+                # rewrites every row's moments, which would undo its resets).
+                g_after = decide_and_apply()
+                with tf.control_dependencies(after_update(g_after)):
+                    return tf.identity(g_after)
+
+            g_after = self.lock.execute(locked, inputs=inputs + [step.read_step])
         else:
             # On the PS: a rule that needs τ (read on the PS) and transforms the
             # gradients would otherwise cost an extra worker<->PS round trip.
             g_after = decide_and_apply()
+            hooked = after_update(g_after)
         with self._policy_hook():
             after = list(self.policy.after_step(w) or [])  # w: the worker index, copied to the ps
-        with tf.control_dependencies([g_after]):
-            for fn in self._after_update:
-                op = fn(optimizer, variables, g_after)
-                if op is not None:
-                    after.append(op)
+        after += hooked
         if after:
             with tf.control_dependencies(after):
                 g_after = tf.identity(g_after)

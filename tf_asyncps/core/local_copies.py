@@ -44,6 +44,15 @@ shard: each worker holds the whole table, and an exchange moves every row of
 it. Metrics that ``fit``/``evaluate`` print
 come from one worker's copy (partial between drains); the PS values are exact
 after each drain.
+
+Guarded rows (:meth:`LocalCopies.guard_rows`): a dynamic embedding table's
+shard, whose rows the ps resets and hands to new ids, has its exchange done
+by its guard, atomically on the ps: the eviction pass due at the exchange's
+global step, then Δ_w added only to the rows whose generation (bumped at
+each reset) is still the one the worker pulled, then the rows and their
+generations read back together. A row reset since the worker's last pull
+thus gets none of the worker's stale delta, and the worker's copy of it,
+and its optimizer slots' rows, start again from the ps's fresh values.
 """
 
 import threading
@@ -158,6 +167,10 @@ class LocalCopies:
         self._warned_lock = False
         # (copies key, check, pull, exchange ConcreteFunctions): _build_exchange.
         self._exchange = None
+        # id(PS variable) -> its guard (guard_rows), and the optimizer that
+        # updates it (for its slots' local copies).
+        self._guards = {}
+        self._optimizer_of = {}
 
     def attach(self, strategy, tracker) -> None:
         """Creates the per-worker counters; once, after the coordinator exists."""
@@ -206,6 +219,39 @@ class LocalCopies:
         """The copies an exchange moves: all but the optimizer slots."""
         return [c for c in copies if id(c.master) not in self._worker_only]
 
+    def guard_rows(self, var, guard) -> None:
+        """Hands the exchange of ``var`` (a PS variable with local copies,
+        rows first) to ``guard``, a dynamic table shard's (see the module
+        docstring). ``guard`` has:
+
+        * ``view``: an int64 ``[rows]`` variable made in the strategy's
+          scope (so it has local copies): on a worker, the generation of each
+          row when it last pulled; its PS copy is not read.
+        * ``push(delta, view, g)``: on the PS, atomically: the eviction pass
+          due at global step ``g`` (None: none), then ``delta`` (``var``'s
+          shape) added to the rows whose generation equals ``view``. Returns
+          an op.
+        * ``read()``: ``(values, generations)`` of ``var``, read together.
+        * ``slots(optimizer)``: ``[(slot variable, initial value)]``, the
+          optimizer's slots of ``var``; a worker's copies of their rows whose
+          generation changed start again from the initial value.
+        """
+        self._guards[id(var)] = guard
+
+    def _guarded(self):
+        """``[(var copies, view copies, guard, [(slot copies, initial)])]``
+        for the guarded variables whose copies exist."""
+        out = []
+        for key, guard in self._guards.items():
+            if key not in self._copies or id(guard.view) not in self._copies:
+                continue
+            optimizer = self._optimizer_of.get(key)
+            slots = [] if optimizer is None else [
+                (self._copies[id(v)], value) for v, value in guard.slots(optimizer)
+                if id(v) in self._copies]
+            out.append((self._copies[key], self._copies[id(guard.view)], guard, slots))
+        return out
+
     # -- graph side --------------------------------------------------------------
     def worker_step(self, engine, fn, worker_index):
         """``fn`` as a worker step on the worker's local copies: no PS op in
@@ -240,15 +286,19 @@ class LocalCopies:
         * ``pull``: the PS copies into the local copies and anchors;
         * ``exchange``: push Δ = local − anchor, count the exchange, pull.
         """
-        copies = self.exchanged(self._copies.values())
-        key = tuple(id(c) for c in copies)
+        guarded = self._guarded()
+        apart = {id(c) for gc, vc, _, _ in guarded for c in (gc, vc)}
+        copies = [c for c in self.exchanged(self._copies.values()) if id(c) not in apart]
+        key = tuple(id(c) for c in copies) + tuple(
+            id(c) for gc, vc, _, slots in guarded for c in [gc, vc] + [s for s, _ in slots])
         if self._exchange is not None and self._exchange[0] == key:
             return
         tracker = self.tracker
         since_v, last_v, fresh_v = self._since, self._last_g, self._fresh
 
-        def pull(local, anchor, g_now):
-            ops = []
+        def pull(local, anchor, g_now, pushed=()):
+            with tf.control_dependencies(list(pushed)):
+                ops = pull_guarded()
             for c, lh, ah in zip(copies, local, anchor):
                 with tf.device(c.handle.device):
                     new = tf_compat.read_handle(c.handle, c.dtype)
@@ -261,6 +311,34 @@ class LocalCopies:
 
         def handles():
             return [c.local.handle for c in copies], [c.anchor.handle for c in copies]
+
+        def pull_guarded():
+            # Rows and generations read together; the worker's slot rows whose
+            # generation moved since its last pull start again.
+            ops = []
+            for gc, vc, guard, slots in guarded:
+                values, generations = guard.read()
+                old = tf_compat.read_handle(vc.anchor.handle, tf.int64)
+                with tf.control_dependencies([old]):
+                    for c, new in ((gc, values), (vc, generations)):
+                        ops += [tf_compat.assign_handle(c.local.handle, new),
+                                tf_compat.assign_handle(c.anchor.handle, new)]
+                changed = tf.not_equal(generations, old)
+                for sc, initial in slots:
+                    value = tf_compat.read_handle(sc.local.handle, sc.dtype)
+                    rows = tf.reshape(changed, [-1] + [1] * (value.shape.rank - 1))
+                    ops.append(tf_compat.assign_handle(sc.local.handle, tf.where(
+                        rows, tf.cast(initial, sc.dtype), value)))
+            return ops
+
+        def push_guarded(g_after):
+            pushes = []
+            for gc, vc, guard, _ in guarded:
+                delta = (tf_compat.read_handle(gc.local.handle, gc.dtype)
+                         - tf_compat.read_handle(gc.anchor.handle, gc.dtype))
+                pushes.append(guard.push(
+                    delta, tf_compat.read_handle(vc.anchor.handle, tf.int64), g_after))
+            return pushes
 
         def pull_fn():
             local, anchor = handles()
@@ -277,7 +355,10 @@ class LocalCopies:
                 g_after = tracker.record_increment(tf_compat.read_handle(last_v.handle, tf.int64))
                 counted = tracker.add_local_steps(tf_compat.read_handle(since_v.handle, tf.int64))
             with tf.control_dependencies([counted]):
-                return pull(local, anchor, g_after)
+                # After the global step moved: an eviction pass due at it runs
+                # in the guard's push, before the masked add.
+                pushed = push_guarded(g_after)
+                return pull(local, anchor, g_after, pushed)
 
         def check_fn():
             fresh = tf_compat.read_handle(fresh_v.handle, tf.bool)
@@ -313,9 +394,11 @@ class LocalCopies:
         elif due == 2:
             exchange().numpy()
 
-    def apply(self, step, grads_and_vars, apply_fn, locking: bool) -> tf.Tensor:
+    def apply(self, step, grads_and_vars, apply_fn, locking: bool,
+              optimizer=None) -> tf.Tensor:
         """Applies a step's gradients to the local copies and counts one
-        local step (a worker-local op).
+        local step (a worker-local op). ``optimizer``: the one applying them
+        (its slots of guarded variables are reset with their rows).
 
         Returns:
           int64 scalar: local steps since the last exchange.
@@ -328,6 +411,11 @@ class LocalCopies:
                 self.policy.name)
         grads = [g for g, _ in grads_and_vars if g is not None]
         step.applied = True
+        if optimizer is not None:
+            for _, v in grads_and_vars:
+                for part in keras_compat.tf_variables(v):
+                    if id(part) in self._guards:
+                        self._optimizer_of[id(part)] = optimizer
 
         def applied():
             _, update_ops = run_collecting_ops(apply_fn, grads_and_vars)
@@ -363,8 +451,10 @@ class LocalCopies:
             since_all = tf_compat.per_worker_values(self._since)
             if since_all is None:  # no worker step has run yet
                 return 0
+            views = {id(c) for _, c, _, _ in self._guarded()}
             copies = [c for c in self.exchanged(self._copies.values())
-                      if tf_compat.per_worker_values(c.local) is not None]
+                      if tf_compat.per_worker_values(c.local) is not None
+                      and id(c) not in views]
             locals_ = [tf_compat.per_worker_values(c.local) for c in copies]
             anchors = [tf_compat.per_worker_values(c.anchor) for c in copies]
             per_worker = [(since, last, fresh,
@@ -382,11 +472,15 @@ class LocalCopies:
 
     def _make_flush(self, copies, per_worker):
         tracker = self.tracker
+        # A guarded variable's delta is pushed by its guard, against the
+        # generations the worker last pulled (no eviction pass here).
+        guards = {id(gc): (guard, tf_compat.per_worker_values(vc.anchor))
+                  for gc, vc, guard, _ in self._guarded()}
 
         @tf.function(autograph=False)
         def flush_all():
             total = tf.constant(0, tf.int64)
-            for since_v, last_v, fresh_v, pairs in per_worker:
+            for w, (since_v, last_v, fresh_v, pairs) in enumerate(per_worker):
                 with tf.device(since_v.device):
                     n = since_v.read_value()
                 pushes = []
@@ -395,8 +489,14 @@ class LocalCopies:
                     with tf.device(local.device):
                         value = local.read_value()
                         delta = value - anchor.read_value()
-                    with tf.device(c.handle.device):
-                        pushes.append(tf_compat.assign_add_handle(c.handle, delta))
+                    if id(c) in guards:
+                        guard, views = guards[id(c)]
+                        with tf.device(views[w].device):
+                            view = views[w].read_value()
+                        pushes.append(guard.push(delta, view, None))
+                    else:
+                        with tf.device(c.handle.device):
+                            pushes.append(tf_compat.assign_add_handle(c.handle, delta))
                     with tf.device(local.device), tf.control_dependencies(pushes[-1:]):
                         pushes.append(anchor.assign(value, read_value=False))
 

@@ -12,6 +12,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.layers import dynamic_local
 from tf_asyncps.layers import dynamic_reshard
 from tf_asyncps.layers import dynamic_table as dt
 
@@ -33,15 +34,25 @@ def reset_initializer(initializer, name):
     return lambda shape: tf.cast(initializer(shape, "float32"), tf.float32)
 
 
+def _strategy_engine():
+    """(AsyncParameterServerStrategy in scope, its PolicyEngine), else (None, None)."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    engine = getattr(getattr(strategy, "extended", None), "engine", None)
+    if engine is None or not hasattr(engine, "add_after_update"):
+        return None, None
+    return strategy, engine
+
+
 def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
     """Registers ``table``'s eviction with the AsyncParameterServerStrategy in
     scope (run after each update), its filter of evicted rows' gradients and
     its move of slots after a restore onto other shards (run before each
     update); returns that strategy, else None."""
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    engine = getattr(getattr(strategy, "extended", None), "engine", None)
-    if engine is None or not hasattr(engine, "add_after_update"):
+    strategy, engine = _strategy_engine()
+    if engine is None:
         return None
+    if engine.local is not None:  # local_sgd: passes at the exchanges
+        dynamic_local.attach(table, engine.local)
 
     def after_update(optimizer, variables, step):
         if not any(table.owns(v) for v in variables):
@@ -89,10 +100,12 @@ class _Mixin:
         self.initializer_name = initializer
 
     def _make_table(self, table_var, initializer):
+        engine = _strategy_engine()[1]
         table = dt.DynamicTable(
             table_var, key_dtype=self.key_dtype, min_count=self.min_count,
             eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
-            initializer=reset_initializer(initializer, self.initializer_name), name=self.name)
+            initializer=reset_initializer(initializer, self.initializer_name), name=self.name,
+            local_copies=engine is not None and engine.local is not None)
         strategy = attach_to_strategy(table)
         # Tracked: the map's variables are checkpointed with the layer.
         self.dynamic_table = table
@@ -189,7 +202,8 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
       eviction: "lfu" or "lru": which rows a pass frees when ids were refused
         a row (lowest count, oldest last step).
       evict_every: int >= 1, global steps between eviction passes (each
-        shard's pass runs once per period, by one worker).
+        shard's pass runs once per period, by one worker; under local_sgd
+        the global step counts exchanges, and the passes run at them).
       initializer: a tf_keras initializer (name or object) for the rows, used
         again for a row when it is evicted.
       ttl_steps: None, or int >= 1: rows unseen for this many global steps are

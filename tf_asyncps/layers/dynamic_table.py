@@ -63,8 +63,9 @@ from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_checkpoint
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
-from tf_asyncps.layers import slots as slots_lib
+from tf_asyncps.layers import dynamic_local
 from tf_asyncps.layers import dynamic_reshard as reshard_lib
+from tf_asyncps.layers import slots as slots_lib
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
 
@@ -136,7 +137,7 @@ class _Shard(tf.Module):
     lock and the restore marks are not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
-                 name: str):
+                 name: str, local_copies: bool = False):
         super().__init__(name=name)
         untracked = functools.partial(tf_compat.set_untracked_attribute, self)
         # The layer's weight (a shard of it): held where neither checkpoints
@@ -180,6 +181,7 @@ class _Shard(tf.Module):
                 pending=tf.Variable(scalar, trainable=False, name=f"{name}_pending"),
                 slots_pending=tf.Variable(False, trainable=False,
                                           name=f"{name}_slots_pending")))
+        dynamic_local.add_generations(self, var, name, local_copies)
         with tf.init_scope(), tf.device(var.device):
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
@@ -288,6 +290,8 @@ class _Shard(tf.Module):
         gone = tf.where(victims | cold)[:, 0]
         k = tf.size(gone)
         updates = [self.index.remove(tf.gather(self.key, gone))]
+        if self.gen is not None:  # local_sgd: the workers' copies are stale now
+            updates.append(self.gen.scatter_add(tf.IndexedSlices(tf.ones_like(gone), gone)))
         with tf.control_dependencies(updates):
             updates += [self.count.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone)),
                         self.last.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone))]
@@ -330,10 +334,11 @@ class DynamicTable(tf.Module):
       initializer: ``initializer(shape, dtype)`` giving an evicted row its
         fresh values.
       name: prefix of the map's variables.
+      local_copies: under ``local_sgd`` (:mod:`tf_asyncps.layers.dynamic_local`).
     """
 
     def __init__(self, table, *, key_dtype, min_count: int, eviction: str, evict_every: int,
-                 ttl_steps: Optional[int], initializer, name: str):
+                 ttl_steps: Optional[int], initializer, name: str, local_copies: bool = False):
         super().__init__(name=name)
         # The layer's weight: see _Shard.refs.
         tf_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
@@ -347,7 +352,7 @@ class DynamicTable(tf.Module):
         offset = 0
         for i, var in enumerate(parts):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
-                                      f"{name}_{i}"))
+                                      f"{name}_{i}", local_copies))
             offset += int(var.shape[0])
         # Not model state: what a restore onto other shards moved.
         tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
@@ -484,10 +489,7 @@ class DynamicTable(tf.Module):
             outs = []
             for shard, part in zip(self.shards, parts):
                 with tf.device(shard.device):
-                    rows = shard.lock.execute(
-                        lambda s=shard, p=part: s.find(p, step, admit=True),
-                        exclusive_resource_access=False)
-                    found = rows >= 0
+                    rows, found = dynamic_local.find_in_training(shard, part, step)
                     # Distinct already: not the strategy's de-duplicating read
                     # (core/lookup.py), whose tf.unique would only add index
                     # tensors for the gradient to carry back and forth.

@@ -21,7 +21,7 @@ _KERAS3_SLOTS = ("accumulator", "momentum", "velocity", "velocity_hat", "average
                  "v")
 
 
-def optimizer_slots(optimizer, var) -> list:
+def optimizer_slots(optimizer, var, any_device: bool = False) -> list:
     """``[(slot, initial value)]``: the optimizer's variables beside ``var``
     (same shape, same device, named after it as a whole: tf_keras names a
     slot ``"{optimizer}/{slot}/{variable}"``, Keras 3 ``"{variable path}_{slot}"``;
@@ -29,7 +29,8 @@ def optimizer_slots(optimizer, var) -> list:
     ``part_0``, even on one ps). Legacy tf_keras optimizers are asked by
     their public ``get_slot_names`` / ``get_slot``. An accumulator starts at
     the optimizer's ``initial_accumulator_value`` (Adagrad), every other slot
-    at 0."""
+    at 0. ``any_device``: on any device (under ``local_sgd`` a slot's own
+    variable is made on the chief; the workers train copies of it)."""
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
     if inner is not None:
         optimizer = inner
@@ -62,8 +63,8 @@ def optimizer_slots(optimizer, var) -> list:
     for v in variables:
         v = getattr(v, "value", v) if not hasattr(v, "device") else v
         for part in tf_compat.shards(v) or [v]:
-            if part is var or getattr(part, "shape", None) != var.shape or \
-                    getattr(part, "device", None) != var.device:
+            if part is var or getattr(part, "shape", None) != var.shape or (
+                    not any_device and getattr(part, "device", None) != var.device):
                 continue
             candidates.append(part)
     # The shard's whole name first; its name without "/part_N" only if that

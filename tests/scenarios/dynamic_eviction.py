@@ -1,0 +1,323 @@
+"""Scenarios of tests/test_dynamic_eviction.py: DynamicEmbedding eviction
+on a cluster with legacy tf_keras optimizers, and under local_sgd."""
+
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
+from scenarios import cluster, scenario
+from scenarios.dynamic_cluster import _fit, _model, _shifted_data, _strategy
+from tf_asyncps.layers import DynamicEmbedding
+
+#: Legacy tf_keras optimizers by name, and their learning rates. Adam
+#: decays its moments and moves every row at each update (dense ops, also on
+#: a sparse gradient): an eviction pass that overlaps another worker's update
+#: loses its reset (a freed row's m kept with v reset: 1661 in its values in
+#: one run), so it runs under LockingOptimizer, whose lock the pass holds too.
+LEGACY = {"adagrad": lambda: tf_keras.optimizers.legacy.Adagrad(0.1),
+          "adam": lambda: tf_asyncps.optimizers.LockingOptimizer(
+              tf_keras.optimizers.legacy.Adam(0.01))}
+
+
+def _legacy_model(strategy, optimizer, capacity, evict_every, ttl_steps=None):
+    with strategy.scope():
+        layer = DynamicEmbedding(4, capacity=capacity, evict_every=evict_every,
+                                 initializer="zeros", ttl_steps=ttl_steps)
+        model = _model(layer)
+        model.compile(LEGACY[optimizer](), "mse")
+    return model, layer
+
+
+def _shard_state(model, layer):
+    """Per shard: count, key, rows and every slot (name -> array) of the
+    table shard, read eagerly on the chief."""
+    opt, out = model.optimizer, []
+    opt = getattr(opt, "inner_optimizer", opt)  # LockingOptimizer's
+    initial = {"accumulator": opt.get_config().get("initial_accumulator_value", 0.0),
+               "m": 0.0, "v": 0.0}
+    for shard in layer.dynamic_table.shards:
+        # By the public get_slot, not the table's own search (dt.optimizer_slots).
+        slots = [(n, opt.get_slot(shard.var, n).numpy(), float(initial[n]))
+                 for n in opt.get_slot_names() if _has_slot(opt, shard.var, n)]
+        out.append({"count": shard.count.numpy(), "key": shard.key.numpy(),
+                    "rows": shard.var.numpy(), "slots": slots})
+    return out
+
+
+def _has_slot(opt, var, name):
+    try:
+        opt.get_slot(var, name)
+    except KeyError:  # not built yet
+        return False
+    return True
+
+
+@scenario
+def dynamic_legacy_optimizers(optimizers=("adagrad", "adam"), capacity=6, evict_every=2,
+                              ttl_steps=6):
+    """Per legacy optimizer, on 2 workers and 2 ps (``async``): 10 ids for
+    ``capacity`` rows, a pass every ``evict_every`` global steps (LFU, and
+    rows unseen for ``ttl_steps`` go), 16 steps; then 16 steps of 2 of the
+    ids only, so that the others' rows are free at the end (evicted, not
+    handed out again). The table's invariants, the free rows' slots, then
+    a tf.train.Checkpoint round trip onto the same shards (the restored
+    layer with passes far apart, so none runs in its one zero-weight step)."""
+    from scenarios.dynamic_cluster import RAW
+    x, y = _shifted_data()
+    last = np.resize(RAW[6:8], x.shape)
+    out = {}
+    with cluster(num_workers=2, num_ps=2) as c:
+        for name in optimizers:
+            strategy = _strategy(c)
+            model, layer = _legacy_model(strategy, name, capacity, evict_every, ttl_steps)
+            _fit(strategy, model, x, y, epochs=1, steps=16)
+            _fit(strategy, model, last, y, epochs=1, steps=16)
+            state = _shard_state(model, layer)
+            r = {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
+                 "last_ids": sorted(RAW[6:8].tolist()),
+                 "num_slots": sum(len(s["slots"]) for s in state),
+                 "slot_names": sorted({n for s in state for n, _, _ in s["slots"]})}
+            # Rows free now that held an id (RAW has no 0): evicted rows.
+            freed, free_rows, free_slots = 0, 0.0, 0.0
+            for s in state:
+                free = np.flatnonzero(s["count"] == 0)
+                freed += int(np.count_nonzero(s["key"][free] != 0))
+                free_rows = max(free_rows, float(np.abs(s["rows"][free]).max(initial=0)))
+                for _, value, initial in s["slots"]:
+                    free_slots = max(free_slots,
+                                     float(np.abs(value[free] - initial).max(initial=0)))
+            r.update(freed_rows=freed, free_rows_max=free_rows, free_slots_max_diff=free_slots)
+            r["round_trip"] = _round_trip(c, model, layer, name, capacity, state, x, y)
+            out[name] = r
+    return out
+
+
+def _round_trip(c, model, layer, name, capacity, before, x, y):
+    """Checkpoint ``model``, restore into a new one on the same 2 shards:
+    map, rows and predictions at once; the slots after one step of zero
+    gradients (the strategy restores a legacy optimizer's slots at its first
+    update): Adagrad's unchanged, Adam's m and v times beta_1 and beta_2
+    (float32), which a zero gradient gives exactly."""
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        os.path.join(tempfile.mkdtemp(), "ckpt"))
+    batch = tf.constant(x)
+    pred = model(batch, training=False).numpy()
+    again, layer2 = _legacy_model(_strategy(c), name, capacity, evict_every=10**6)
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path)
+    r = {"pred_max_diff": float(np.abs(again(batch, training=False).numpy() - pred).max())}
+    restored = _shard_state(again, layer2)  # no slots yet: built at the first update
+    r["count_equal"] = all(np.array_equal(a["count"], b["count"]) for a, b in zip(before, restored))
+    r["key_equal"] = all(np.array_equal(a["key"], b["key"]) for a, b in zip(before, restored))
+    r["rows_max_diff"] = max(float(np.abs(a["rows"] - b["rows"]).max())
+                             for a, b in zip(before, restored))
+    r["index"] = [int(s.index.size()) for s in layer2.dynamic_table.shards]
+    # One step of zero gradients on live ids only (nothing admitted, refused).
+    live = np.array(layer.export()[0].numpy())
+    xs = np.resize(live, x.shape)
+    _fit(None, again, xs, y, epochs=1, steps=1, weight=0.0)
+    after = _shard_state(again, layer2)
+    decay = {"m": np.float32(0.9), "v": np.float32(0.999)}
+    diffs, names = [], []
+    for a, b in zip(before, after):
+        assert len(a["slots"]) == len(b["slots"]), (a["slots"], b["slots"])
+        for (na, va, _), (nb, vb, _) in zip(a["slots"], b["slots"]):
+            names.append(na)
+            want = va * decay[na] if name == "adam" else va
+            diffs.append(float(np.abs(vb - want).max()))
+    r.update(slots_max_diff=max(diffs), slots_compared=names,
+             slots_max=max(float(np.abs(v).max()) for s in before for _, v, _ in s["slots"]),
+             stats=layer2.stats())
+    return r
+
+
+def _local_sgd(sync_every):
+    import tf_asyncps
+    return tf_asyncps.policies.get("local_sgd", sync_every=sync_every)
+
+
+@scenario
+def dynamic_local_sgd_phases(capacity=12, sync_every=2, ttl_steps=1, phase1=4, steps=40):
+    """local_sgd (exchange every ``sync_every`` local steps), 2 workers, 2
+    ps, Adagrad, a pass at every exchange with ``ttl_steps``: each worker's
+    batches hold all of 6 ids for ``phase1`` steps, then all of 3 others for
+    good (``steps`` in all); then ``steps // 2`` of the 3 only. After each
+    fit ("first", "then"): the table's counters, the free rows' largest
+    value on the ps (zeros unless a worker's delta landed on a row after its
+    reset) and the rows' generations."""
+    from scenarios.dynamic_cluster import RAW, _optimizer
+    first = np.tile(RAW[:6].reshape(2, 3), (4, 1))  # 8 samples: every id of 6
+    then = np.tile(RAW[6:9].reshape(1, 3), (8, 1))
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(8, 1)).astype("float32")
+    with cluster(num_workers=2, num_ps=2) as c:
+        strategy = _strategy(c, update_policy=_local_sgd(sync_every))
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=capacity, evict_every=1,
+                                     initializer="zeros", ttl_steps=ttl_steps)
+            model = _model(layer)
+            model.compile(_optimizer("adagrad"), "mse")
+
+        def dataset_fn(ctx):
+            one = tf.data.Dataset.from_tensors((first, y)).repeat(phase1)
+            return one.concatenate(tf.data.Dataset.from_tensors((then, y)).repeat())
+
+        def state():
+            free_rows, generations, freed = 0.0, 0, 0
+            for shard in layer.dynamic_table.shards:
+                free = np.flatnonzero(shard.count.numpy() == 0)
+                gen = shard.gen.numpy()
+                freed += int(np.count_nonzero(gen[free]))
+                generations += int(gen.sum())
+                free_rows = max(free_rows,
+                                float(np.abs(shard.var.numpy()[free]).max(initial=0)))
+            return {"stats": layer.stats(), "ids": sorted(layer.export()[0].numpy().tolist()),
+                    "free_rows_max": free_rows, "generations": generations,
+                    "freed_rows": freed}
+
+        creator = tf_keras.utils.experimental.DatasetCreator
+        model.fit(creator(dataset_fn), epochs=1, steps_per_epoch=steps, verbose=0)
+        out = {"first": state(), "phase2_ids": sorted(RAW[6:9].tolist())}
+        # Then the 3 ids only: a worker that ran its first batches last may
+        # have kept the 6 live to the end; the passes of this fit free them.
+        model.fit(creator(lambda ctx: tf.data.Dataset.from_tensors((then, y)).repeat()),
+                  epochs=1, steps_per_epoch=steps // 2, verbose=0)
+        out["then"] = state()
+        stats = strategy.staleness_stats()
+        out.update(global_step=stats.global_step, local_steps=stats.local_steps,
+                   closures=strategy.closures_done_per_worker())
+        return out
+
+
+#: Two raw ids of the reused-row scenario (one table row, one shard).
+ID_A, ID_B = 10**12 + 7, -5
+
+
+@scenario
+def dynamic_local_sgd_reused_row(a_steps=4, b_steps=8, sync_every=2, lr=0.1, y_b=0.5,
+                                 keras_name="tf_keras"):
+    """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
+    steps), a one-row table (LFU, a pass at every exchange), Adagrad, a
+    frozen head (Dense(1), kernel ones, no bias): ``a_steps`` batches of id
+    A (target 1), then ``b_steps`` of id B (target ``y_b``). B is refused
+    until a pass evicts A at an exchange; B then gets A's row, reset. Returns
+    the counters, the row and what the worker trained on it.
+    ``keras_name``: "tf_keras" or "keras3" (the model and its fit)."""
+    x = np.concatenate([np.full([8 * a_steps, 3], ID_A), np.full([8 * b_steps, 3], ID_B)])
+    y = np.concatenate([np.ones([8 * a_steps, 1]), np.full([8 * b_steps, 1], y_b)])
+    y = y.astype("float32")
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = _strategy(c, num_ps=1, update_policy=_local_sgd(sync_every))
+        keras3 = keras_name == "keras3"
+        if keras3:
+            import keras as k
+            embedding = tf_asyncps.keras3.DynamicEmbedding
+        else:
+            k, embedding = tf_keras, DynamicEmbedding
+        with strategy.scope():
+            layer = embedding(4, capacity=1, evict_every=1, initializer="zeros")
+            i = k.Input((3,), dtype="int64")
+            head = k.layers.Dense(1, kernel_initializer="ones", use_bias=False, trainable=False)
+            model = k.Model(i, head(k.layers.Flatten()(layer(i))))
+            model.compile(k.optimizers.Adagrad(lr), "mse")
+
+        def dataset_fn(ctx=None):  # made on the worker (tf_keras's DatasetCreator)
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        data = dataset_fn() if keras3 else tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        model.fit(data, epochs=1, steps_per_epoch=a_steps + b_steps, verbose=0)
+        [shard] = layer.dynamic_table.shards
+        stats = strategy.staleness_stats()
+        return {"stats": layer.stats(), "ids": layer.export()[0].numpy().tolist(),
+                "row": shard.var.numpy()[0].tolist(), "generation": int(shard.gen.numpy()[0]),
+                "count": int(shard.count.numpy()[0]), "passes": int(shard.passes.numpy()),
+                "global_step": stats.global_step, "local_steps": stats.local_steps}
+
+
+@scenario
+def dynamic_local_sgd_stale_delta(sync_every=4, lr=0.1, target=1.0):
+    """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
+    steps), a custom loop, Adagrad, the frozen head of
+    :func:`dynamic_local_sgd_reused_row`, every batch id A (target
+    ``target``). After 2 local steps on A's row (not pushed yet: the
+    chief fetches the step's result, no join), a pass run by the chief
+    (ttl_steps=1 at a far step) evicts A; steps 3 and 4 admit A again to the
+    same row, which the worker's copy does not hold yet (default row); the
+    exchange before step 5 must drop the worker's delta of steps 1-2 on
+    it; step 5 trains the fresh row; the join pushes that."""
+    x = np.full([8, 3], ID_A)
+    y = np.full([8, 1], target, "float32")
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = _strategy(c, num_ps=1, update_policy=_local_sgd(sync_every))
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            layer = DynamicEmbedding(4, capacity=1, ttl_steps=1, initializer="zeros")
+            i = tf_keras.Input([3], dtype=tf.int64)
+            head = tf_keras.layers.Dense(1, kernel_initializer="ones", use_bias=False,
+                                         trainable=False)
+            model = tf_keras.Model(i, head(tf_keras.layers.Flatten()(layer(i))))
+            opt = tf_keras.optimizers.Adagrad(lr)
+
+        @tf.function
+        def step(xb, yb):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+                variables = model.trainable_variables
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                return loss
+            return strategy.run(replica, args=(xb, yb))
+
+        args = (tf.constant(x), tf.constant(y))
+        [coordinator.schedule(step, args=args) for _ in range(2)][-1].fetch()
+        [shard] = layer.dynamic_table.shards
+        before = {"row": shard.var.numpy()[0].tolist(), "live": layer.stats()["live_rows"]}
+        layer.dynamic_table.maybe_evict(10**9)  # eagerly, on the chief
+        evicted = layer.stats()["evicted"]
+        losses = [coordinator.schedule(step, args=args) for _ in range(3)]
+        coordinator.join()
+        stats = strategy.staleness_stats()
+        return {"before": before, "evicted_by_chief": evicted, "stats": layer.stats(),
+                "losses": [float(v.fetch()) for v in losses],
+                "row": shard.var.numpy()[0].tolist(), "generation": int(shard.gen.numpy()[0]),
+                "global_step": stats.global_step, "local_steps": stats.local_steps}
+
+
+@scenario
+def after_update_hook_under_the_lock(steps=3):
+    """1 worker, LockingOptimizer(SGD), a custom loop: an after-update hook
+    (what a dynamic table's eviction pass is) records the update lock's
+    free tokens when it runs: 0 while the step holds the lock, 1 after."""
+    x, y = np.ones([8, 2], "float32"), np.ones([8, 1], "float32")
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        engine = strategy.extended.engine
+        with strategy.scope():
+            model = tf_keras.Sequential([tf_keras.Input([2]), tf_keras.layers.Dense(1)])
+            opt = tf_asyncps.optimizers.LockingOptimizer(tf_keras.optimizers.SGD(0.1))
+            seen = tf.Variable([-1] * steps, dtype=tf.int32, trainable=False)
+
+        def hook(optimizer, variables, g_after):
+            free = engine.lock._queue.size()  # tokens: 1 while nobody holds it
+            index = tf.cast(g_after, tf.int32) - 1
+            return seen.scatter_update(tf.IndexedSlices(free[None], index[None]))
+        engine.add_after_update(hook)
+
+        @tf.function
+        def step(xb, yb):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb) - yb) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.run(replica, args=(xb, yb))
+
+        for _ in range(steps):
+            coordinator.schedule(step, args=(tf.constant(x), tf.constant(y)))
+        coordinator.join()
+        return {"free_tokens_seen": seen.numpy().tolist(),
+                "global_step": strategy.staleness_stats().global_step}
