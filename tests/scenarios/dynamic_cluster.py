@@ -378,6 +378,11 @@ def _reshard(c, capacity, base, back, unbuilt=False):
         emb = model.layers[1](query, training=False).numpy()
         saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             f"{base}_{name}")
+        # What it holds: {key: shape} and {key: bytes} of every saved tensor.
+        reader = tf.train.load_checkpoint(saved)
+        out[f"{name}_saved"] = {k: [shape, int(reader.get_tensor(k).nbytes)]
+                                for k, shape in tf.train.list_variables(saved)
+                                if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
         if unbuilt and name == "2to3":
             out["2to3_unbuilt"], _ = _restored(c, shards, capacity, saved, before, pred, emb,
                                                build=False)
