@@ -301,7 +301,11 @@ def restore_state(table, restored) -> tf.Operation:
                     # The stack: lowest free row on top, as a new shard's.
                     s.free.assign(tf.concat([tf.reverse(free, [0]),
                                              tf.zeros([s.rows - k], tf.int64)], 0)),
-                    s.free_rows.assign(k), s.live.assign(tf.size(local, out_type=tf.int64)),
+                    # Other shards: as they were until rehome rebuilds them (a
+                    # lookup before it must not rebuild metadata from a stale index).
+                    s.free_rows.assign(tf.where(same, k, s.free_rows.read_value())),
+                    s.live.assign(tf.where(same, tf.size(local, out_type=tf.int64),
+                                           s.live.read_value())),
                     # Other shards: their totals on shard 0 (stats() sums them).
                     s.refused.assign(counter("refused", tf.where(
                         first, totals[COUNTERS.index("refused")], zero))),
