@@ -175,3 +175,32 @@ def test_a_saved_model_still_holds_the_whole_table(tmp_path):
     served = tf.saved_model.load(str(tmp_path / "sm"))
     np.testing.assert_allclose(served(tf.constant(IDS)).numpy(),
                                model.predict(IDS, verbose=0), rtol=0, atol=1e-6)
+
+
+def test_other_variables_are_saved_as_before(tmp_path):
+    """Only the table and its slots are marked: in a process where a table
+    exists (the save hooks installed), a plain variable, a ShardedVariable and
+    an optimizer's slots of them write the same entries, shapes and values as
+    TensorFlow does on its own."""
+    _model("tf_keras", 100)  # a table: compat's save hooks are in place
+    parts = [tf.Variable(tf.fill([2, 3], float(i + 1)), name=f"s/part_{i}") for i in range(2)]
+    m = tf.Module()
+    m.plain = tf.Variable(tf.range(6.0), name="plain")
+    m.sharded = tf.__internal__.distribute.ShardedVariable(parts, name="s")
+    opt = tf_keras.optimizers.Adagrad(0.1)
+    opt.apply_gradients(zip([tf.ones([6]), tf.ones([2, 3]), tf.ones([2, 3])],
+                            [m.plain] + parts))
+    path = tf.train.Checkpoint(m=m, opt=opt).write(str(tmp_path / "ckpt"))
+    reader = tf.train.load_checkpoint(path)
+    got = {k: reader.get_tensor(k) for k, _ in tf.train.list_variables(path)
+           if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+    step = 0.1 / np.sqrt(0.1 + 1.0)  # Adagrad's first step: accumulator 0.1 + 1^2
+    want = {"m/plain/.ATTRIBUTES/VARIABLE_VALUE": np.arange(6.0) - step,
+            "m/sharded/.ATTRIBUTES/VARIABLE_VALUE": np.repeat([[1.0], [1.0], [2.0], [2.0]],
+                                                              3, 1) - step,
+            "opt/_variables/1/.ATTRIBUTES/VARIABLE_VALUE": np.full([6], 1.1),
+            "opt/_variables/2/.ATTRIBUTES/VARIABLE_VALUE": np.full([4, 3], 1.1)}
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6)
+    assert sorted(k for k in got if k.startswith("m/")) == sorted(
+        k for k in want if k.startswith("m/"))
