@@ -459,6 +459,10 @@ def dynamic_keras3_checkpoint(capacity=30):
         before, pred = state(model, layer), model(tf.constant(x), training=False).numpy()
         path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             os.path.join(tempfile.mkdtemp(), "ckpt"))
+        reader = tf.train.load_checkpoint(path)
+        saved = {k: [shape, int(reader.get_tensor(k).nbytes)]
+                 for k, shape in tf.train.list_variables(path)
+                 if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
         again, layer2 = make(_strategy(c, 2))
         tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path)
         pred_diff = float(np.abs(again(tf.constant(x), training=False).numpy() - pred).max())
@@ -467,6 +471,7 @@ def dynamic_keras3_checkpoint(capacity=30):
         same = sorted(before) == sorted(after)
         diff = lambda i: max(float(np.abs(before[k][i] - after[k][i]).max()) for k in before)
         return {"ids": sorted(after), "ids_equal": same, "pred_max_diff": pred_diff,
+                "saved": saved,
                 "rows_max_diff": diff(0) if same else -1.0,
                 "acc_max_diff": diff(1) if same else -1.0,
                 "acc_max": max(float(np.abs(v[1]).max()) for v in before.values())}

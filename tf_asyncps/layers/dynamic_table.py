@@ -353,9 +353,9 @@ class DynamicTable(tf.Module):
         # Not model state (see dynamic_reshard.py, dynamic_state.py).
         tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
             parts[0], name))
-        tf_compat.set_untracked_attribute(self, "saving", state_lib.process_state(
-            parts[0], name))
-        tensorflow_checkpoint.save_elsewhere(table)  # live rows: in `state`
+        tf_compat.set_untracked_attribute(self, "saving", state_lib.process_state(parts[0], name))
+        for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
+            tensorflow_checkpoint.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.
         self.state = tensorflow_checkpoint.checkpointed_tensors(
             lambda: state_lib.save_state(self),
