@@ -58,6 +58,7 @@ def test_checkpoint_restores_map_rows_and_predictions():
     after = r["stats_after_more_training"]
     assert after["live_rows"] <= 8 and after["evicted"] > 0
     _assert_resharded(r["reshard"]["2to3"], before=2, shards=3)
+    _assert_live_rows_only(r["reshard"]["2to3_saved"], capacity=30, shard_rows=15, ids=10)
     # The same checkpoint into an optimizer with no slots yet: tf_keras alone
     # brought the accumulators back wrong (compat.tf_keras.build_for_pending_restore).
     _assert_resharded(r["reshard"]["2to3_unbuilt"], before=2, shards=3)
@@ -79,6 +80,26 @@ def _assert_resharded(p, before, shards, ids=10):
         assert state["live"] == ids and sum(state["index"]) == ids  # each id once, <= 30
         assert state["free_slots_max_diff"] == 0.0
     assert p["after_training"]["rows_changed"] > 0  # the 2 steps trained
+
+
+def _assert_live_rows_only(saved, capacity, shard_rows, ids, dim=4, slots=1):
+    """A checkpoint of a table of ``capacity`` rows on 2 shards of
+    ``shard_rows`` with ``ids`` live rows (``slots`` optimizer slots: Adagrad
+    1, Adam 2) holds them only: no
+    tensor of the capacity's or a shard's length (before: the table and the
+    accumulators whole, and 6 whole-table arrays); the rows and their
+    accumulators by global row, in the table's own entry."""
+    shapes = {k: shape for k, (shape, _) in saved.items()}
+    assert not [k for k, s in shapes.items() if capacity in s or shard_rows in s], shapes
+    state = {k.rsplit("/", 1)[1]: s for k, s in shapes.items() if "/dynamic_table/state/" in k}
+    assert state["values"] == [ids, dim] and state["slots"] == [slots, ids, dim]
+    assert state["rows"] == [ids] and state["shards"] == [2, 6]
+    table = sum(b for k, (_, b) in saved.items() if "dynamic_table" in k)
+    # Per live row: row, key, count, last step, index key and value (6 x 8
+    # bytes), its values and slot rows ((1 + slots) x 4 x 4); <= 2 filter
+    # slots per id.
+    per_row = 48 + dim * 4 * (1 + slots)
+    assert ids * per_row + 96 <= table <= ids * (per_row + 32) + 96, table
 
 
 @pytest.mark.timeout(300)
@@ -166,3 +187,5 @@ def test_keras3_checkpoint_round_trip(optimizer, slots):
         assert got["pred_max_diff"] == 0.0 and got["iterations"] == iterations, name
     # Ids changed home shard: their slot rows moved with them.
     assert r["2to2"]["moved"] == 0 and r["2to3"]["moved"] > 0 and r["3to2"]["moved"] > 0
+    # The checkpoint holds the live rows (and their slot rows) only.
+    _assert_live_rows_only(r["saved"], capacity=30, shard_rows=15, ids=10, slots=slots)

@@ -378,6 +378,11 @@ def _reshard(c, capacity, base, back, unbuilt=False):
         emb = model.layers[1](query, training=False).numpy()
         saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             f"{base}_{name}")
+        # What it holds: {key: shape} and {key: bytes} of every saved tensor.
+        reader = tf.train.load_checkpoint(saved)
+        out[f"{name}_saved"] = {k: [shape, int(reader.get_tensor(k).nbytes)]
+                                for k, shape in tf.train.list_variables(saved)
+                                if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
         if unbuilt and name == "2to3":
             out["2to3_unbuilt"], _ = _restored(c, shards, capacity, saved, before, pred, emb,
                                                build=False)
@@ -462,12 +467,16 @@ def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad"):
         saved_pred = model(batch, training=False).numpy()
         path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
             os.path.join(tempfile.mkdtemp(), "ckpt"))
+        reader = tf.train.load_checkpoint(path)
+        sizes = {k: [shape, int(reader.get_tensor(k).nbytes)]
+                 for k, shape in tf.train.list_variables(path)
+                 if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
         model.fit(data(0.0), epochs=1, steps_per_epoch=1, verbose=0)
-        return path, saved_pred, state(model, layer), model(batch, training=False).numpy()
+        return path, saved_pred, state(model, layer), model(batch, training=False).numpy(), sizes
 
     def restored(c, shards, saved):
         """A new model on ``shards`` shards: the checkpoint, then the same step."""
-        path, saved_pred, before, pred = saved
+        path, saved_pred, before, pred, _ = saved
         again, layer2 = make(_strategy(c, shards))
         tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path)
         restored_diff = float(np.abs(again(batch, training=False).numpy() - saved_pred).max())
@@ -500,4 +509,5 @@ def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad"):
         on_three, layer3, out["2to3"] = restored(c, 3, on_two)
         # 3 -> 2: the restored 3-shard model saved, then stepped (the reference).
         _, _, out["3to2"] = restored(c, 2, save_then_step(on_three, layer3))
+        out["saved"] = on_two[4]  # the tensors of the 2-shard checkpoint
         return out

@@ -36,7 +36,9 @@ class DynamicEviction(tf_keras.callbacks.Callback):
     Before training it gives each table the optimizer's ``iterations`` as its
     step (for ``last`` step, LRU and ``ttl_steps``); after each batch
     (``steps_per_execution`` steps) it runs the passes due at that step,
-    resetting the evicted rows' optimizer slots. Not for a fit under the
+    resetting the evicted rows' optimizer slots; it gives each table the
+    optimizer (``DynamicEmbedding.use_optimizer``), so that checkpoints hold
+    its slots of the live rows only. Not for a fit under the
     strategy: there the passes run on the ps (and batch-level callbacks are
     refused). Works in tf_keras and Keras 3 ``fit``, from any ``fit``: the
     training function is traced again with the step.
@@ -67,6 +69,9 @@ class DynamicEviction(tf_keras.callbacks.Callback):
         self._layers = layers
         for layer in layers:
             layer.use_step(optimizer.iterations)
+            # Slot rows of a restore go in before the first update (a tf_keras
+            # optimizer is built for them); checkpoints hold live rows only.
+            layer.use_optimizer(optimizer, self.model.trainable_variables)
         # A training function traced before (an earlier fit without this
         # callback) reads no step: trace it again (tf_keras and Keras 3 both
         # call model.train_function afresh on each step).
@@ -76,5 +81,6 @@ class DynamicEviction(tf_keras.callbacks.Callback):
         optimizer = self.model.optimizer
         step = int(np.asarray(optimizer.iterations))
         for layer in self._layers:
+            layer.use_optimizer(optimizer)  # its slots exist now (a no-op after)
             layer.dynamic_table.maybe_evict(
                 step, lambda var, o=optimizer: dt.optimizer_slots(o, var))

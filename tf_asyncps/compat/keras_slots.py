@@ -133,7 +133,13 @@ def _view(optimizer, children):
             drop.update(id(v) for v in optimizer._variables if _shard_of(v) is not None)
             view = {name: data_structures.ListWrapper([v for v in value if id(v) not in drop])
                     for name, value in lists.items()}
-            view[WHOLE_SLOTS] = _whole_slot_class()(groups)
+            # A dynamic table writes its slot rows in its own entry (live
+            # rows only, compat.tensorflow_checkpoint.save_elsewhere): left
+            # out of the position lists, and not saved whole here.
+            from tf_asyncps.compat.tensorflow_checkpoint import saved_elsewhere
+            view[WHOLE_SLOTS] = _whole_slot_class()(
+                [(sv, named) for sv, named in groups
+                 if not (saved_elsewhere(sv) or any(saved_elsewhere(p) for p in sv.variables))])
         cached = (key, view)
         tf_compat.set_untracked_attribute(optimizer, "_asyncps_slots_view", cached)
     view = cached[1]

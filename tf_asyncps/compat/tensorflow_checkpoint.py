@@ -1,12 +1,18 @@
 """TensorFlow checkpoint internals (TF 2.21.0; the ``Trackable`` save and
 restore protocol exists since TF 2.11): an object that writes tensors of
-its own making into a ``tf.train.Checkpoint`` and gets them back at restore.
+its own making into a ``tf.train.Checkpoint`` and gets them back at restore,
+and variables that write nothing there (a dynamic table saves their live
+rows itself) but are still saved whole in a SavedModel.
 
 Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit);
 importable without TensorFlow being imported first.
 """
 
-__all__ = ["checkpointed_tensors"]
+import functools
+import threading
+
+__all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
+           "writing_checkpoint", "sharded_container"]
 
 _CLASS = []
 
@@ -48,3 +54,104 @@ def checkpointed_tensors(save, restore):
 
         _CLASS.append(CheckpointedTensors)
     return _CLASS[0](save, restore)
+
+
+#: Set on an object by :func:`save_elsewhere`.
+_ELSEWHERE = "_asyncps_saved_elsewhere"
+
+
+def save_elsewhere(obj) -> None:
+    """Makes ``obj`` (a ``tf.Variable``, a ``ShardedVariable`` or a Keras 3
+    variable) write no entry of its own when a ``tf.train.Checkpoint`` (or
+    ``save_weights`` in the TensorFlow format, ``BackupAndRestore``) is
+    written: its values are saved by another object (a dynamic table writes
+    its live rows and their optimizer slots). Its node then holds no tensors,
+    so a restore of such a checkpoint leaves it as it is, even into an object
+    not marked (yet). A SavedModel export still saves it whole, and a
+    checkpoint that holds it whole restores it whole. Idempotent.
+
+    TensorFlow 2.21's save protocol: a ``Trackable`` is saved through an
+    instance's own ``_serialize_to_tensors`` when it has one in its
+    ``__dict__``, else through its class's ``_serialize_to_tensors`` or
+    (``ShardedVariable``) legacy ``_gather_saveables_for_checkpoint``; both
+    are overridden on this one instance (tf_keras 2.21.0 and Keras 3.15.1
+    variables are plain ``Trackable`` objects there). A restore asks the same
+    method which tensors to read, so the override gives nothing only while
+    ``TrackableSaver.save`` writes a checkpoint outside a SavedModel export
+    (:func:`writing_checkpoint`).
+    """
+    if getattr(obj, _ELSEWHERE, False):
+        return
+    from tensorflow.python.training.saving import saveable_object_util
+
+    _hook_savers()
+    if saveable_object_util.trackable_has_serialize_to_tensor(obj):
+        original = type(obj)._serialize_to_tensors
+
+        def _serialize_to_tensors():
+            return {} if writing_checkpoint() else original(obj)
+        object.__setattr__(obj, "_serialize_to_tensors", _serialize_to_tensors)
+    else:
+        gather = obj._gather_saveables_for_checkpoint
+
+        def _gather_saveables_for_checkpoint():
+            return {} if writing_checkpoint() else gather()
+        object.__setattr__(obj, "_gather_saveables_for_checkpoint",
+                           _gather_saveables_for_checkpoint)
+    object.__setattr__(obj, _ELSEWHERE, True)
+
+
+def saved_elsewhere(obj) -> bool:
+    """Whether :func:`save_elsewhere` marked ``obj``."""
+    return bool(getattr(obj, _ELSEWHERE, False))
+
+
+_DEPTH = threading.local()  # .export, .write: calls under way in this thread
+
+
+def in_saved_model_export() -> bool:
+    """Whether a SavedModel export is under way: tracing its functions
+    (TF 2.21's ``save_context``) or writing its variables, which
+    ``saved_model/save.py``'s ``save_and_return_nodes`` does after leaving
+    that context (``tf.saved_model.save`` and tf_keras's SavedModel saves
+    both go through it; hooked by :func:`save_elsewhere`)."""
+    from tensorflow.python.saved_model import save_context
+    return save_context.in_save_context() or getattr(_DEPTH, "export", 0) > 0
+
+
+def writing_checkpoint() -> bool:
+    """Whether ``TrackableSaver.save`` (``tf.train.Checkpoint.write/save``,
+    tf_keras ``save_weights``) is writing a checkpoint now, not for a
+    SavedModel export."""
+    return getattr(_DEPTH, "write", 0) > 0 and not in_saved_model_export()
+
+
+def _counting(attr):
+    def make_hook(original):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            setattr(_DEPTH, attr, getattr(_DEPTH, attr, 0) + 1)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                setattr(_DEPTH, attr, getattr(_DEPTH, attr) - 1)
+        return counted
+    return make_hook
+
+
+def _hook_savers() -> None:
+    """Counts calls of TF 2.21's ``save.save_and_return_nodes`` and
+    ``TrackableSaver.save`` (once; idempotent)."""
+    from tensorflow.python.checkpoint import checkpoint
+    from tensorflow.python.saved_model import save
+
+    from tf_asyncps.compat import tensorflow as tf_compat
+    tf_compat.hook_method(save, "save_and_return_nodes", _counting("export"))
+    tf_compat.hook_method(checkpoint.TrackableSaver, "save", _counting("write"))
+
+
+def sharded_container(var):
+    """The ``ShardedVariable`` that ``var`` is a shard of (TF 2.21 sets a weak
+    ``_sharded_container`` reference on each shard), else None."""
+    ref = getattr(var, "_sharded_container", None)
+    return ref() if callable(ref) else None

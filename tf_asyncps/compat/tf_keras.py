@@ -13,7 +13,8 @@ from typing import Callable, List, Optional
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
            "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
-           "pss_evaluation_shards", "hook_apply_gradients", "build_for_pending_restore"]
+           "pss_evaluation_shards", "hook_apply_gradients", "build_for_pending_restore",
+           "legacy_sharded_slots_saved_elsewhere", "build_now", "not_built"]
 
 TESTED_VERSIONS = ("2.18.0", "2.19.0", "2.20.1", "2.21.0")
 
@@ -280,3 +281,79 @@ def _object_ids(variables) -> set:
         out.update(id(p) for p in getattr(v, "variables", ()) if p is not v)
     return out
 
+
+
+def legacy_sharded_slots_saved_elsewhere() -> bool:
+    """Makes tf_keras's legacy optimizers (``OptimizerV2.get_slot``, tf_keras
+    2.21.0) hand out the slot of a ``ShardedVariable`` marked by
+    :func:`tf_asyncps.compat.tensorflow_checkpoint.save_elsewhere` when all
+    its shards' slots are marked: ``get_slot`` builds a new
+    ``ShardedVariable`` over the shards' slots at each call, and a checkpoint
+    saves what it returns. Other slots are returned as they are. Hooks the
+    class once (idempotent).
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import tensorflow_checkpoint
+    try:
+        from tf_keras.src.optimizers.legacy import optimizer_v2
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+
+    def make_hook(original):
+        def get_slot(self, var, slot_name):
+            slot = original(self, var, slot_name)
+            parts = tf_compat.shards(slot)
+            if parts and all(map(tensorflow_checkpoint.saved_elsewhere, parts)):
+                tensorflow_checkpoint.save_elsewhere(slot)
+            return slot
+        return get_slot
+
+    tf_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
+    return True
+
+
+def build_now(optimizer, variables) -> bool:
+    """Creates a tf_keras optimizer's slots for ``variables`` now (eagerly),
+    as its first ``apply_gradients`` with them would: ``build`` (new
+    optimizers) or ``_create_all_weights`` (legacy, tf_keras 2.21.0). Used
+    when restored slot values wait for their slots to exist.
+
+    Args:
+      optimizer: any optimizer (of a LossScaleOptimizer, its inner one).
+      variables: the model variables (shards, as ``model.trainable_variables``
+        gives) that the optimizer updates.
+
+    Returns:
+      True if a tf_keras optimizer was built here; False otherwise (already
+      built, or not a tf_keras optimizer).
+    """
+    import tensorflow as tf
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = list(variables)
+    if isinstance(optimizer, tf_keras.optimizers.Optimizer):
+        if getattr(optimizer, "_built", False):
+            return False
+        with tf.name_scope(optimizer.name or "optimizer"), tf.init_scope():
+            optimizer.build(variables)
+        return True
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        with tf.name_scope(optimizer._name), tf.init_scope():
+            optimizer._create_all_weights(variables)
+        return True
+    return False
+
+
+def not_built(optimizer) -> bool:
+    """Whether ``optimizer`` (of a LossScaleOptimizer, its inner one) has not
+    made its slots yet: Keras 3's ``built``, tf_keras 2.21.0's ``_built``
+    (new optimizers); False for legacy ones, which make slots as needed."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(optimizer, "built", True) is False or \
+        getattr(optimizer, "_built", True) is False

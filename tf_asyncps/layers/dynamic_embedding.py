@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.layers import dynamic_local
 from tf_asyncps.layers import dynamic_reshard
+from tf_asyncps.layers import dynamic_state
 from tf_asyncps.layers import dynamic_table as dt
 
 __all__ = ["DynamicEmbedding", "attach_to_strategy", "keras3_layer"]
@@ -57,6 +58,9 @@ def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
     def after_update(optimizer, variables, step):
         if not any(table.owns(v) for v in variables):
             return None
+        # Traced after the optimizer's own update: its slots exist now, and
+        # checkpoints hold their live rows only from here on.
+        dynamic_state.track_optimizer(table, optimizer)
         return table.maybe_evict(step, lambda var: dt.optimizer_slots(optimizer, var))
 
     engine.add_after_update(after_update)
@@ -176,6 +180,29 @@ class _Mixin:
         tf_compat.set_untracked_attribute(self, "_global_step", variable)
         tf_compat.set_untracked_attribute(self, "_own_step", True)
 
+    def use_optimizer(self, optimizer, variables=None) -> None:
+        """Makes checkpoints hold ``optimizer``'s slots of this table for the
+        live rows only (until then they are saved whole, as any variable's),
+        and puts in slot rows a restore brought before this call. Under
+        AsyncParameterServerStrategy each update does it; in one process the
+        ``DynamicEviction`` callback does, or call it yourself once the
+        optimizer has its slots (e.g. ``optimizer.build(model.trainable_variables)``)
+        and again after a restore. Eager.
+
+        Args:
+          optimizer: a tf_keras (new or legacy) or Keras 3 optimizer.
+          variables: the model variables it updates (``model.trainable_variables``):
+            a tf_keras optimizer with no slots yet is built for them when
+            restored slot rows wait.
+
+        Raises:
+          ValueError: restored slot rows wait and the optimizer has no slots of
+            the table yet and cannot be built here.
+          tf.errors.InvalidArgumentError: it has another number of slots of
+            the table than the checkpoint.
+        """
+        dynamic_state.track_optimizer(self.dynamic_table, optimizer, variables)
+
     def export(self):
         """(ids, rows) of the live rows only: ids ``[n]`` of ``key_dtype``,
         rows float32 ``[n, output_dim]`` (eager, on the chief)."""
@@ -266,6 +293,7 @@ def keras3_layer():
     import keras
 
     from tf_asyncps.compat import keras as keras_compat
+    from tf_asyncps.compat import tensorflow_checkpoint
 
     class DynamicEmbedding(_Mixin, keras.layers.Layer):
         __doc__ = _tf_keras_doc()
@@ -284,6 +312,8 @@ def keras3_layer():
                 shape=(self.capacity, self.output_dim), initializer=self.initializer,
                 dtype="float32", trainable=True, name="embeddings")
             self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
+            # The tracked object (the table saves its live rows itself).
+            tensorflow_checkpoint.save_elsewhere(self.embeddings)
 
         def call(self, ids, training=None):
             return self._dynamic_call(ids, training)

@@ -1,16 +1,12 @@
-"""A DynamicTable's checkpoint, and its restore onto another number of shards.
+"""A DynamicTable restored onto another number of shards.
 
-The table's rows keep their global row number through a checkpoint (the
-table is a ``ShardedVariable``: TensorFlow saves slices of the whole table,
-and so do tf_keras's optimizers for the slots of a sharded weight). The
-metadata beside the rows is saved the same way, as whole-table arrays
-indexed by global row (:func:`save_state`): each row's key, count and last
-step, plus one row per saved shard of its counters. A restore onto the same
-shards brings everything back as it was; onto another number of shards
-(:func:`restore_state`) it brings back the keys, counts and last steps by
-global row, and marks every shard: the first lookup after it (or eviction pass),
-as it is traced or run eagerly, re-homes the table once, eagerly from the
-chief, under shard 0's critical section (:func:`prepare`, :func:`rehome`):
+A checkpoint holds the table's live rows by global row, with their keys,
+counts and last steps and their optimizer slots (dynamic_state.py). A
+restore onto the same shards brings everything back as it was; onto another
+number of shards it brings back the rows, keys, counts and last steps by
+global row, and marks every shard: the first lookup after it (or eviction
+pass), as it is traced or run eagerly, re-homes the table once, eagerly from
+the chief, under shard 0's critical section (:func:`prepare`, :func:`rehome`):
 
 * every live id goes to its home shard ``hash(id) % num_shards``: an id
   already there keeps its row; the others take the lowest free rows of their
@@ -41,103 +37,10 @@ import types
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import placement
 
-__all__ = ["plan_rows", "save_state", "restore_state", "prepare", "check", "prepare_slots",
-           "rehome", "move_slots", "metadata_from_index", "COUNTERS"]
-
-#: Per-shard counters saved (one row per shard), in this order.
-COUNTERS = ("rows", "free_rows", "live", "refused", "passes", "evicted")
-_ROWS = ("key", "count", "last", "filter", "waiting", "free")
-#: Saved one shard after the other at their own lengths (a shard's counting
-#: filter has at least layers.dynamic_table.FILTER_MIN_SLOTS slots).
-_SLOTS = ("filter", "waiting")
-
-
-def save_state(table) -> dict:
-    """The table's metadata as whole-table tensors (see the module docstring).
-
-    Returns:
-      ``{"key", "count", "last", "filter", "waiting", "free"}``: ``[capacity]``
-      tensors by global row (``free``: each shard's stack of local rows;
-      ``filter``: the shards' filters one after the other, whatever their
-      length);
-      ``"shards"``: int64 ``[num_shards, len(COUNTERS)]``. Nothing in a
-      SavedModel export (its graph cannot read these variables, which are
-      not its objects): the served function reads the index only, and a
-      model loaded from it rebuilds the metadata from the index
-      (:func:`metadata_from_index`).
-    """
-    if tf_compat.in_save_context():
-        return {}
-    out = {name: tf.concat([getattr(s, name).read_value() for s in table.shards], 0)
-           for name in _ROWS}
-    out["shards"] = tf.stack([tf.stack([tf.constant(s.rows, tf.int64)] +
-                                       [getattr(s, c).read_value() for c in COUNTERS[1:]])
-                              for s in table.shards])
-    return out
-
-
-def restore_state(table, restored) -> tf.Operation:
-    """Puts a checkpoint's metadata (:func:`save_state`'s) into the shards;
-    marks them for :func:`rehome` if it was saved on other shards.
-
-    Raises:
-      tf.errors.InvalidArgumentError: the checkpoint's table has another
-        capacity.
-    """
-    if "shards" not in restored:  # a SavedModel's (save_state's {})
-        return None
-    shards = table.shards
-    saved = restored["shards"]
-    sizes = tf.constant([s.rows for s in shards], tf.int64)
-    # The same shards: as many, of the same lengths.
-    same = tf.cond(tf.equal(tf.shape(saved)[0], len(shards)),
-                   lambda: tf.reduce_all(tf.equal(saved[:, 0], sizes)),
-                   lambda: tf.constant(False))
-    check = tf.debugging.assert_equal(
-        tf.size(restored["count"], out_type=tf.int64), tf.constant(table.capacity, tf.int64),
-        message=f"DynamicEmbedding {table.name!r}: the checkpoint's table has another "
-                f"capacity than this one ({table.capacity}); restore it into a layer of "
-                "the capacity it was saved with.")
-    ops = []
-    with tf.control_dependencies([check]):
-        totals = tf.reduce_sum(saved, 0)
-        passes = tf.reduce_max(saved[:, COUNTERS.index("passes")])
-        at = 0  # the filters' own offsets (a filter need not be as long as its shard)
-        for i, s in enumerate(shards):
-            local = {name: restored[name][s.offset:s.offset + s.rows] for name in _ROWS
-                     if name not in _SLOTS}
-            length = int(s.filter.shape[0])
-            for name, dtype in (("filter", tf.int64), ("waiting", tf.bool)):
-                local[name] = tf.cond(  # on other shards their slots mean nothing
-                    same, lambda a=at, n=length, name=name: restored[name][a:a + n],
-                    lambda n=length, dtype=dtype: tf.zeros([n], dtype))
-            at += length
-            mine = saved[tf.minimum(i, tf.shape(saved)[0] - 1)]
-
-            def counter(name, moved, mine=mine):
-                return tf.where(same, mine[COUNTERS.index(name)], moved)
-
-            first = tf.constant(i == 0)
-            zero = tf.constant(0, tf.int64)
-            ops += [s.key.assign(local["key"]), s.count.assign(local["count"]),
-                    s.last.assign(local["last"]),
-                    s.filter.assign(local["filter"]),
-                    s.waiting.assign(tf.logical_and(same, local["waiting"])),
-                    s.free.assign(local["free"]),
-                    s.free_rows.assign(counter("free_rows", s.free_rows.read_value())),
-                    s.live.assign(counter("live", s.live.read_value())),
-                    # Other shards: their totals on shard 0 (stats() sums them).
-                    s.refused.assign(counter("refused", tf.where(
-                        first, totals[COUNTERS.index("refused")], zero))),
-                    s.evicted.assign(counter("evicted", tf.where(
-                        first, totals[COUNTERS.index("evicted")], zero))),
-                    s.passes.assign(counter("passes", passes)),
-                    s.marks.pending.assign(tf.where(same, zero, tf.cast(tf.shape(saved)[0], tf.int64))),
-                    s.marks.slots_pending.assign(tf.constant(False))]
-    return tf.group(ops)
+__all__ = ["plan_rows", "prepare", "check", "prepare_slots", "rehome", "move_slots",
+           "metadata_from_index"]
 
 
 def metadata_from_index(shard) -> tf.Operation:
@@ -243,7 +146,7 @@ def _scatter(shards, parts, rows, values):
 
 def rehome(table, home_of) -> tf.Operation:
     """Re-homes every live id onto this table's shards (module docstring);
-    run once, in shard 0's critical section, after :func:`restore_state`
+    run once, in shard 0's critical section, after dynamic_state.restore_state
     marked the shards. ``home_of(ids)``: int64 home shard of each id."""
     shards, n = table.shards, len(table.shards)
     live = [tf.where(s.count > 0)[:, 0] for s in shards]

@@ -65,6 +65,7 @@ from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
 from tf_asyncps.layers import dynamic_local
 from tf_asyncps.layers import dynamic_reshard as reshard_lib
+from tf_asyncps.layers import dynamic_state as state_lib
 from tf_asyncps.layers import slots as slots_lib
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
@@ -133,8 +134,8 @@ class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
     ``offset + rows - 1`` of the table), all on that shard's ps. Its index
     is checkpointed with it; its variables (Keras weights of the layer) are
-    checkpointed by the table as whole-table arrays (dynamic_reshard.py); the
-    lock and the restore marks are not."""
+    checkpointed by the table, live rows only (dynamic_state.py); the lock
+    and the restore marks are not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
                  name: str, local_copies: bool = False):
@@ -354,13 +355,16 @@ class DynamicTable(tf.Module):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
                                       f"{name}_{i}", local_copies))
             offset += int(var.shape[0])
-        # Not model state: what a restore onto other shards moved.
+        # Not model state (see dynamic_reshard.py, dynamic_state.py).
         tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
             parts[0], name))
+        tf_compat.set_untracked_attribute(self, "saving", state_lib.process_state(parts[0], name))
+        for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
+            tensorflow_checkpoint.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.
         self.state = tensorflow_checkpoint.checkpointed_tensors(
-            lambda: reshard_lib.save_state(self),
-            lambda restored: reshard_lib.restore_state(self, restored))
+            lambda: state_lib.save_state(self),
+            lambda restored: state_lib.restore_state(self, restored))
 
     @property
     def table(self):
@@ -375,15 +379,13 @@ class DynamicTable(tf.Module):
         reshard_lib.prepare(self, lambda ids: _bucket(ids, len(self.shards)))
 
     def before_update(self, optimizer, variables):
-        """The engine's before-update hook (traced with the update, when the
-        optimizer's slots exist): the slots of the rows that a restore onto
-        other shards moved, moved now, eagerly, once. Returns None."""
+        """The engine's before-update hook (traced with the update): slot rows
+        a restore kept waiting put in (dynamic_state.track_optimizer), then the
+        slots of rows a restore onto other shards moved, moved; eagerly, once."""
         if not any(self.owns(v) for v in variables):
             return None
-        per_shard = [optimizer_slots(optimizer, s.var) for s in self.shards]
-        slot_sets = [([slots[j][0] for slots in per_shard], per_shard[0][j][1])
-                     for j in range(min(len(slots) for slots in per_shard))]
-        return reshard_lib.prepare_slots(self, slot_sets)
+        state_lib.track_optimizer(self, optimizer, variables)
+        return reshard_lib.prepare_slots(self, state_lib.slot_sets(self, optimizer))
 
     def reshard_stats(self) -> dict:
         """The last restore onto other shards in this process (eager; ints):

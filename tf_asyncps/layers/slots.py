@@ -11,8 +11,9 @@ import re
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tensorflow_checkpoint
 
-__all__ = ["optimizer_slots"]
+__all__ = ["optimizer_slots", "tracked_slots"]
 
 
 #: Slot names of Keras 3's optimizers (``"{variable path}_{slot}"``).
@@ -76,3 +77,30 @@ def optimizer_slots(optimizer, var, any_device: bool = False) -> list:
         if out:
             return out
     return []
+
+
+def tracked_slots(optimizer, parts) -> list:
+    """The objects a checkpoint saves for the slot variables ``parts`` (table
+    shards' slots): each of them, the ShardedVariable a tf_keras optimizer
+    holds them in (each shard's ``_sharded_container``), and the optimizer's
+    variables whose value is one of them or holds them (Keras 3 variables)."""
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    optimizer = inner if inner is not None else optimizer
+    ids = {id(p) for p in parts}
+    out = list(parts)
+    for p in parts:
+        container = tensorflow_checkpoint.sharded_container(p)
+        if container is not None:
+            out.append(container)
+    variables = optimizer.variables
+    variables = variables() if callable(variables) else variables
+    for v in variables:
+        value = v if hasattr(v, "device") else getattr(v, "value", v)
+        if any(id(x) in ids for x in [value] + (tf_compat.shards(value) or [])):
+            out.append(v)
+    seen, unique = set(), []
+    for obj in out:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            unique.append(obj)
+    return unique
