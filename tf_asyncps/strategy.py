@@ -403,9 +403,9 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         each variable's update is a ``tf.cond`` on its own ps task
         (``core/update_gate.py``); otherwise one ``tf.cond`` spans the ps
         tasks. Its cost on the embedding workload of docs/benchmarks.md
-        (2 ps, loopback): 1.4 KB per worker step (74.9 against 73.5 KB; 76.2
-        with one cond over both tasks); the bench's ``async+nocheck@emb``
-        run measures it over netns links.
+        (2 ps, loopback, every socket): 1.6 KB per worker step (74.9 against
+        73.3 KB; 76.9 with one cond over both tasks); the bench's
+        ``async+nocheck@emb`` run measures it over netns links.
       deduplicate_lookups: row reads of the tables created in the scope
         (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
         each distinct id of a batch to its ps once and expand the rows on the
