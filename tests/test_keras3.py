@@ -29,6 +29,21 @@ def test_one_worker_fit_equals_one_process_keras3(steps_per_execution, tmp_path)
     assert r["iterations"] == 16 == r["stats"]["applied"]
 
 
+def test_nan_steps_are_dropped_on_each_ps_task_keras3():
+    """Keras 3 Adam, 2 workers, the weights over 2 ps tasks: each pass over
+    the data has one batch of NaN targets. Each such step is dropped on
+    every ps task (one cond per variable there) and counted; the optimizer's
+    counter and the global step count the applied steps only."""
+    r = run_scenario("keras3_fit_counters", shared=(2, 2), num_workers=2, num_ps=2,
+                     optimizer="adam", steps=96, batch=8, nan_batch=3)
+    s = r["stats"]
+    assert r["weight_tasks"] == [0, 1]
+    assert s["nonfinite"] == s["dropped"] >= 2  # each worker met batch 3 at least once
+    assert s["applied"] + s["dropped"] == 96
+    assert r["iterations"] == s["applied"] == s["global_step"]
+    assert r["weights_finite"] and r["slots_finite"]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_four_workers_count_every_step_and_example(optimizer):
     r = run_scenario("keras3_fit_counters", shared=(4, 1), optimizer=optimizer,

@@ -121,11 +121,14 @@ def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8, tmpd
 
 @scenario(shares_cluster=True)
 def keras3_fit_counters(num_workers=4, optimizer="sgd", steps=200, batch=8, locking=False,
-                        policy="async"):
+                        policy="async", num_ps=1, nan_batch=None):
     """Several workers at once: iterations, the loss tracker's and the
-    metric's counts, and a Dropout's SeedGenerator state are exact."""
+    metric's counts, and a Dropout's SeedGenerator state are exact.
+    ``nan_batch``: that batch of each pass over the data has NaN targets."""
     x, y = _k3_regression(n=256)
-    with cluster(num_workers=num_workers, num_ps=1) as c:
+    if nan_batch is not None:
+        y[nan_batch * batch:(nan_batch + 1) * batch] = np.nan
+    with cluster(num_workers=num_workers, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
         with strategy.scope():
@@ -139,6 +142,11 @@ def keras3_fit_counters(num_workers=4, optimizer="sgd", steps=200, batch=8, lock
         counts = {v.path: float(v.numpy()) for v in model.metrics_variables
                   if v.path.endswith("count")}
         return {"iterations": int(model.optimizer.iterations.numpy()),
+                "weights_finite": bool(all(np.isfinite(w).all() for w in model.get_weights())),
+                "slots_finite": bool(all(np.isfinite(v.numpy()).all()
+                                         for v in model.optimizer.variables)),
+                "weight_tasks": sorted({tf.DeviceSpec.from_string(v.value.device).task
+                                        for v in model.trainable_variables}),
                 "counts": counts, "seed_before": seed0,
                 "seed_after": seed_gen.state.numpy().tolist(),
                 "loss": hist.history["loss"],

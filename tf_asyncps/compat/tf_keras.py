@@ -181,6 +181,16 @@ def optimizer_classes() -> tuple:
     return (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
 
 
+def _with_inner(optimizer):
+    """``(tf_keras or None if missing, the optimizer a LossScaleOptimizer
+    wraps, else ``optimizer``)``."""
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return None, optimizer
+    return tf_keras, getattr(optimizer, "inner_optimizer", optimizer)
+
+
 def build_for_pending_restore(optimizer, variables) -> bool:
     """Builds a tf_keras optimizer's slots now, eagerly, if a checkpoint was
     restored into it before it had them, so that the slots of sharded
@@ -211,11 +221,9 @@ def build_for_pending_restore(optimizer, variables) -> bool:
       True if it built the optimizer.
     """
     import tensorflow as tf
-    try:
-        import tf_keras
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
+    tf_keras, optimizer = _with_inner(optimizer)
+    if tf_keras is None:  # pragma: no cover - tf_keras is a dependency
         return False
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(variables)
     if isinstance(optimizer, tf_keras.optimizers.Optimizer):
         if getattr(optimizer, "_built", False) or not optimizer._deferred_dependencies:
@@ -331,11 +339,9 @@ def build_now(optimizer, variables) -> bool:
       built, or not a tf_keras optimizer).
     """
     import tensorflow as tf
-    try:
-        import tf_keras
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
+    tf_keras, optimizer = _with_inner(optimizer)
+    if tf_keras is None:  # pragma: no cover - tf_keras is a dependency
         return False
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(variables)
     if isinstance(optimizer, tf_keras.optimizers.Optimizer):
         if getattr(optimizer, "_built", False):

@@ -8,16 +8,15 @@ arrive, old ones go cold. A :class:`DynamicTable` keeps a fixed
 * the id -> row map: a ``tf.lookup.experimental.MutableHashTable``
   (checkpointed and exported to a SavedModel with the layer, so a process
   with no cluster serves raw ids);
-* per row: its key, a count (0: the row is free) and the global step it was
-  last seen at (int64 variables of the shard's length);
+* per row: its key, a count (0: free) and the global step it was last seen
+  at (int64 variables of the shard's length);
 * a counting filter of ``max(shard rows, 65,536)`` int64 counts of the
   sightings of ids without a row, each id counted in two hashed slots and
   read as the lower (DeepRec's counting Bloom filter, in fixed memory: an id
   may be admitted early when both its slots are shared, never late), for
   ``min_count`` and for the eviction pass's ranking of refused ids;
-* a ``tf.CriticalSection`` that makes "look up, admit, count" one unit, so
-  two workers never give one id two rows (TorchRec's managed collisions
-  and DeepRec's EmbeddingVariable do the same on one process).
+* a ``tf.CriticalSection`` that makes "look up, admit, count" one unit, so two
+  workers never give one id two rows (as TorchRec and DeepRec in one process).
 
 An id belongs to shard ``hash(id) % num_shards`` (TensorFlow's
 ``to_hash_bucket_fast`` of its decimal text, or of the string), and its row
@@ -32,8 +31,8 @@ to one ps, and the rows come back from the same ps. A lookup in training::
     values = table rows (gathered on their ps) or the default row (zeros)
     out = tf.gather(values, position)                 # worker
 
-Not-admitted ids read the default row: zeros, no variable, never trained.
-Their positions take no part in the gradient.
+Not-admitted ids read the default row (zeros, no variable, never trained);
+their positions take no part in the gradient.
 
 Eviction (:meth:`DynamicTable.maybe_evict`) runs after an update, once every
 ``evict_every`` global steps per shard, in the shard's critical section (so
@@ -186,8 +185,7 @@ class _Shard(tf.Module):
         with tf.init_scope(), tf.device(var.device):
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
-            # Not model state: a plain object, which neither checkpoints nor
-            # Keras's weight lists look into.
+            # Not model state: a plain object (no checkpoint, no Keras weight).
             untracked("process_local", types.SimpleNamespace(
                 lock=placement.critical_section(f"{name}_lock")))
 
