@@ -69,6 +69,7 @@ def test_a_gated_update_runs_only_for_a_finite_step(finite):
     @tf.function
     def step(ok, g):
         with update_gate.gated_by(ok, hoisted=[lr]) as gated:
+            assert update_gate.active() is ok
             out = update_gate.gate(var, sgd)(var, g)
         assert gated == {id(var)}
         return out

@@ -296,16 +296,17 @@ def _apply(obj, deferred, lists):
             continue
         target_children = target._trackable_children()
         for index, index_positions in positions.items():
-            element = target_children.get(index)
-            if element is None:
-                _deferred(target).setdefault(index, []).extend(index_positions)
-                continue
-            for p in index_positions:
-                p.restore(element)
+            _restore_or_defer(target, target_children, index, index_positions)
     for name, positions in deferred.items():
-        target = children.get(name)
-        if target is None:
-            _deferred(obj).setdefault(name, []).extend(positions)
-            continue
-        for p in positions:
-            p.restore(target)
+        _restore_or_defer(obj, children, name, positions)
+
+
+def _restore_or_defer(parent, children, key, positions):
+    """Restores ``positions`` into ``children[key]``, or defers them on
+    ``parent`` under ``key`` until that child exists."""
+    target = children.get(key)
+    if target is None:
+        _deferred(parent).setdefault(key, []).extend(positions)
+        return
+    for p in positions:
+        p.restore(target)

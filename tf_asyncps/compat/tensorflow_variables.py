@@ -68,22 +68,14 @@ def adding_only_if(var, pred):
       pred: scalar tf.bool.
     """
     import tensorflow as tf
-    had = "assign_add" in vars(var)
-    previous = vars(var).get("assign_add")
     original = var.assign_add
 
     def assign_add(delta, *args, **kwargs):
         dtype = tf.as_dtype(getattr(var, "dtype", tf.int64))
         return original(tf.cast(delta, dtype) * tf.cast(pred, dtype), *args, **kwargs)
 
-    var.assign_add = assign_add
-    try:
+    with _instance_attribute(var, "assign_add", assign_add):
         yield
-    finally:
-        if had:
-            var.assign_add = previous
-        else:
-            del var.assign_add
 
 
 @contextlib.contextmanager
@@ -103,18 +95,27 @@ def reads_redirected(var, redirect):
     if getattr(var, "_read_variable_op", None) is None:
         yield
         return
-    had = "_read_variable_op" in vars(var)
-    previous = vars(var).get("_read_variable_op")
     current = var._read_variable_op
 
     def _read_variable_op(*args, **kwargs):
         return redirect(lambda: current(*args, **kwargs))
 
-    var._read_variable_op = _read_variable_op
+    with _instance_attribute(var, "_read_variable_op", _read_variable_op):
+        yield
+
+
+@contextlib.contextmanager
+def _instance_attribute(obj, name, value):
+    """``obj.name = value`` on this instance while the context is active; on
+    exit the instance's own previous attribute is put back, or removed if it
+    had none (the class's is then seen again)."""
+    had = name in vars(obj)
+    previous = vars(obj).get(name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
         if had:
-            var._read_variable_op = previous
+            setattr(obj, name, previous)
         else:
-            del var._read_variable_op
+            delattr(obj, name)

@@ -474,9 +474,11 @@ class PolicyEngine:
     def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
                           lso, apply_fn, inputs, locking, gate=None, optimizer=None):
         tracker, policy = self.tracker, self.policy
-        # g is read once the gradients exist: τ covers the whole step. A rule
-        # that ignores τ gets it from the increment; its read waits for
-        # nothing (each wait on a gradient was a message from its ps task).
+        # g is read once the gradients exist: τ covers the whole step.
+        # Without the lock and with a rule that ignores τ, τ comes from the
+        # atomic increment itself (every update gets its own g), and this
+        # read waits for nothing (each wait on a gradient was a message from
+        # its ps task).
         tau_from_increment = not locking and not policy.uses_tau
         with tf.control_dependencies([] if tau_from_increment else inputs):
             g_now = tracker.read_step()
@@ -486,8 +488,6 @@ class PolicyEngine:
                         finite=finite)
         decision = as_decision(policy.update(list(grads), state, info))
         groups = _keep_groups(decision.keep, len(variables), finite)
-        # Without the lock and with a rule that ignores τ, τ comes from the
-        # atomic increment itself: every update gets its own g.
 
         def applied(indices):
             # The counters move only after every op of the optimizer's update:

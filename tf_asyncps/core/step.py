@@ -132,8 +132,9 @@ def _hook(original, adapt_args):
             return original(self, *args, **kwargs)
         grads_and_vars, rebuild = adapt_args(self, args, kwargs)
         # Before the engine's before-update hooks, which need the slots.
-        tf_keras_compat.build_for_pending_restore(self, [v for _, v in grads_and_vars])
-        keras_slots.build_for_pending_restore(self, [v for _, v in grads_and_vars])
+        variables = [v for _, v in grads_and_vars]
+        tf_keras_compat.build_for_pending_restore(self, variables)
+        keras_slots.build_for_pending_restore(self, variables)
 
         def run_original(gv):
             new_args, new_kwargs = rebuild(gv)

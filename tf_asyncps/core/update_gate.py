@@ -90,7 +90,7 @@ def gated_by(finite: tf.Tensor, hoisted=()):
 def active() -> Optional[tf.Tensor]:
     """The predicate of the innermost :func:`gated_by`, or None."""
     gate_ = getattr(_state, "gate", None)
-    return None if gate_ is None else gate_[0]
+    return None if gate_ is None else gate_.finite
 
 
 def gate(var, fn: Callable) -> Callable:
