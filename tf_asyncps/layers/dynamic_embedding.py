@@ -125,7 +125,7 @@ class _Mixin:
             dynamic_reshard.prepare_export(self.dynamic_table)
         training = bool(training) and not serving
         step = self._global_step
-        step = tf.cast(step.read_value(), tf.int64) if training and step is not None else None
+        step = step if training else None  # the variable: read beside each shard
         return self.dynamic_table.lookup(ids, step, training=training, serving=serving)
 
     def _dynamic_config(self) -> dict:

@@ -342,8 +342,7 @@ class DynamicTable(tf.Module):
         # The layer's weight: see _Shard.refs.
         tf_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
         self.key_dtype = key_dtype
-        self.output_dim = int(table.shape[1])
-        self.capacity = int(table.shape[0])
+        self.capacity, self.output_dim = int(table.shape[0]), int(table.shape[1])
         self.eviction, self.evict_every, self.ttl_steps = eviction, evict_every, ttl_steps
         self.initializer = initializer
         parts = tf_compat.shards(table) or [table]
@@ -466,12 +465,12 @@ class DynamicTable(tf.Module):
                serving: bool = False) -> tf.Tensor:
         """Rows of ``ids``: float ``ids.shape + [output_dim]``; the default row
         (zeros) for ids without a row. The gradient reaches admitted rows only.
-        ``serving``: a SavedModel export traces it (see :meth:`rows_of`).
+        ``step``: None (0), an int64 tensor or a step variable (read on each
+        shard's ps). ``serving``: a SavedModel export traces it (see :meth:`rows_of`).
 
-        In training each shard's ps finds the rows (admitting and counting in
-        its critical section) and gathers them itself: an id crosses to its
-        ps once, its row (and a found bit) comes back.
-        """
+        In training each shard's ps finds the rows (admitting and counting in its
+        critical section) and gathers them: an id crosses to its ps once, its row
+        (and a found bit) comes back."""
         ids = self.check_ids(ids)
         if not serving:  # (an export: dynamic_reshard.prepare_export did it)
             self.prepare()
@@ -484,12 +483,13 @@ class DynamicTable(tf.Module):
             values = tf.nn.embedding_lookup(self.table, tf.boolean_mask(rows, found))
             out = self._rows_at(found, values, tf.size(unique))
         else:
-            step = tf.constant(0, tf.int64) if step is None else step
             parts, where = self._parts(unique)
             outs = []
             for shard, part in zip(self.shards, parts):
-                with tf.device(shard.device):
-                    rows, found = dynamic_local.find_in_training(shard, part, step)
+                with tf.device(shard.device):  # a step variable read here: ps -> ps at most
+                    step_now = tf.constant(0, tf.int64) if step is None else tf.cast(
+                        step.read_value() if hasattr(step, "read_value") else step, tf.int64)
+                    rows, found = dynamic_local.find_in_training(shard, part, step_now)
                     # Distinct already: not the strategy's de-duplicating read
                     # (core/lookup.py), whose tf.unique would only add index
                     # tensors for the gradient to carry back and forth.
