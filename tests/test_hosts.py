@@ -192,13 +192,32 @@ def _launch(out, *flags):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(proc, timeout_s):
+def _finish(proc, timeout_s, out_dir=None):
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        stacks = _chief_stacks(out_dir) if out_dir else ""
         stop_process(proc)
-        pytest.fail(f"launch ran past {timeout_s} s")
+        pytest.fail(f"launch ran past {timeout_s} s; the chief's threads:\n{stacks}")
     return proc.returncode, out
+
+
+def _chief_stacks(out_dir):
+    """The chief's Python stacks (SIGUSR1: cli.main's faulthandler), read from
+    its log: what a run past its time waits on."""
+    log = os.path.join(out_dir, "logs", "chief-0.log")
+    try:
+        start = os.path.getsize(log)
+        os.kill(_tasks(out_dir)["chief:0"]["pid"], signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while os.path.getsize(log) == start and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling for the dump
+        time.sleep(1)  # the rest of it (a dump is written in pieces)
+        with open(log, errors="replace") as f:
+            f.seek(start)
+            return f.read()[-6000:]
+    except (OSError, KeyError, ValueError) as e:
+        return f"(none: {e!r})"
 
 
 def _epoch_lines(out):
@@ -232,7 +251,7 @@ def test_the_digits_job_across_four_hosts(tmp_path):
     out = str(tmp_path / "out")
     proc = _launch(out, "--epochs=6", "--steps_per_epoch=100")
     try:
-        rc, text = _finish(proc, 200)
+        rc, text = _finish(proc, 200, out)
     finally:
         stop_process(proc)
         leftover = netns.remove_namespaces_of(proc.pid)
@@ -270,7 +289,7 @@ def test_a_worker_whose_link_goes_down_mid_fit_is_survived(tmp_path):
                            timeout=10)
         assert proc.poll() is None, "the job ended during the outage"
         epochs_at_up = _epoch_lines(out)
-        rc, text = _finish(proc, 220)
+        rc, text = _finish(proc, 220, out)
     finally:
         stop_process(proc)
         netns.remove_namespaces_of(proc.pid)
@@ -325,7 +344,7 @@ def test_soak_random_worker_kills_and_link_drops(tmp_path):
                                check=True, timeout=10)
                 kind = f"link down {down_s:.1f} s"
             faults.append({"worker": worker, "kind": kind, "epoch": _epoch_lines(out)})
-        rc, text = _finish(proc, 60)
+        rc, text = _finish(proc, 60, out)
     finally:
         stop_process(proc)
         netns.remove_namespaces_of(proc.pid)

@@ -1,6 +1,7 @@
 """tf-asyncps: the command line (absl). What --help prints: cli_help.py."""
 
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -450,6 +451,10 @@ def main(argv):
             "--flagfile=configs/digits_async.flags")
     if len(argv) > 2:
         raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
+    if argv[1] in ("train", "server"):
+        # `kill -USR1 PID` prints every thread's Python stack to the task's
+        # stderr (its log under launch) and it runs on: what a stuck task waits on.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         {"launch": cmd_launch, "train": cmd_train, "server": cmd_server,
          "bench": cmd_bench, "reference": cmd_reference}[argv[1]](argv)
