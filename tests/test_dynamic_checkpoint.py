@@ -204,3 +204,71 @@ def test_other_variables_are_saved_as_before(tmp_path):
         np.testing.assert_allclose(got[key], value, rtol=1e-6)
     assert sorted(k for k in got if k.startswith("m/")) == sorted(
         k for k in want if k.startswith("m/"))
+
+
+class _StopAt(tf_keras.callbacks.Callback):
+    """Fails the fit as epoch ``epoch`` (0-based) begins: a crash after the
+    backup of the epoch before."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("crash")
+
+
+def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
+    """tf_keras BackupAndRestore: a fit that crashes after epoch 2 of 4 and
+    a new model that resumes it end with exactly the predictions, ids, rows
+    and Adam slots of an uninterrupted fit. With min_count=3 each id gets its
+    row in epoch 3, after the resume: the counting filter came back too."""
+    def model():
+        i = tf_keras.Input([2], dtype=tf.int64)
+        # zeros: a row admitted after the resume starts the same in both runs (free
+        # rows are not saved; they hold the initializer's values of the process).
+        layer = DynamicEmbedding(DIM, capacity=10_000, min_count=3, initializer="zeros",
+                                 name="emb")
+        m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
+        m.compile(tf_keras.optimizers.Adam(0.01), "mse")
+        return m, layer
+
+    def fit(m, *callbacks):
+        m.fit(IDS, Y, batch_size=5, epochs=4, verbose=0, shuffle=False,
+              callbacks=[DynamicEviction(), *callbacks])
+
+    tf_keras.utils.set_random_seed(0)
+    a, la = model()
+    fit(a)
+    backup = str(tmp_path / "backup")
+    tf_keras.utils.set_random_seed(0)
+    b, lb = model()
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(b, tf_keras.callbacks.BackupAndRestore(backup), _StopAt(2))
+    assert lb.stats()["live_rows"] == 0  # two sightings each: no id has a row yet
+    tf_keras.utils.set_random_seed(1)  # another Dense kernel: it must come back
+    c, lc = model()
+    fit(c, tf_keras.callbacks.BackupAndRestore(backup))
+    assert lc.stats()["live_rows"] == la.stats()["live_rows"] == LIVE
+    ids_a, rows_a = la.export()
+    ids_c, rows_c = lc.export()
+    order_a, order_c = np.argsort(ids_a.numpy()), np.argsort(ids_c.numpy())
+    np.testing.assert_array_equal(ids_c.numpy()[order_c], ids_a.numpy()[order_a])
+    np.testing.assert_allclose(rows_c.numpy()[order_c], rows_a.numpy()[order_a], rtol=1e-6)
+    np.testing.assert_allclose(c.predict(IDS, verbose=0), a.predict(IDS, verbose=0), rtol=1e-6)
+    for got, want in zip(_slots(c, lc), _slots(a, la)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 20
+
+
+def test_keras3_backup_and_restore_is_refused_with_the_fix(tmp_path):
+    """Keras 3's BackupAndRestore writes .weights.h5 files, which cannot hold
+    the id -> row map: the fit fails at the first backup, naming
+    tf.train.Checkpoint, instead of saving rows that would come back
+    unreachable."""
+    keras = pytest.importorskip("keras")
+    model, _ = _model("keras3", 100)
+    with pytest.raises(ValueError, match="tf.train.Checkpoint"):
+        model.fit(IDS, Y, batch_size=5, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
