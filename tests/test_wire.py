@@ -218,3 +218,39 @@ def test_a_sparse_gradient_of_an_unknown_or_huge_table_crosses_as_two_tensors():
                                        tf.TensorSpec([None], tf.int64)).graph
     assert sorted(t.dtype.name for t in _copies_on_ps(graph)) == [
         "float32", "float32", "int64", "int64"]
+
+
+def test_marked_gather_rows_stay_on_the_ps_in_the_gradient():
+    """A dynamic table's gather (indices built on its ps and marked): the
+    gradient's IndexedSlices takes the gather's own indices tensor, with
+    values reshaped without its size, so nothing of the indices is computed
+    on the worker; unique_rows and copy_to leave it as it is (no tf.unique,
+    no packing of the indices into the values). The same values and indices
+    as the tape's own; an unmarked gather's gradient is left alone."""
+    var = _table(dim=4)
+    upstream = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 2)
+
+    @tf.function
+    def run(marked):
+        found = tf.constant([5, -1, 0, 2], tf.int64)
+        rows = tf.boolean_mask(found, found >= 0) - tf.constant(0, tf.int64)  # dynamic size
+        if marked:
+            grads_lib.mark_rows_on_ps(rows)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(var, rows) * upstream)
+        g = tape.gradient(loss, var)
+        out = grads_lib.unique_rows(grads_lib.rows_on_ps(g))
+        kept = out.indices.name == rows.name
+        copied = grads_lib.copy_to(out, "/cpu:0", rows=int(var.shape[0]))
+        ops = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+        return out.values, out.indices, copied.values, kept, "Unique" in ops, "Bitcast" in ops
+
+    values, indices, copied, kept, unique, packed = run(True)
+    np.testing.assert_array_equal(values.numpy(), upstream.numpy())
+    np.testing.assert_array_equal(copied.numpy(), upstream.numpy())
+    assert indices.numpy().tolist() == [5, 0, 2]
+    assert (bool(kept), bool(unique), bool(packed)) == (True, False, False)
+    values, indices, _, kept, unique, packed = run(False)
+    np.testing.assert_array_equal(values.numpy(), upstream.numpy())
+    assert indices.numpy().tolist() == [5, 0, 2]
+    assert (bool(kept), bool(unique), bool(packed)) == (False, True, True)

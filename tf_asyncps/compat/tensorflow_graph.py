@@ -1,10 +1,12 @@
 """TensorFlow graph internals (TF 2.21.0; ``Operation._set_device`` is the
-same in 2.16-2.20): an op's device changed after it was created.
+same in 2.16-2.20): an op's device changed after it was created, and the
+parts of a ``ResourceGather`` gradient (``resource_variable_ops._GatherGrad``,
+the same in 2.16-2.21).
 
 Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit).
 """
 
-__all__ = ["constants_beside_consumers"]
+__all__ = ["constants_beside_consumers", "gather_gradient_parts"]
 
 
 def constants_beside_consumers(ops) -> int:
@@ -33,3 +35,26 @@ def constants_beside_consumers(ops) -> int:
             op._set_device(devices.pop())
             moved += 1
     return moved
+
+
+def gather_gradient_parts(grad):
+    """``(upstream, indices)`` of an IndexedSlices that a ``ResourceGather``'s
+    registered gradient built: the gradient of the gather's output and the
+    gather's own indices tensor; None for any other gradient.
+
+    ``_GatherGrad`` reshapes both on the device the gradient is computed on
+    (the worker): ``values = reshape(upstream, [size(indices), ...])`` and
+    ``indices = reshape(indices, [size(indices)])``. Indices computed on a ps
+    (a dynamic table's rows) then cross to the worker, with their size,
+    and back with the gradient (measured: 2 transfers per table shard and
+    step, 8 bytes a row).
+    """
+    import tensorflow as tf
+    if not isinstance(grad, tf.IndexedSlices) or tf.executing_eagerly():
+        return None
+    values, indices = grad.values.op, grad.indices.op
+    if values.type != "Reshape" or indices.type != "Reshape":
+        return None
+    # (The size is a Size op of the indices, or a constant where their shape
+    # is static.)
+    return values.inputs[0], indices.inputs[0]

@@ -308,7 +308,7 @@ class PolicyEngine:
             return self.local.apply(step, grads_and_vars, apply_fn, marked, optimizer)
         locking = self.policy.atomic or marked
         apply_fn = self._filtered(apply_fn, optimizer)
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        pairs = [(grads_lib.rows_on_ps(g), v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             return apply_fn(grads_and_vars)
         self._warn_dense_table_updates(optimizer, pairs)

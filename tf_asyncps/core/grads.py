@@ -11,9 +11,12 @@ once: :func:`wire_dtype_of` for gradients (:func:`copy_to`) and reads
 reads).
 """
 
+import weakref
+
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tensorflow_graph
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
            "flat_tensors", "unique_rows", "narrow_indices", "wire_dtype_of", "read_over_wire"]
@@ -51,6 +54,41 @@ def all_finite(grads) -> tf.Tensor:
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
+#: Graph -> names of tensors marked by :func:`mark_rows_on_ps`.
+_ON_PS = weakref.WeakKeyDictionary()
+
+
+def mark_rows_on_ps(indices) -> None:
+    """Marks ``indices`` (a 1-D int tensor built on a ps, in a traced graph)
+    as distinct rows of a variable gathered on that ps: the gradient's
+    IndexedSlices then keeps them there (:func:`rows_on_ps`). A dynamic
+    table's lookup marks its rows (``layers/dynamic_table.py``)."""
+    if not tf.executing_eagerly():
+        _ON_PS.setdefault(indices.graph, set()).add(indices.name)
+
+
+def _marked(indices) -> bool:
+    try:
+        return indices.name in _ON_PS.get(indices.graph, ())
+    except AttributeError:  # an eager tensor has neither
+        return False
+
+
+def rows_on_ps(grad):
+    """``grad`` with the indices of a gather :func:`mark_rows_on_ps` marked
+    taken from the ps, as they are, and the values reshaped on the worker
+    without their size: the indices then never cross to the worker and back,
+    and :func:`unique_rows` and :func:`copy_to` leave them alone. Any other
+    gradient as it is."""
+    parts = tensorflow_graph.gather_gradient_parts(grad)
+    if parts is None or not _marked(parts[1]) or parts[1].shape.rank != 1 or \
+            not grad.values.shape[1:].is_fully_defined():
+        return grad
+    upstream, indices = parts
+    values = tf.reshape(upstream, [-1] + grad.values.shape[1:].as_list())
+    return tf.IndexedSlices(values, indices, grad.dense_shape)
+
+
 def unique_rows(grad):
     """``grad`` with one row per distinct index: the rows of repeated indices
     of an IndexedSlices summed (``tf.unique`` order); a dense gradient as is.
@@ -60,8 +98,8 @@ def unique_rows(grad):
     the update is the same; done on the worker, only distinct rows cross to
     the ps (a batch of 512 Zipf ids holds ~240 distinct).
     """
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
+    if not isinstance(grad, tf.IndexedSlices) or _marked(grad.indices):
+        return grad  # (marked rows are distinct)
     unique, position = tf.unique(grad.indices)
     values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, grad.dense_shape)
@@ -167,7 +205,7 @@ def copy_to(value, device, wire_dtype=None, rows=None):
     cast = wire is not None
     if cast:
         values = tf.cast(values, wire)  # on the worker: half the bytes cross
-    packed = (isinstance(value, tf.IndexedSlices)
+    packed = (isinstance(value, tf.IndexedSlices) and not _marked(value.indices)
               and _packable(values, value.indices, rows))
     if packed:
         one = _pack(values, value.indices, rows)

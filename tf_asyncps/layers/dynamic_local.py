@@ -62,6 +62,10 @@ def find_in_training(shard, ids, step):
     section, and which of them the step may read (bool ``[n]``): those
     found, and under ``local_sgd`` those whose generation is the one the
     worker pulled."""
+    # Copied here first (the caller's device: the shard's ps): the critical
+    # section makes its lock wait for every input's op, and the worker's op
+    # would cost a control message to the ps each step.
+    ids, step = tf.identity(ids), tf.identity(step)
     if shard.gen is None:
         rows = shard.lock.execute(lambda: shard.find(ids, step, admit=True),
                                   exclusive_resource_access=False)

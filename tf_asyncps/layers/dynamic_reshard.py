@@ -282,12 +282,20 @@ def prepare(table, home_of) -> None:
 def check(shard) -> tf.Operation:
     """In a shard's lookup (its ps, its critical section): fails if a restore
     onto other shards came after this step was traced (nothing re-homed)."""
-    return tf.debugging.assert_equal(
-        shard.marks.pending.read_value(), tf.constant(0, tf.int64), message=(
+    pending = shard.marks.pending
+
+    def fail():
+        # The variable is read in here so that the cond takes it as an input:
+        # a stateful op without one is ordered after every other such op of
+        # the step (TensorFlow's automatic control dependencies), which put
+        # the other shards' critical sections (on other ps tasks) before it.
+        return tf.debugging.Assert(tf.equal(pending.read_value(), 0), [
             "DynamicEmbedding: restored from a checkpoint written on another number of "
             "table shards after this step function was traced: call "
             "layer.dynamic_table.prepare() after the restore (or restore before the "
-            "first step)."))
+            "first step)."])
+
+    return tf.cond(tf.equal(pending.read_value(), 0), tf.no_op, fail)
 
 
 def prepare_slots(table, slot_sets) -> None:

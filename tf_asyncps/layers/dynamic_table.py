@@ -60,6 +60,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_checkpoint
+from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
 from tf_asyncps.layers import dynamic_local
@@ -490,14 +491,12 @@ class DynamicTable(tf.Module):
                     step_now = tf.constant(0, tf.int64) if step is None else tf.cast(
                         step.read_value() if hasattr(step, "read_value") else step, tf.int64)
                     rows, found = dynamic_local.find_in_training(shard, part, step_now)
-                    # Distinct already: not the strategy's de-duplicating read
-                    # (core/lookup.py), whose tf.unique would only add index
-                    # tensors for the gradient to carry back and forth.
+                    local = tf.boolean_mask(rows, found) - shard.offset
+                    grads_lib.mark_rows_on_ps(local)  # the gradient's rows stay here
+                    # Distinct already: not the strategy's de-duplicating read.
                     with lookup_lib.every_id():
-                        values = tf.gather(shard.var,
-                                           tf.boolean_mask(rows, found) - shard.offset)
-                # with the ids (the worker): only the found bits cross
-                outs.append(self._rows_at(found, values, tf.size(part)))
+                        values = tf.gather(shard.var, local)
+                outs.append(self._rows_at(found, values, tf.size(part)))  # worker: found bits cross
             out = self._stitch(outs, where)
         out = tf.gather(out, position)
         return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
@@ -521,13 +520,14 @@ class DynamicTable(tf.Module):
             resets = [(shard.var, self.initializer)]
             resets += [(slot, lambda shape, v=value: tf.fill(shape, float(v)))
                        for slot, value in slots_of(shard.var)]
-            # Everything on the shard's ps, the step included: an untaken
-            # pass then sends nothing between devices (measured: computing
-            # `period` on the worker cost ~6 KB per step on the embedding
-            # workload).
+            # All on the shard's ps (on the worker: ~6 KB per step, measured);
+            # not after the caller's control inputs (a control message each):
+            # g orders `period`, and `passes` is read again under the lock.
             with tf.device(shard.device):
                 g = tf.identity(step)
-                period = g // self.evict_every
+                with tf.control_dependencies(None):
+                    period = g // tf.constant(self.evict_every, tf.int64)
+                    passes = shard.passes.read_value()
 
                 def run_pass(s=shard, r=resets, g=g, period=period):
                     return s.evict(g, period, self.eviction, self.evict_every,
@@ -539,7 +539,7 @@ class DynamicTable(tf.Module):
                         lambda: tf.cond(period > s.passes.read_value(), run_pass, tf.no_op),
                         exclusive_resource_access=False)
 
-                ops.append(tf.cond(period > shard.passes.read_value(), locked, tf.no_op))
+                ops.append(tf.cond(period > passes, locked, tf.no_op))
         return tf.group(ops)
 
     def drop_free_rows(self, grad, var):
