@@ -160,9 +160,9 @@ PS = "/job:ps/replica:0/task:1/device:CPU:0"
 
 
 def _copies_on_ps(graph):
-    """The tensors copied onto PS (the Identity ops placed there): what crosses."""
+    """The tensors copied onto PS (the Identity or Snapshot ops placed there): what crosses."""
     return [op.inputs[0] for op in graph.get_operations()
-            if op.type == "Identity" and op.device == PS]
+            if op.type in ("Identity", "Snapshot") and op.device == PS]
 
 
 @pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])

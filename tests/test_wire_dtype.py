@@ -40,7 +40,8 @@ def test_a_float32_gradient_crosses_as_bfloat16_and_is_float32_on_the_ps(sparse)
     assert _casts(graph) == [("float32", "bfloat16", WORKER), ("bfloat16", "float32", PS)]
     # What crosses (the copy placed on the ps) is the bfloat16 tensor.
     copies = [op for op in graph.get_operations()
-              if op.type == "Identity" and op.device == PS and op.inputs[0].dtype.is_floating]
+              if op.type in ("Identity", "Snapshot") and op.device == PS
+              and op.inputs[0].dtype.is_floating]
     assert [op.inputs[0].dtype for op in copies] == [tf.bfloat16]
     assert send.get_concrete_function(tf.TensorSpec([2, 3])).structured_outputs.dtype == tf.float32
 
