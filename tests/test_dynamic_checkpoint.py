@@ -272,3 +272,28 @@ def test_keras3_backup_and_restore_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="tf.train.Checkpoint"):
         model.fit(IDS, Y, batch_size=5, epochs=1, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+
+
+def test_a_whole_table_checkpoint_is_refused_naming_the_fix(tmp_path):
+    """A checkpoint in the whole-table format that tf_asyncps wrote before
+    commit a33e78b (the table's entry: count, filter, free, key, last,
+    shards, waiting of every row) is refused at the restore, naming the
+    commit, before TF reads a tensor; the layer keeps its rows."""
+    model, layer = _model("tf_keras", 10)
+    state = layer.dynamic_table.state
+    old = {name: tf.zeros([10], tf.int64) for name in
+           ("count", "filter", "free", "key", "last", "waiting")}
+    old["shards"] = tf.zeros([1, 4], tf.int64)
+    saved, state._asyncps_save = state._asyncps_save, lambda: old
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "old"))
+    state._asyncps_save = saved
+    names = {name.split("/")[-1] for name, _ in tf.train.list_variables(path)
+             if "dynamic_table/state" in name}
+    assert names == set(old)  # the old layout, at the same path
+
+    b, lb = _model("tf_keras", 10)
+    before = lb.dynamic_table.table.numpy()
+    with pytest.raises(ValueError, match=r"whole-table format .* a33e78b") as err:
+        tf.train.Checkpoint(model=b).read(path)
+    assert "'emb'" in str(err.value) and "'free'" in str(err.value)
+    np.testing.assert_array_equal(lb.dynamic_table.table.numpy(), before)

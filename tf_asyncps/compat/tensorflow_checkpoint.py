@@ -17,7 +17,7 @@ __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_save
 _CLASS = []
 
 
-def checkpointed_tensors(save, restore):
+def checkpointed_tensors(save, restore, check=None):
     """A trackable object: assigned to a tracked attribute (``tf.Module``,
     Keras layer), its checkpoint entries are ``save()`` and a restore calls
     ``restore(tensors)``.
@@ -34,6 +34,12 @@ def checkpointed_tensors(save, restore):
       restore: ``restore({name: tensor}) -> op or None``; called once the
         entries are read (eagerly in TF2's eager restore; also for a
         restore deferred until this object is attached).
+      check: ``check(names)``, or None: called at a restore with the entry
+        names the checkpoint holds for this object, before any is read; it
+        raises to refuse the checkpoint (TF would fail later with
+        ``NotFoundError`` naming only the first missing key). Needs TF's
+        ``CheckpointPosition._create_serialize_to_tensor_saveable`` (TF
+        2.11-2.21): without it, not called.
 
     Returns:
       The object (a ``tf.__internal__.tracking.Trackable``).
@@ -42,9 +48,10 @@ def checkpointed_tensors(save, restore):
         from tensorflow.python.trackable import base
 
         class CheckpointedTensors(base.Trackable):
-            def __init__(self, save, restore):
+            def __init__(self, save, restore, check):
                 super().__init__()
                 self._asyncps_save, self._asyncps_restore = save, restore
+                self._asyncps_check = check
 
             def _serialize_to_tensors(self):
                 return self._asyncps_save()
@@ -53,7 +60,34 @@ def checkpointed_tensors(save, restore):
                 return self._asyncps_restore(restored_tensors)
 
         _CLASS.append(CheckpointedTensors)
-    return _CLASS[0](save, restore)
+        _hook_restore_check()
+    return _CLASS[0](save, restore, check)
+
+
+def _hook_restore_check() -> None:
+    """Calls a :func:`checkpointed_tensors` object's ``check`` with the entry
+    names its node holds in the checkpoint (``object_proto.attributes``),
+    in TF 2.21's ``CheckpointPosition._create_serialize_to_tensor_saveable``:
+    the one place a restore of a ``_serialize_to_tensors`` object sees both
+    the object and the checkpoint's names before reading them."""
+    try:
+        from tensorflow.python.checkpoint import restore
+        position = restore.CheckpointPosition
+        position._create_serialize_to_tensor_saveable  # noqa: B018 (exists?)
+    except (ImportError, AttributeError):  # another TF: no early check
+        return
+
+    def make_hook(original):
+        @functools.wraps(original)
+        def checked(self, *args, **kwargs):
+            check = getattr(self.trackable, "_asyncps_check", None)
+            if check is not None:
+                check(sorted(a.name for a in self.object_proto.attributes))
+            return original(self, *args, **kwargs)
+        return checked
+
+    from tf_asyncps.compat import tensorflow as tf_compat
+    tf_compat.hook_method(position, "_create_serialize_to_tensor_saveable", make_hook)
 
 
 #: Set on an object by :func:`save_elsewhere`.

@@ -46,7 +46,7 @@ from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 from tf_asyncps.layers import slots as slots_lib
 
-__all__ = ["save_state", "restore_state", "track_optimizer", "slot_sets", "COUNTERS",
+__all__ = ["save_state", "restore_state", "check_entry", "track_optimizer", "slot_sets", "COUNTERS",
            "process_state"]
 
 #: Per-shard counters saved (one row per shard), in this order.
@@ -150,6 +150,35 @@ def _build(optimizer, variables) -> bool:
     return False
 
 
+#: The names of a table's checkpoint entry (the module docstring).
+ENTRY = ("rows", "key", "count", "last", "values", "slots", "filter_at", "filter", "waiting_at",
+         "shards")
+
+
+def check_entry(table, names) -> None:
+    """Refuses a checkpoint whose entry for ``table`` does not hold
+    :data:`ENTRY`'s names (``names``: those it holds), before TF reads it.
+
+    Raises:
+      ValueError: naming the table, the names found and the fix; for the
+        whole-table entries that tf_asyncps wrote before commit a33e78b
+        (2026-12-03: ``count``, ``free``, ``key`` ... of every row).
+    """
+    missing = sorted(set(ENTRY) - set(names))
+    if not missing:
+        return
+    old = "free" in names and "rows" not in names
+    raise ValueError(
+        f"DynamicEmbedding {table.name!r}: the checkpoint's entry for this table holds "
+        f"{list(names)}, without {missing}. "
+        + ("It is the whole-table format that tf_asyncps wrote before 2026-12-03 (commit "
+           "a33e78b); this version reads checkpoints of live rows only and cannot convert "
+           "it: restore it with the tf_asyncps that wrote it (a commit before a33e78b), or "
+           "train from the start with this one." if old else
+           "Restore a checkpoint written by this version's DynamicEmbedding at this path "
+           "(a checkpoint's objects are matched by their attribute path)."))
+
+
 def save_state(table) -> dict:
     """The table's entry in a checkpoint (the module docstring); ``{}`` in a
     SavedModel export (its graph cannot read these variables, which are not
@@ -161,9 +190,7 @@ def save_state(table) -> dict:
     if sets and not table.saving.marked:
         _mark(table.saving.optimizer, sets)
         table.saving.marked = True
-    names = ("rows", "key", "count", "last", "values", "slots", "filter_at", "filter",
-             "waiting_at")
-    out = {name: [] for name in names}
+    out = {name: [] for name in ENTRY[:-1]}
     at = 0  # the filters' own offsets (a filter need not be as long as its shard)
     for i, s in enumerate(table.shards):
         with tf.device(s.device):  # only the live rows leave the ps

@@ -92,8 +92,7 @@ def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_
     """
     def positive_int(name, value, hint):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"DynamicEmbedding({name}={value!r}): must be an int >= 1 "
-                             f"({hint}).")
+            raise ValueError(f"DynamicEmbedding({name}={value!r}): must be an int >= 1 ({hint}).")
 
     positive_int("output_dim", output_dim, "the width of each row")
     positive_int("capacity", capacity, "the most rows the table holds, e.g. capacity=1_000_000")
@@ -362,7 +361,8 @@ class DynamicTable(tf.Module):
         # Last: a restore deferred until now finds every shard's variables.
         self.state = tensorflow_checkpoint.checkpointed_tensors(
             lambda: state_lib.save_state(self),
-            lambda restored: state_lib.restore_state(self, restored))
+            lambda restored: state_lib.restore_state(self, restored),
+            lambda names: state_lib.check_entry(self, names))
 
     @property
     def table(self):
