@@ -265,13 +265,87 @@ def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
 def test_keras3_backup_and_restore_is_refused_with_the_fix(tmp_path):
     """Keras 3's BackupAndRestore writes .weights.h5 files, which cannot hold
     the id -> row map: the fit fails at the first backup, naming
-    tf.train.Checkpoint, instead of saving rows that would come back
-    unreachable."""
+    tf.train.Checkpoint and CheckpointBackup, instead of saving rows that
+    would come back unreachable."""
     keras = pytest.importorskip("keras")
     model, _ = _model("keras3", 100)
-    with pytest.raises(ValueError, match="tf.train.Checkpoint"):
+    with pytest.raises(ValueError, match="tf.train.Checkpoint.*CheckpointBackup"):
         model.fit(IDS, Y, batch_size=5, epochs=1, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+
+
+class _StopAt3:
+    """_StopAt for Keras 3 (made on first use: Keras 3 may be missing)."""
+
+    def __new__(cls, epoch):
+        import keras
+
+        class StopAt(keras.callbacks.Callback):
+            def on_epoch_begin(self, e, logs=None):
+                if e == epoch:
+                    raise RuntimeError("crash")
+        return StopAt()
+
+
+def test_keras3_checkpoint_backup_resumes_map_filter_rows_and_slots(tmp_path):
+    """tf_asyncps.callbacks.CheckpointBackup, Keras 3's BackupAndRestore in a
+    tf.train.Checkpoint: a fit that crashes as epoch 3 of 4 begins and a new
+    model that resumes it end with the uninterrupted fit's predictions, ids,
+    rows and Adam slots, after exactly 4 epochs of steps (min_count=3: ids
+    get rows after the resume, so the counting filter came back)."""
+    keras = pytest.importorskip("keras")
+    import tf_asyncps
+    from tf_asyncps.callbacks import CheckpointBackup
+
+    def model():
+        i = keras.Input((2,), dtype="int64")
+        layer = tf_asyncps.keras3.DynamicEmbedding(DIM, capacity=10_000, min_count=3,
+                                                   initializer="zeros", name="emb")
+        m = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(layer(i))))
+        m.compile(keras.optimizers.Adam(0.01), "mse")
+        return m, layer
+
+    def fit(m, *callbacks):
+        m.fit(IDS, Y, batch_size=5, epochs=4, verbose=0, shuffle=False,
+              callbacks=[DynamicEviction(), *callbacks])
+
+    keras.utils.set_random_seed(0)
+    a, la = model()
+    fit(a)
+    backup = str(tmp_path / "backup")
+    keras.utils.set_random_seed(0)
+    b, lb = model()
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(b, CheckpointBackup(backup), _StopAt3(2))
+    assert lb.stats()["live_rows"] == 0  # two sightings each: no id has a row yet
+    assert tf.train.latest_checkpoint(backup).endswith("ckpt-2")
+    keras.utils.set_random_seed(1)  # another Dense kernel: it must come back
+    c, lc = model()
+    fit(c, CheckpointBackup(backup))
+    assert not (tmp_path / "backup").exists()  # delete_checkpoint
+    assert lc.stats()["live_rows"] == la.stats()["live_rows"] == LIVE
+    ids_a, rows_a = la.export()
+    ids_c, rows_c = lc.export()
+    order_a, order_c = np.argsort(ids_a.numpy()), np.argsort(ids_c.numpy())
+    np.testing.assert_array_equal(ids_c.numpy()[order_c], ids_a.numpy()[order_a])
+    np.testing.assert_allclose(rows_c.numpy()[order_c], rows_a.numpy()[order_a], rtol=1e-6)
+    np.testing.assert_allclose(c.predict(IDS, verbose=0), a.predict(IDS, verbose=0), rtol=1e-6)
+    for got, want in zip(_slots(c, lc), _slots(a, la)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 20
+
+
+def test_checkpoint_backup_refuses_bad_input_naming_the_fix(tmp_path):
+    """An empty backup_dir fails when the callback is made; a tf_keras model
+    at train begin, naming tf_keras's BackupAndRestore."""
+    pytest.importorskip("keras")
+    from tf_asyncps.callbacks import CheckpointBackup
+    with pytest.raises(ValueError, match="backup_dir=''"):
+        CheckpointBackup("")
+    model, _ = _model("tf_keras", 100)
+    with pytest.raises(ValueError, match="tf_keras.callbacks.BackupAndRestore"):
+        model.fit(IDS, Y, batch_size=5, epochs=1, verbose=0,
+                  callbacks=[CheckpointBackup(str(tmp_path / "b"))])
 
 
 def test_a_whole_table_checkpoint_is_refused_naming_the_fix(tmp_path):

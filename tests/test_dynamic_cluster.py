@@ -163,6 +163,22 @@ def test_keras3_eviction_resets_rows_and_adagrad_slots():
     assert r["free_rows"] == [0.0, 0.0]  # zeros, and no gradient landed on them
 
 
+@pytest.mark.timeout(300)
+def test_keras3_checkpoint_backup_resumes_a_crashed_fit(tmp_path):
+    """tf_asyncps.callbacks.CheckpointBackup under the strategy (Keras 3's
+    BackupAndRestore refuses a DynamicEmbedding): a fit that crashes as
+    epoch 3 of 4 begins, resumed by a new model, ends with the uninterrupted
+    fit's ids, rows and predictions (1 worker, Adagrad, zeros), having run
+    epochs 3 and 4 only; the backup is removed at the end."""
+    r = run_scenario("dynamic_keras3_backup", timeout=280,
+                     backup_dir=str(tmp_path / "backup"))
+    assert r["crash"] == "crash" and r["latest"] == "ckpt-2" and r["epochs_b"] == [0, 1]
+    assert r["epochs_c"] == [2, 3] and r["iterations"] == [16, 16]
+    assert r["ids_equal"] and r["live"] == 10 and r["rows_max"] > 0.01
+    assert r["rows_max_diff"] <= 1e-6 and r["pred_max_diff"] <= 1e-6
+    assert not r["backup_left"]
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("optimizer,slots", [("adagrad", 1), ("adam", 2)])
 def test_keras3_checkpoint_round_trip(optimizer, slots):

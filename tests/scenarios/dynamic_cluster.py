@@ -313,6 +313,72 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
                 "free_rows": free_rows}
 
 
+@scenario
+def dynamic_keras3_backup(num_ps=2, backup_dir=None):
+    """Keras 3 fit under the strategy, 1 worker, Adagrad, zeros: 4 epochs of 4
+    steps uninterrupted (a); the same fit with CheckpointBackup crashing as
+    epoch 3 begins (b); a new model resuming b's backup (c). Returns a's and
+    c's predictions, ids and rows, and the epochs each ran."""
+    import keras
+
+    from tf_asyncps.callbacks import CheckpointBackup
+    x, y = _data()
+
+    class Epochs(keras.callbacks.Callback):
+        def __init__(self, stop_at=None):
+            super().__init__()
+            self.seen, self.stop_at = [], stop_at
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == self.stop_at:
+                raise RuntimeError("crash")
+            self.seen.append(epoch)
+
+    with cluster(num_workers=1, num_ps=num_ps) as c:
+        strategy = _strategy(c, num_ps)
+
+        def make():
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                i = keras.Input((3,), dtype="int64")
+                layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=16, initializer="zeros")
+                flat = keras.layers.Flatten()(layer(i))
+                model = keras.Model(i, keras.layers.Dense(1)(flat))
+                model.compile(_optimizer("adagrad", "keras3"), "mse")
+            return model, layer
+
+        def fit(model, *callbacks):
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+            model.fit(data, epochs=4, steps_per_epoch=4, verbose=0, callbacks=list(callbacks))
+
+        def state(model, layer):
+            ids, rows = (t.numpy() for t in layer.export())
+            order = np.argsort(ids)
+            return {"pred": model.predict(x, verbose=0), "ids": ids[order],
+                    "rows": rows[order], "iterations": int(model.optimizer.iterations.numpy())}
+
+        a, la = make()
+        fit(a)
+        b, _ = make()
+        crashed = Epochs(stop_at=2)
+        try:
+            fit(b, CheckpointBackup(backup_dir), crashed)
+        except RuntimeError as e:
+            crash = str(e)
+        latest = os.path.basename(tf.train.latest_checkpoint(backup_dir))
+        c_, lc = make()
+        resumed = Epochs()
+        fit(c_, CheckpointBackup(backup_dir), resumed)
+        sa, sc = state(a, la), state(c_, lc)
+        return {"crash": crash, "latest": latest, "epochs_b": crashed.seen,
+                "epochs_c": resumed.seen, "backup_left": os.path.exists(backup_dir),
+                "ids_equal": bool(np.array_equal(sa["ids"], sc["ids"])), "live": len(sc["ids"]),
+                "rows_max_diff": float(np.abs(sa["rows"] - sc["rows"]).max()),
+                "rows_max": float(np.abs(sa["rows"]).max()),
+                "pred_max_diff": float(np.abs(sa["pred"] - sc["pred"]).max()),
+                "iterations": [sa["iterations"], sc["iterations"]]}
+
+
 def _table_state(model):
     """{id: (row values, Adagrad accumulator row)} of the live ids, and the
     table's invariants: each id once, on its home shard; the accumulators of

@@ -12,7 +12,10 @@ the strategy works at epoch level and reads the parameter servers' counters
 * ``keras3.py``: which callbacks Keras 3's ``fit`` accepts, and its epoch line;
 * ``recovery.py``: :class:`ResumeTracker`, redone steps across crashes;
 * ``dynamic.py``: :class:`DynamicEviction`, DynamicEmbedding eviction passes
-  in a ``fit`` without the strategy (one process).
+  in a ``fit`` without the strategy (one process);
+* ``checkpoint_backup.py``: :class:`CheckpointBackup`, Keras 3's
+  ``BackupAndRestore`` in a ``tf.train.Checkpoint`` (DynamicEmbedding's map
+  cannot go in Keras's ``.weights.h5``).
 
 Names load on first use (as in the package root): importing one module here
 does not import the other frameworks'.
@@ -26,10 +29,11 @@ _LAZY = {
     "format_value": "tf_asyncps.callbacks.common",
     "ResumeTracker": "tf_asyncps.callbacks.recovery",
     "DynamicEviction": "tf_asyncps.callbacks.dynamic",
+    "CheckpointBackup": "tf_asyncps.callbacks.checkpoint_backup",
 }
 
 # Literal (the docs' API check reads it from the source); the same names as _LAZY.
-__all__ = ["DynamicEviction", "ProgressLine", "ResumeTracker", "StalenessLogger",
+__all__ = ["CheckpointBackup", "DynamicEviction", "ProgressLine", "ResumeTracker", "StalenessLogger",
            "format_value"]
 assert sorted(__all__) == sorted(_LAZY)
 

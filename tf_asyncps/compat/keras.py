@@ -148,6 +148,13 @@ def initial_epoch(model):
     return getattr(model, "_initial_epoch", None)
 
 
+def set_initial_epoch(model, epoch: int) -> None:
+    """Makes Keras 3's ``fit`` (and this package's) start at ``epoch``, as
+    Keras 3.15's ``BackupAndRestore._load_model`` does (``model._initial_epoch``,
+    read after ``on_train_begin``)."""
+    model._initial_epoch = int(epoch)
+
+
 def build_layers(model, element_spec) -> None:
     """Builds an unbuilt model's layers from a dataset's element spec (the
     first part of ``Trainer._symbolic_build``: ``compute_output_spec``)."""

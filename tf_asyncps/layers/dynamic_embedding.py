@@ -81,7 +81,8 @@ _NO_KERAS_FILES = (
     "its rows would come back unreachable. Save with tf.saved_model.save(model, path) "
     "(serves raw ids with no cluster) or tf.train.Checkpoint(model=model, "
     "optimizer=model.optimizer) (BackupAndRestore and ModelCheckpoint(..., "
-    "save_weights_only=True) with a TensorFlow checkpoint path, no .keras/.h5 suffix).")
+    "save_weights_only=True) with a TensorFlow checkpoint path, no .keras/.h5 suffix; "
+    "Keras 3: tf_asyncps.callbacks.CheckpointBackup(backup_dir) for BackupAndRestore).")
 
 
 def _tf_keras():
