@@ -56,12 +56,29 @@ def serve(num_workers, num_ps=1):
     os._exit(0)
 
 
+def _print_task_logs():
+    """Each cluster task's exit status and log tail, for a failed scenario's
+    output (the logs are removed at exit): a task that died before the stop
+    shows there (a stopped one exited -15)."""
+    for c in CLUSTERS:
+        for task, proc in sorted(c.procs.items()):
+            tail = "\n    ".join(line[:300] for line in c.log_tail(task, 8).splitlines())
+            print(f"--- {task} (pid {proc.pid}, exit {proc.poll()}):\n    {tail}",
+                  file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main():
     name = sys.argv[1]
     kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     if name == "serve":
         serve(**kwargs)
-    result = SCENARIOS[name](**kwargs)
+    try:
+        result = SCENARIOS[name](**kwargs)
+    except Exception:
+        traceback.print_exc()
+        _print_task_logs()  # after the traceback: the test shows the output's tail
+        sys.exit(1)
     result["_child_pids"] = [p for c in CLUSTERS for p in c.pids.values()]
     print("RESULT: " + json.dumps(result), flush=True)
     sys.stderr.flush()
