@@ -262,18 +262,6 @@ def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
     assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 20
 
 
-def test_keras3_backup_and_restore_is_refused_with_the_fix(tmp_path):
-    """Keras 3's BackupAndRestore writes .weights.h5 files, which cannot hold
-    the id -> row map: the fit fails at the first backup, naming
-    tf.train.Checkpoint and CheckpointBackup, instead of saving rows that
-    would come back unreachable."""
-    keras = pytest.importorskip("keras")
-    model, _ = _model("keras3", 100)
-    with pytest.raises(ValueError, match="tf.train.Checkpoint.*CheckpointBackup"):
-        model.fit(IDS, Y, batch_size=5, epochs=1, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
-
-
 class _StopAt3:
     """_StopAt for Keras 3 (made on first use: Keras 3 may be missing)."""
 
@@ -287,15 +275,19 @@ class _StopAt3:
         return StopAt()
 
 
-def test_keras3_checkpoint_backup_resumes_map_filter_rows_and_slots(tmp_path):
-    """tf_asyncps.callbacks.CheckpointBackup, Keras 3's BackupAndRestore in a
-    tf.train.Checkpoint: a fit that crashes as epoch 3 of 4 begins and a new
+@pytest.mark.parametrize("backup", ["CheckpointBackup", "BackupAndRestore"])
+def test_keras3_backup_resumes_map_filter_rows_and_slots(tmp_path, backup):
+    """Keras 3: tf_asyncps.callbacks.CheckpointBackup (a tf.train.Checkpoint)
+    and Keras's own BackupAndRestore (.weights.h5: the layer writes its live
+    rows with their ids): a fit that crashes as epoch 3 of 4 begins and a new
     model that resumes it end with the uninterrupted fit's predictions, ids,
     rows and Adam slots, after exactly 4 epochs of steps (min_count=3: ids
     get rows after the resume, so the counting filter came back)."""
     keras = pytest.importorskip("keras")
     import tf_asyncps
     from tf_asyncps.callbacks import CheckpointBackup
+    Backup = CheckpointBackup if backup == "CheckpointBackup" else \
+        keras.callbacks.BackupAndRestore
 
     def model():
         i = keras.Input((2,), dtype="int64")
@@ -316,12 +308,13 @@ def test_keras3_checkpoint_backup_resumes_map_filter_rows_and_slots(tmp_path):
     keras.utils.set_random_seed(0)
     b, lb = model()
     with pytest.raises(RuntimeError, match="crash"):
-        fit(b, CheckpointBackup(backup), _StopAt3(2))
+        fit(b, Backup(backup), _StopAt3(2))
     assert lb.stats()["live_rows"] == 0  # two sightings each: no id has a row yet
-    assert tf.train.latest_checkpoint(backup).endswith("ckpt-2")
+    if Backup is CheckpointBackup:
+        assert tf.train.latest_checkpoint(backup).endswith("ckpt-2")
     keras.utils.set_random_seed(1)  # another Dense kernel: it must come back
     c, lc = model()
-    fit(c, CheckpointBackup(backup))
+    fit(c, Backup(backup))
     assert not (tmp_path / "backup").exists()  # delete_checkpoint
     assert lc.stats()["live_rows"] == la.stats()["live_rows"] == LIVE
     ids_a, rows_a = la.export()

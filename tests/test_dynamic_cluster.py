@@ -1,6 +1,7 @@
 """DynamicEmbedding on a cluster: exactness against one process, every
 policy's invariants, checkpoints (scenarios in tests/scenarios/dynamic_cluster.py)."""
 
+import numpy as np
 import pytest
 
 from conftest import run_scenario
@@ -124,29 +125,41 @@ def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
     assert r["midstep_rows_max"] == 0.0
 
 
+def _serve_in_a_new_process(path, query, endpoint="serving_default"):
+    """The SavedModel at ``path`` loaded by tf.saved_model.load in a fresh
+    process with no cluster, applied to the int64 ``query``: its output as a
+    list. ``endpoint``: a signature taking ``ids``, "serve" (Keras 3's
+    ``model.export``: ``m.serve(ids)``), or "keras" (a ``.keras`` file:
+    ``keras.models.load_model``, then ``predict``)."""
+    import json
+    import sys
+
+    from conftest import run_command, subprocess_env
+    load, call = "m = tf.saved_model.load(sys.argv[1])", {
+        "serve": "out = m.serve(q)",
+        "keras": "out = tf.constant(m.predict(q, verbose=0))"}.get(
+            endpoint, f"out = list(m.signatures[{endpoint!r}](ids=q).values())[0]")
+    if endpoint == "keras":
+        load = "import keras, tf_asyncps.keras3\nm = keras.models.load_model(sys.argv[1])"
+    code = ("import json, sys, tensorflow as tf\n"
+            f"{load}\n"
+            "q = tf.constant(json.loads(sys.argv[2]), tf.int64)\n"
+            f"{call}\n"
+            "print('SERVED ' + json.dumps(out.numpy().tolist()))\n")
+    _, out = run_command([sys.executable, "-c", code, path, json.dumps(query)],
+                         timeout=120, env=subprocess_env())
+    line = [s for s in out.splitlines() if s.startswith("SERVED ")][0]
+    return json.loads(line[len("SERVED "):])
+
+
 @pytest.mark.timeout(300)
 def test_saved_model_serves_raw_ids_in_a_process_with_no_cluster(tmp_path):
     """tf.saved_model.save on the chief; tf.saved_model.load in a fresh
     process with no cluster gives the chief's predictions for raw ids, and
     the default row (zeros) for ids that never had one."""
-    import json
-    import sys
-
-    from conftest import run_command, subprocess_env
     path = str(tmp_path / "served")
     r = run_scenario("dynamic_saved_model", timeout=280, path=path)
-    code = ("import json, sys, numpy as np, tensorflow as tf\n"
-            "m = tf.saved_model.load(sys.argv[1])\n"
-            "q = tf.constant(json.loads(sys.argv[2]), tf.int64)\n"
-            "f = m.signatures['serving_default']\n"
-            "out = list(f(ids=q).values())[0]\n"
-            "print('SERVED ' + json.dumps(out.numpy().tolist()))\n"
-            "print('DEVICES ' + json.dumps([d.name for d in tf.config.list_logical_devices()]))\n")
-    _, out = run_command([sys.executable, "-c", code, path, json.dumps(r["query"])],
-                         timeout=120, env=subprocess_env())
-    line = [s for s in out.splitlines() if s.startswith("SERVED ")][0]
-    served = json.loads(line[len("SERVED "):])
-    import numpy as np
+    served = _serve_in_a_new_process(path, r["query"])
     np.testing.assert_allclose(served, r["predictions"], rtol=0, atol=1e-6)
     # 77777 and -1 never had a row: their embeddings are the default row.
     assert r["embedding"][0][2] == [0.0] * 4 and r["embedding"][1][1] == [0.0] * 4
@@ -171,12 +184,18 @@ def test_keras3_checkpoint_backup_resumes_a_crashed_fit(tmp_path):
     fit's ids, rows and predictions (1 worker, Adagrad, zeros), having run
     epochs 3 and 4 only; the backup is removed at the end."""
     r = run_scenario("dynamic_keras3_backup", timeout=280,
-                     backup_dir=str(tmp_path / "backup"))
+                     backup_dir=str(tmp_path / "backup"), export_path=str(tmp_path / "exported"),
+                     keras_path=str(tmp_path / "model.keras"))
     assert r["crash"] == "crash" and r["latest"] == "ckpt-2" and r["epochs_b"] == [0, 1]
     assert r["epochs_c"] == [2, 3] and r["iterations"] == [16, 16]
     assert r["ids_equal"] and r["live"] == 10 and r["rows_max"] > 0.01
     assert r["rows_max_diff"] <= 1e-6 and r["pred_max_diff"] <= 1e-6
     assert not r["backup_left"]
+    # Keras 3's model.export, and a .keras file (the table on 2 shards there, on 1
+    # here), of the resumed model serve raw ids in a process with no cluster.
+    for path, how in (("exported", "serve"), ("model.keras", "keras")):
+        served = _serve_in_a_new_process(str(tmp_path / path), r["query"], how)
+        np.testing.assert_allclose(served, r["predictions"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(420)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tf_asyncps.callbacks import DynamicEviction
 from tf_asyncps.layers import DynamicEmbedding
 
 RAW = np.array([10**12 + 7, -5, 3, 99, 2**40, 17, 123456789], np.int64)
@@ -207,22 +208,82 @@ def _trained_tf_keras_model():
     return m
 
 
-def test_keras_files_are_refused_not_saved_without_the_map(tmp_path):
-    """A .keras file would restore the rows but not the id -> row map (every id
-    reading zeros): refused, naming what to use instead."""
+def test_tf_keras_keras_file_round_trip_keeps_ids_rows_and_predictions(tmp_path):
+    """A tf_keras .keras file holds the live rows with their ids (the layer's
+    save_own_variables); load_model rebuilds the map from them."""
     m = _trained_tf_keras_model()
-    with pytest.raises(ValueError, match="tf.saved_model.save.*tf.train.Checkpoint"):
-        m.save(str(tmp_path / "m.keras"))
+    x = np.array([[5, 6, 7], [5, 9, 9]], np.int64)
+    m.save(str(tmp_path / "m.keras"))
+    loaded = tf_keras.models.load_model(str(tmp_path / "m.keras"))
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), m.predict(x, verbose=0))
+    assert sorted(loaded.layers[1].export()[0].numpy().tolist()) == [5, 6, 7]
+
+
+KERAS3_IDS = {"int64": [[10**12, 5], [7, -3], [10**12, 7]],
+              "string": [[b"a", b"bb"], [b"", b"ccc"], [b"a", b"ccc"]]}
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_keras3_files_keep_ids_rows_predictions_and_adam_state(tmp_path, key_dtype):
+    """Keras 3 .keras (load_model) and .weights.h5 (load_weights into a model
+    whose optimizer is built, as BackupAndRestore does): the same live ids,
+    predictions equal, and one more epoch of Adam on both ends equal (the
+    optimizer wrote its slots of the table whole; the rows went by global row)."""
+    keras = pytest.importorskip("keras")
+    import tf_asyncps
+
+    def make():
+        i = keras.Input((2,), dtype=key_dtype)
+        layer = tf_asyncps.keras3.DynamicEmbedding(4, capacity=8, key_dtype=key_dtype,
+                                                   name="emb")
+        m = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(layer(i))))
+        m.compile(keras.optimizers.Adam(0.1), "mse")
+        return m
+
+    ids = tf.constant(KERAS3_IDS[key_dtype])
+    data = tf.data.Dataset.from_tensor_slices(
+        (ids, tf.constant([[1.0], [0.0], [0.5]]))).batch(3)
+    a = make()
+    a.fit(data, epochs=3, verbose=0, callbacks=[DynamicEviction()])
+    a.save(str(tmp_path / "a.keras"))
+    a.save_weights(str(tmp_path / "a.weights.h5"))
+    b = keras.models.load_model(str(tmp_path / "a.keras"))
+    c = make()
+    c.optimizer.build(c.trainable_variables)
+    c.load_weights(str(tmp_path / "a.weights.h5"))
+    want = sorted(a.layers[1].export()[0].numpy().tolist())
+    assert len(want) == 4
+    for other in (b, c):
+        assert sorted(other.layers[1].export()[0].numpy().tolist()) == want
+        np.testing.assert_array_equal(other.predict(ids, verbose=0), a.predict(ids, verbose=0))
+    c.fit(data, epochs=1, verbose=0, callbacks=[DynamicEviction()])
+    a.fit(data, epochs=1, verbose=0, callbacks=[DynamicEviction()])
+    np.testing.assert_allclose(c.predict(ids, verbose=0), a.predict(ids, verbose=0),
+                               rtol=0, atol=1e-6)
+    assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 4
+
+
+def test_a_file_entry_of_another_layer_is_refused_naming_the_fix():
+    """load_own_variables with the entries of a plain layer (its variables
+    by position): a ValueError naming the entries missing and what to load."""
+    layer = DynamicEmbedding(4, capacity=10)
+    layer.build([None, 3])
+    with pytest.raises(ValueError, match=r"lacks \['rows'.*tf.train.Checkpoint or SavedModel"):
+        layer.load_own_variables({"0": np.zeros([10, 4], np.float32)})
+
+
+def test_configs_load_without_custom_objects():
+    """Both layer classes are registered (package "tf_asyncps")."""
     keras = pytest.importorskip("keras")
     import tf_asyncps
     i = keras.Input((3,), dtype="int64")
     k = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(
         tf_asyncps.keras3.DynamicEmbedding(4, 10)(i))))
-    with pytest.raises(ValueError, match="cannot hold its id -> row map"):
-        k.save(str(tmp_path / "k.keras"))
-    # Registered: a config loads without custom_objects.
     again = keras.Model.from_config(k.get_config())
     assert type(again.layers[1]).__name__ == "DynamicEmbedding"
+    m = _trained_tf_keras_model()
+    assert type(tf_keras.Model.from_config(m.get_config()).layers[1]).__name__ == \
+        "DynamicEmbedding"
 
 
 def test_tf_keras_h5_round_trip_rebuilds_the_map_from_the_rows_keys(tmp_path):

@@ -314,11 +314,14 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
 
 
 @scenario
-def dynamic_keras3_backup(num_ps=2, backup_dir=None):
+def dynamic_keras3_backup(num_ps=2, backup_dir=None, export_path=None, keras_path=None):
     """Keras 3 fit under the strategy, 1 worker, Adagrad, zeros: 4 epochs of 4
     steps uninterrupted (a); the same fit with CheckpointBackup crashing as
     epoch 3 begins (b); a new model resuming b's backup (c). Returns a's and
-    c's predictions, ids and rows, and the epochs each ran."""
+    c's predictions, ids and rows, and the epochs each ran; with
+    ``export_path``, c's Keras 3 ``model.export`` there and its predictions
+    for RAW's ids and two unknown ones (``query``); with ``keras_path``, c
+    saved there as a ``.keras`` file too."""
     import keras
 
     from tf_asyncps.callbacks import CheckpointBackup
@@ -370,7 +373,15 @@ def dynamic_keras3_backup(num_ps=2, backup_dir=None):
         resumed = Epochs()
         fit(c_, CheckpointBackup(backup_dir), resumed)
         sa, sc = state(a, la), state(c_, lc)
-        return {"crash": crash, "latest": latest, "epochs_b": crashed.seen,
+        served = {}
+        if export_path:
+            query = np.array([[RAW[0], RAW[3], 77777], [RAW[5], -1, RAW[9]]], np.int64)
+            c_.export(export_path)  # Keras 3's SavedModel export, on the chief
+            if keras_path:
+                c_.save(keras_path)
+            served = {"query": query.tolist(),
+                      "predictions": c_.predict(query, verbose=0).tolist()}
+        return {**served, "crash": crash, "latest": latest, "epochs_b": crashed.seen,
                 "epochs_c": resumed.seen, "backup_left": os.path.exists(backup_dir),
                 "ids_equal": bool(np.array_equal(sa["ids"], sc["ids"])), "live": len(sc["ids"]),
                 "rows_max_diff": float(np.abs(sa["rows"] - sc["rows"]).max()),

@@ -33,8 +33,8 @@ _LAZY = {
 }
 
 # Literal (the docs' API check reads it from the source); the same names as _LAZY.
-__all__ = ["CheckpointBackup", "DynamicEviction", "ProgressLine", "ResumeTracker", "StalenessLogger",
-           "format_value"]
+__all__ = ["CheckpointBackup", "DynamicEviction", "ProgressLine", "ResumeTracker",
+           "StalenessLogger", "format_value"]
 assert sorted(__all__) == sorted(_LAZY)
 
 

@@ -20,13 +20,11 @@ are in ``tf_asyncps/compat/keras.py``.
 from tf_asyncps.keras3.data import DatasetFn
 from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
-# DynamicEmbedding (the Keras 3 layer) is made on first use (__getattr__):
-# documented with tf_asyncps.layers.
+from tf_asyncps.layers.dynamic_embedding import keras3_layer as _keras3_layer
+
+# Made (and registered with Keras 3, as "tf_asyncps>DynamicEmbedding") when this
+# package is imported: a process loading a .keras file imports it first.
+# Documented with tf_asyncps.layers.
+DynamicEmbedding = _keras3_layer()
+
 __all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]
-
-
-def __getattr__(name):
-    if name == "DynamicEmbedding":  # imports Keras 3: on first use
-        from tf_asyncps.layers.dynamic_embedding import keras3_layer
-        return keras3_layer()
-    raise AttributeError(f"module 'tf_asyncps.keras3' has no attribute {name!r}")

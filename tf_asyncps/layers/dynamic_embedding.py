@@ -75,16 +75,6 @@ def global_step(strategy):
     return getattr(tracker, "global_step", None)
 
 
-_NO_KERAS_FILES = (
-    "DynamicEmbedding {name!r}: Keras's own files (model.save('....keras'), "
-    "save_weights('....weights.h5'), ModelCheckpoint to them) cannot hold its id -> row map, so "
-    "its rows would come back unreachable. Save with tf.saved_model.save(model, path) "
-    "(serves raw ids with no cluster) or tf.train.Checkpoint(model=model, "
-    "optimizer=model.optimizer) (BackupAndRestore and ModelCheckpoint(..., "
-    "save_weights_only=True) with a TensorFlow checkpoint path, no .keras/.h5 suffix; "
-    "Keras 3: tf_asyncps.callbacks.CheckpointBackup(backup_dir) for BackupAndRestore).")
-
-
 def _tf_keras():
     import tf_keras
     return tf_keras
@@ -135,15 +125,28 @@ class _Mixin:
                 "eviction": self.eviction, "evict_every": self.evict_every,
                 "ttl_steps": self.ttl_steps, "initializer": self.initializer_name}
 
-    # Keras's own files (.keras, .weights.h5) hold variables by position: the
-    # id -> row map (a hash table beside each shard) is not one of them, so a
-    # model restored from such a file would read zeros for every id. Refused
-    # loudly instead of losing the rows silently.
+    # Keras's own files (.keras, .weights.h5) hold a layer's variables by
+    # position; the id -> row map is not a variable, so the layer writes its
+    # live rows with their ids instead (the checkpoint entry's arrays) and a
+    # load rebuilds the map from them.
     def save_own_variables(self, store):
-        raise ValueError(_NO_KERAS_FILES.format(name=self.name))
+        """Writes the live rows, their ids and metadata into a Keras file's
+        ``store`` (``dynamic_state.file_entries``); the optimizer writes its
+        slots of the table itself, whole."""
+        if getattr(self, "dynamic_table", None) is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r} is not built: build the model "
+                             "(call it on a batch) before saving it.")
+        for name, value in dynamic_state.file_entries(self.dynamic_table).items():
+            store[name] = value
 
     def load_own_variables(self, store):
-        raise ValueError(_NO_KERAS_FILES.format(name=self.name))
+        """Puts :meth:`save_own_variables`' entries back (eager).
+
+        Raises:
+          ValueError: the entries are not this layer's (names the fix);
+          tf.errors.InvalidArgumentError: the file's table has another capacity.
+        """
+        dynamic_state.load_file_entries(self.dynamic_table, store)
 
     _own_step = False  # whether use_step gave the step variable
     _global_step = None  # the step variable, once built (see dynamic_step)
@@ -280,8 +283,8 @@ _KERAS3_CLASS = []
 
 
 def keras3_layer():
-    """The Keras 3 ``DynamicEmbedding`` class (made on first use: importing
-    it imports Keras 3). Same arguments and behaviour as the tf_keras layer;
+    """The Keras 3 ``DynamicEmbedding`` class (made once, when
+    ``tf_asyncps.keras3`` is imported: it imports Keras 3). Same arguments and behaviour as the tf_keras layer;
     under the strategy its table may be partitioned like any Keras 3 weight.
 
     Known difference: Keras 3's Adam and Adagrad square each row of a

@@ -39,6 +39,7 @@ its first update.
 
 import types
 
+import numpy as np
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow_checkpoint
@@ -46,8 +47,8 @@ from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 from tf_asyncps.layers import slots as slots_lib
 
-__all__ = ["save_state", "restore_state", "check_entry", "track_optimizer", "slot_sets", "COUNTERS",
-           "process_state"]
+__all__ = ["save_state", "restore_state", "check_entry", "file_entries", "load_file_entries",
+           "track_optimizer", "slot_sets", "COUNTERS", "process_state"]
 
 #: Per-shard counters saved (one row per shard), in this order.
 COUNTERS = ("rows", "free_rows", "live", "refused", "passes", "evicted")
@@ -213,6 +214,52 @@ def save_state(table) -> dict:
                                        [getattr(s, c).read_value() for c in COUNTERS[1:]])
                               for s in table.shards])
     return out
+
+
+def file_entries(table) -> dict:
+    """:func:`save_state`'s entry as numpy arrays, for Keras's own files
+    (``.keras``, ``.weights.h5``: the layer's ``save_own_variables``), with
+    no slot rows (``slots`` ``[0, n, output_dim]``): there the optimizer
+    writes its slots itself, whole, by position. String keys go as their
+    bytes (``key_bytes``, uint8) and lengths (``key_lengths``, int64): HDF5
+    has no variable-length string a Keras store takes."""
+    out = {name: t.numpy() for name, t in save_state(table).items()}
+    out["slots"] = np.zeros([0, len(out["rows"]), table.output_dim], np.float32)
+    if table.key_dtype == tf.string:
+        keys = out.pop("key").tolist()
+        out["key_bytes"] = np.frombuffer(b"".join(keys), np.uint8).copy()
+        out["key_lengths"] = np.array([len(k) for k in keys], np.int64)
+    return out
+
+
+def load_file_entries(table, store) -> None:
+    """Puts :func:`file_entries` from ``store`` (a Keras store: name ->
+    array) into the table, eagerly: the map is emptied first and rebuilt
+    from the rows' keys at the first lookup (``_Shard.index_complete``).
+
+    Raises:
+      ValueError: ``store`` lacks an entry (a file written by another
+        layer, or by tf_asyncps before file entries), naming the fix.
+    """
+    names = [n for n in ENTRY if n != "key"]
+    names += ["key_bytes", "key_lengths"] if table.key_dtype == tf.string else ["key"]
+    missing = [n for n in names if n not in store]
+    if missing:
+        raise ValueError(
+            f"DynamicEmbedding {table.name!r}: the file's entry for this layer lacks "
+            f"{missing}: it was not written by this version's DynamicEmbedding (before "
+            "2026-12-03 such files were refused). Load a tf.train.Checkpoint or SavedModel "
+            "of the model instead.")
+    restored = {n: np.asarray(store[n]) for n in names}
+    if table.key_dtype == tf.string:
+        flat, ends = restored.pop("key_bytes").tobytes(), np.cumsum(restored.pop("key_lengths"))
+        restored["key"] = np.array([flat[e - n:e] for e, n in zip(
+            ends, np.diff(np.concatenate([[0], ends])))], object)
+    for s in table.shards:
+        with tf.device(s.device):
+            s.index.remove(s.index.export()[0])
+    restore_state(table, {n: tf.constant(v, tf.string if n == "key" and v.dtype == object
+                                         else None) for n, v in restored.items()})
 
 
 def _local(shard, rows):
