@@ -2,6 +2,8 @@
 and optimizer slots), in one process; on a cluster and onto other shard
 counts: tests/test_dynamic_cluster.py::test_checkpoint_restores_map_rows_and_predictions."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -219,37 +221,30 @@ class _StopAt(tf_keras.callbacks.Callback):
             raise RuntimeError("crash")
 
 
-def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
-    """tf_keras BackupAndRestore: a fit that crashes after epoch 2 of 4 and
-    a new model that resumes it end with exactly the predictions, ids, rows
-    and Adam slots of an uninterrupted fit. With min_count=3 each id gets its
-    row in epoch 3, after the resume: the counting filter came back too."""
-    def model():
-        i = tf_keras.Input([2], dtype=tf.int64)
-        # zeros: a row admitted after the resume starts the same in both runs (free
-        # rows are not saved; they hold the initializer's values of the process).
-        layer = DynamicEmbedding(DIM, capacity=10_000, min_count=3, initializer="zeros",
-                                 name="emb")
-        m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
-        m.compile(tf_keras.optimizers.Adam(0.01), "mse")
-        return m, layer
-
+def _crash_resume_and_compare(model, seed, backup, stop_at, after_crash=None):
+    """Fits ``model()`` (-> (model, layer)) 4 epochs uninterrupted (a); again
+    with ``backup()`` and ``stop_at``, which crashes it as epoch 3 begins
+    (b); then a new model with another seed resuming b's backup (c). Checks
+    that c ends with a's ids, rows, predictions, Adam slots and iterations
+    (with min_count=3 each id gets its row in epoch 3, after the resume: the
+    counting filter came back too)."""
     def fit(m, *callbacks):
         m.fit(IDS, Y, batch_size=5, epochs=4, verbose=0, shuffle=False,
               callbacks=[DynamicEviction(), *callbacks])
 
-    tf_keras.utils.set_random_seed(0)
+    seed(0)
     a, la = model()
     fit(a)
-    backup = str(tmp_path / "backup")
-    tf_keras.utils.set_random_seed(0)
+    seed(0)
     b, lb = model()
     with pytest.raises(RuntimeError, match="crash"):
-        fit(b, tf_keras.callbacks.BackupAndRestore(backup), _StopAt(2))
+        fit(b, backup(), stop_at)
     assert lb.stats()["live_rows"] == 0  # two sightings each: no id has a row yet
-    tf_keras.utils.set_random_seed(1)  # another Dense kernel: it must come back
+    if after_crash is not None:
+        after_crash()
+    seed(1)  # another Dense kernel: it must come back
     c, lc = model()
-    fit(c, tf_keras.callbacks.BackupAndRestore(backup))
+    fit(c, backup())
     assert lc.stats()["live_rows"] == la.stats()["live_rows"] == LIVE
     ids_a, rows_a = la.export()
     ids_c, rows_c = lc.export()
@@ -260,6 +255,25 @@ def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
     for got, want in zip(_slots(c, lc), _slots(a, la)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 20
+
+
+def test_backup_and_restore_resumes_map_filter_rows_and_slots(tmp_path):
+    """tf_keras BackupAndRestore: a fit that crashes after epoch 2 of 4 and
+    a new model that resumes it end like an uninterrupted fit
+    (_crash_resume_and_compare)."""
+    def model():
+        i = tf_keras.Input([2], dtype=tf.int64)
+        # zeros: a row admitted after the resume starts the same in both runs (free
+        # rows are not saved; they hold the initializer's values of the process).
+        layer = DynamicEmbedding(DIM, capacity=10_000, min_count=3, initializer="zeros",
+                                 name="emb")
+        m = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
+        m.compile(tf_keras.optimizers.Adam(0.01), "mse")
+        return m, layer
+
+    backup = str(tmp_path / "backup")
+    _crash_resume_and_compare(model, tf_keras.utils.set_random_seed,
+                              lambda: tf_keras.callbacks.BackupAndRestore(backup), _StopAt(2))
 
 
 class _StopAt3:
@@ -279,15 +293,14 @@ class _StopAt3:
 def test_keras3_backup_resumes_map_filter_rows_and_slots(tmp_path, backup):
     """Keras 3: tf_asyncps.callbacks.CheckpointBackup (a tf.train.Checkpoint)
     and Keras's own BackupAndRestore (.weights.h5: the layer writes its live
-    rows with their ids): a fit that crashes as epoch 3 of 4 begins and a new
-    model that resumes it end with the uninterrupted fit's predictions, ids,
-    rows and Adam slots, after exactly 4 epochs of steps (min_count=3: ids
-    get rows after the resume, so the counting filter came back)."""
+    rows with their ids): a crashed fit resumed by a new model ends like an
+    uninterrupted one (_crash_resume_and_compare)."""
     keras = pytest.importorskip("keras")
     import tf_asyncps
     from tf_asyncps.callbacks import CheckpointBackup
     Backup = CheckpointBackup if backup == "CheckpointBackup" else \
         keras.callbacks.BackupAndRestore
+    path = str(tmp_path / "backup")
 
     def model():
         i = keras.Input((2,), dtype="int64")
@@ -297,35 +310,13 @@ def test_keras3_backup_resumes_map_filter_rows_and_slots(tmp_path, backup):
         m.compile(keras.optimizers.Adam(0.01), "mse")
         return m, layer
 
-    def fit(m, *callbacks):
-        m.fit(IDS, Y, batch_size=5, epochs=4, verbose=0, shuffle=False,
-              callbacks=[DynamicEviction(), *callbacks])
+    def after_crash():
+        if Backup is CheckpointBackup:
+            assert tf.train.latest_checkpoint(path).endswith("ckpt-2")
 
-    keras.utils.set_random_seed(0)
-    a, la = model()
-    fit(a)
-    backup = str(tmp_path / "backup")
-    keras.utils.set_random_seed(0)
-    b, lb = model()
-    with pytest.raises(RuntimeError, match="crash"):
-        fit(b, Backup(backup), _StopAt3(2))
-    assert lb.stats()["live_rows"] == 0  # two sightings each: no id has a row yet
-    if Backup is CheckpointBackup:
-        assert tf.train.latest_checkpoint(backup).endswith("ckpt-2")
-    keras.utils.set_random_seed(1)  # another Dense kernel: it must come back
-    c, lc = model()
-    fit(c, Backup(backup))
-    assert not (tmp_path / "backup").exists()  # delete_checkpoint
-    assert lc.stats()["live_rows"] == la.stats()["live_rows"] == LIVE
-    ids_a, rows_a = la.export()
-    ids_c, rows_c = lc.export()
-    order_a, order_c = np.argsort(ids_a.numpy()), np.argsort(ids_c.numpy())
-    np.testing.assert_array_equal(ids_c.numpy()[order_c], ids_a.numpy()[order_a])
-    np.testing.assert_allclose(rows_c.numpy()[order_c], rows_a.numpy()[order_a], rtol=1e-6)
-    np.testing.assert_allclose(c.predict(IDS, verbose=0), a.predict(IDS, verbose=0), rtol=1e-6)
-    for got, want in zip(_slots(c, lc), _slots(a, la)):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 20
+    _crash_resume_and_compare(model, keras.utils.set_random_seed, lambda: Backup(path),
+                              _StopAt3(2), after_crash)
+    assert not os.path.exists(path)  # delete_checkpoint (both callbacks' default)
 
 
 def test_checkpoint_backup_refuses_bad_input_naming_the_fix(tmp_path):
