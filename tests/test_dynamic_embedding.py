@@ -4,6 +4,8 @@ Cluster behaviour (several workers and ps, every policy, checkpoints) is in
 tests/test_dynamic_cluster.py.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -263,13 +265,43 @@ def test_keras3_files_keep_ids_rows_predictions_and_adam_state(tmp_path, key_dty
     assert int(c.optimizer.iterations.numpy()) == int(a.optimizer.iterations.numpy()) == 4
 
 
-def test_a_file_entry_of_another_layer_is_refused_naming_the_fix():
+def test_a_file_entry_of_another_layer_or_capacity_is_refused_naming_the_fix(tmp_path):
     """load_own_variables with the entries of a plain layer (its variables
-    by position): a ValueError naming the entries missing and what to load."""
+    by position), or of a table of another capacity: a ValueError naming
+    what the file holds and the fix."""
     layer = DynamicEmbedding(4, capacity=10)
     layer.build([None, 3])
-    with pytest.raises(ValueError, match=r"lacks \['rows'.*tf.train.Checkpoint or SavedModel"):
+    with pytest.raises(ValueError, match=r"holds \['0'\], not a DynamicEmbedding's "
+                                         r"\['rows'.*variables by position"):
         layer.load_own_variables({"0": np.zeros([10, 4], np.float32)})
+    m = _trained_tf_keras_model()  # capacity 10
+    store = {}
+    m.layers[1].save_own_variables(store)
+    other = DynamicEmbedding(4, capacity=16)
+    other.build([None, 3])
+    with pytest.raises(ValueError, match="capacity 10, this layer 16: make the layer with "
+                                         "capacity=10"):
+        other.load_own_variables(store)
+
+
+def test_a_keras_file_loads_in_a_new_process_after_import_tf_asyncps(tmp_path):
+    """A process that imports tf_keras, then tf_asyncps, loads a .keras file
+    of a DynamicEmbedding model (the class is registered at that import;
+    without it tf_keras failed "'str' object is not callable")."""
+    import subprocess
+    import sys
+    m = _trained_tf_keras_model()
+    m.save(str(tmp_path / "m.keras"))
+    x = [[5, 6, 7], [5, 9, 9]]
+    code = ("import json, sys, numpy as np, tf_keras, tf_asyncps\n"
+            "m = tf_keras.models.load_model(sys.argv[1])\n"
+            "print('P', json.dumps(m.predict(np.array(json.loads(sys.argv[2])), "
+            "verbose=0).tolist()))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.keras"),
+                          json.dumps(x)], capture_output=True, text=True, timeout=120)
+    line = [s for s in out.stdout.splitlines() if s.startswith("P ")]
+    assert line, out.stderr[-2000:]
+    np.testing.assert_array_equal(json.loads(line[0][2:]), m.predict(np.array(x), verbose=0))
 
 
 def test_configs_load_without_custom_objects():

@@ -21,6 +21,7 @@ before TensorFlow is imported.
 """
 
 import importlib
+import sys
 
 from tf_asyncps.compat import versions as _versions
 
@@ -62,3 +63,20 @@ def __getattr__(name):
 
 def __dir__():
     return __all__
+
+
+def _register_layers():
+    """Makes DynamicEmbedding's class for each Keras this process has already
+    imported, which registers it ("tf_asyncps>DynamicEmbedding"), so that a
+    model file loaded after ``import tf_asyncps`` finds it. A Keras not yet
+    imported is not imported here (import time): a process that imports
+    tf_asyncps first imports ``tf_asyncps.layers`` (tf_keras) or
+    ``tf_asyncps.keras3`` (Keras 3) before loading."""
+    if "tf_keras" in sys.modules:
+        importlib.import_module("tf_asyncps.layers.dynamic_embedding")
+    keras = sys.modules.get("keras")
+    if keras is not None and str(getattr(keras, "__version__", "")).startswith("3."):
+        importlib.import_module("tf_asyncps.layers.dynamic_embedding").keras3_layer()
+
+
+_register_layers()

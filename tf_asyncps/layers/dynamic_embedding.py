@@ -133,10 +133,7 @@ class _Mixin:
         """Writes the live rows, their ids and metadata into a Keras file's
         ``store`` (``dynamic_state.file_entries``); the optimizer writes its
         slots of the table itself, whole."""
-        if getattr(self, "dynamic_table", None) is None:
-            raise ValueError(f"DynamicEmbedding {self.name!r} is not built: build the model "
-                             "(call it on a batch) before saving it.")
-        for name, value in dynamic_state.file_entries(self.dynamic_table).items():
+        for name, value in dynamic_state.file_entries(self._built_table("saving")).items():
             store[name] = value
 
     def load_own_variables(self, store):
@@ -146,7 +143,13 @@ class _Mixin:
           ValueError: the entries are not this layer's (names the fix);
           tf.errors.InvalidArgumentError: the file's table has another capacity.
         """
-        dynamic_state.load_file_entries(self.dynamic_table, store)
+        dynamic_state.load_file_entries(self._built_table("loading"), store)
+
+    def _built_table(self, what):
+        if getattr(self, "dynamic_table", None) is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r} is not built: build the model "
+                             f"(call it on a batch) before {what} its weights.")
+        return self.dynamic_table
 
     _own_step = False  # whether use_step gave the step variable
     _global_step = None  # the step variable, once built (see dynamic_step)

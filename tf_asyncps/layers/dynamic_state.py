@@ -238,19 +238,29 @@ def load_file_entries(table, store) -> None:
     from the rows' keys at the first lookup (``_Shard.index_complete``).
 
     Raises:
-      ValueError: ``store`` lacks an entry (a file written by another
-        layer, or by tf_asyncps before file entries), naming the fix.
+      ValueError: ``store`` lacks an entry (another layer's), or its table
+        has another capacity: naming what it holds and the fix.
     """
     names = [n for n in ENTRY if n != "key"]
     names += ["key_bytes", "key_lengths"] if table.key_dtype == tf.string else ["key"]
     missing = [n for n in names if n not in store]
     if missing:
+        found = sorted(store.keys())
         raise ValueError(
-            f"DynamicEmbedding {table.name!r}: the file's entry for this layer lacks "
-            f"{missing}: it was not written by this version's DynamicEmbedding (before "
-            "2026-12-03 such files were refused). Load a tf.train.Checkpoint or SavedModel "
-            "of the model instead.")
+            f"DynamicEmbedding {table.name!r}: the file's entry for this layer holds "
+            f"{found[:6]}{' ...' if len(found) > 6 else ''}, not a DynamicEmbedding's "
+            f"{missing}: "
+            + ("a layer's variables by position (an Embedding's table, say), whose rows "
+               "have no ids to put them under" if all(k.isdigit() for k in found) else
+               "another layer's entry") +
+            ". Load the file into the model it was saved from (the same layer at this "
+            "place), or train this table from the start.")
     restored = {n: np.asarray(store[n]) for n in names}
+    saved = int(restored["shards"][:, 0].sum()) if restored["shards"].size else 0
+    if saved != table.capacity:
+        raise ValueError(
+            f"DynamicEmbedding {table.name!r}: the file's table has capacity {saved}, this "
+            f"layer {table.capacity}: make the layer with capacity={saved} to load it.")
     if table.key_dtype == tf.string:
         flat, ends = restored.pop("key_bytes").tobytes(), np.cumsum(restored.pop("key_lengths"))
         restored["key"] = np.array([flat[e - n:e] for e, n in zip(
@@ -320,7 +330,7 @@ def restore_state(table, restored) -> tf.Operation:
         tf.reduce_sum(saved[:, 0]), tf.constant(table.capacity, tf.int64),
         message=f"DynamicEmbedding {table.name!r}: the checkpoint's table has another "
                 f"capacity than this one ({table.capacity}); restore it into a layer of "
-                "the capacity it was saved with.")
+                "the capacity it was saved with (x below: the saved capacity).")
     shapes = {"rows": [None], "key": [None], "count": [None], "last": [None],
               "values": [None, table.output_dim], "slots": [None, None, table.output_dim],
               "filter_at": [None], "filter": [None], "waiting_at": [None],
