@@ -140,8 +140,9 @@ class _Mixin:
         """Puts :meth:`save_own_variables`' entries back (eager).
 
         Raises:
-          ValueError: the entries are not this layer's (names the fix);
-          tf.errors.InvalidArgumentError: the file's table has another capacity.
+          ValueError: the layer is not built, the entries are not a
+            DynamicEmbedding's, or their table has another capacity (each
+            naming the fix).
         """
         dynamic_state.load_file_entries(self._built_table("loading"), store)
 
@@ -287,8 +288,9 @@ _KERAS3_CLASS = []
 
 def keras3_layer():
     """The Keras 3 ``DynamicEmbedding`` class (made once, when
-    ``tf_asyncps.keras3`` is imported: it imports Keras 3). Same arguments and behaviour as the tf_keras layer;
-    under the strategy its table may be partitioned like any Keras 3 weight.
+    ``tf_asyncps.keras3`` is imported: it imports Keras 3). Same arguments and
+    behaviour as the tf_keras layer; under the strategy its table may be
+    partitioned like any Keras 3 weight.
 
     Known difference: Keras 3's Adam and Adagrad square each row of a
     repeated id on its own (tf_asyncps.core.lookup.every_id); here the rows

@@ -262,9 +262,9 @@ def load_file_entries(table, store) -> None:
             f"DynamicEmbedding {table.name!r}: the file's table has capacity {saved}, this "
             f"layer {table.capacity}: make the layer with capacity={saved} to load it.")
     if table.key_dtype == tf.string:
-        flat, ends = restored.pop("key_bytes").tobytes(), np.cumsum(restored.pop("key_lengths"))
-        restored["key"] = np.array([flat[e - n:e] for e, n in zip(
-            ends, np.diff(np.concatenate([[0], ends])))], object)
+        flat, lengths = restored.pop("key_bytes").tobytes(), restored.pop("key_lengths")
+        restored["key"] = np.array([flat[e - n:e] for e, n in zip(np.cumsum(lengths), lengths)],
+                                   object)
     for s in table.shards:
         with tf.device(s.device):
             s.index.remove(s.index.export()[0])
