@@ -60,6 +60,29 @@ def _devices_and_captures(concrete):
     return sorted(d for d in devices if d), sorted(d for d in captured if d)
 
 
+def _reads_before_adds(concrete):
+    """[(ps read, its assign_add ancestors)] for every ReadVariableOp placed
+    on a ps task in ``concrete``'s graph; an ancestor is a data or control
+    input, followed back through the graph."""
+    nodes = {n.name: n for n in concrete.graph.as_graph_def().node}
+    parents = {name: {i.lstrip("^").split(":")[0] for i in n.input}
+               for name, n in nodes.items()}
+
+    def ancestors(name):
+        seen, todo = set(), list(parents[name])
+        while todo:
+            x = todo.pop()
+            if x not in seen and x in nodes:
+                seen.add(x)
+                todo.extend(parents[x])
+        return seen
+
+    return [(name, sorted(a for a in ancestors(name)
+                          if nodes[a].op == "AssignAddVariableOp"))
+            for name, n in nodes.items()
+            if n.op == "ReadVariableOp" and "/job:ps" in n.device]
+
+
 def idle_ps(sync_every=8, num_ps=2):
     """One worker, a table split over ``num_ps`` ps tasks and a dense
     vector, both split over the ps tasks, SGD on loss = sum of a few rows + sum(b): one worker step per
@@ -117,9 +140,14 @@ def idle_ps(sync_every=8, num_ps=2):
         exchanged = sum(b for b, _ in _sent_since(between, _ps_sockets(ps_ports)))
         g_after = strategy.staleness_stats().global_step
         devices, captured = _devices_and_captures(step.get_concrete_function())
+        local = strategy.extended.engine.local
+        exchange = local._exchange[3]  # (copies key, check, pull, exchange)
+        ps_reads = _reads_before_adds(exchange)
+        n_exchanged = len(local.exchanged(local._copies.values()))
         coord.join()
         s = strategy.staleness_stats()
-        return {"idle": idle, "exchange_bytes": exchanged,
+        return {"idle": idle, "exchange_bytes": exchanged, "ps_reads": ps_reads,
+                "exchanged_variables": n_exchanged,
                 "g": [g_idle, g_after], "devices": devices, "captured": captured,
                 "local_steps": s.local_steps, "applied": s.applied,
                 "table": [v.numpy().tolist() for v in table.variables],
@@ -161,6 +189,15 @@ def test_a_closure_without_an_exchange_runs_nothing_on_the_ps():
     # ... and no exchange counted; the 9th closure's exchange reached the ps.
     assert r["g"] == [0, 1]  # [after closure 8, after closure 9]
     assert r["exchange_bytes"] > 4 * (8 * 4 + 4)  # the deltas pushed and the model pulled
+    # The exchange reads each ps copy before its own add, so the model comes
+    # down while the deltas go up (before: every read waited for every add,
+    # and each direction of a link idled while the other carried a model).
+    # Those reads, one per exchanged variable (2 table shards, 2 b shards,
+    # the optimizer's iterations and learning rate), have no assign_add
+    # among their inputs; the rest (the global step's) come after the adds.
+    early = [name for name, adds in r["ps_reads"] if not adds]
+    assert len(early) == r["exchanged_variables"] == 6, r["ps_reads"]
+    assert len(r["ps_reads"]) > len(early)
     # The drain pushes the last step: 9 local steps in all, plain SGD's result.
     assert r["local_steps"] == 9
     # d loss / d row: the number of times its id appears; d loss / d b: 1.
