@@ -41,6 +41,25 @@ def test_registry_names_and_errors():
         policies.get(p, x=1)
 
 
+#: (policy, count argument, its least value) for every policy that takes a count.
+COUNTS = [("local_sgd", "sync_every", 1), ("drop_stale", "max_staleness", 0),
+          ("ssp", "max_staleness", 0), ("sync_replicas", "replicas_to_aggregate", 1),
+          ("sync_replicas", "max_staleness", 0)]
+
+
+@pytest.mark.parametrize("name,arg,least", COUNTS)
+def test_counts_take_numpy_ints_and_refuse_what_int64_cannot_hold(name, arg, least):
+    """A fresh user's sync_every=10**20 was accepted and failed inside fit
+    with TF's OverflowError, naming no argument; np.int64(4) was refused."""
+    p = policies.get(name, **{arg: np.int64(least + 3)})
+    assert getattr(p, arg) == least + 3 and type(getattr(p, arg)) is int
+    for bad in (2 ** 63, 10 ** 20, least - 1, True, 2.0, "4", None):
+        with pytest.raises(ValueError, match=rf"{name}: {arg} must be an int >= {least} "
+                                             r"and < 2\*\*63 \(.+\), got "):
+            policies.get(name, **{arg: bad})
+    assert getattr(policies.get(name, **{arg: 2 ** 63 - 1}), arg) == 2 ** 63 - 1
+
+
 def test_async_applies_as_is():
     g = [tf.constant([1.0, -2.0])]
     out, keep = policies.get("async").update(g, (), _info(7))

@@ -5,4 +5,21 @@ from tf_asyncps.core.protocol import (Decision, Keep, PolicyRuntime, StepInfo,
                                       UpdatePolicy, after_apply_of, as_decision)
 
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision",
-           "after_apply_of"]
+           "after_apply_of", "check_count"]
+
+_INT64_LIMIT = 2 ** 63  # the policies' counts meet int64 counters in the graph
+
+
+def check_count(policy: str, name: str, value, minimum: int, unit: str) -> int:
+    """``value`` as a Python int, if it is an integer (also a NumPy one; not
+    a bool) with ``minimum <= value < 2**63``.
+
+    Raises:
+      ValueError: naming ``policy``, ``name``, the range and ``unit``.
+    """
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not minimum <= value < _INT64_LIMIT:
+        raise ValueError(f"{policy}: {name} must be an int >= {minimum} and < 2**63 "
+                         f"({unit}), got {value!r}.")
+    return int(value)

@@ -15,7 +15,7 @@ applied steps). The decision and the update run under a PS lock (atomic), so
 import tensorflow as tf
 
 from tf_asyncps.policies import registry
-from tf_asyncps.policies.base import UpdatePolicy
+from tf_asyncps.policies.base import UpdatePolicy, check_count
 
 __all__ = ["DropStale", "keep_if_fresh"]
 
@@ -33,18 +33,14 @@ class DropStale(UpdatePolicy):
       max_staleness: int >= 0, in global steps.
 
     Raises:
-      ValueError: max_staleness negative or not an int.
+      ValueError: max_staleness is not an integer in [0, 2**63) (NumPy ones pass).
     """
 
     atomic = True
 
     def __init__(self, max_staleness: int = 2):
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) \
-                or max_staleness < 0:
-            raise ValueError(
-                f"drop_stale: max_staleness must be an int >= 0 (global steps), got "
-                f"{max_staleness!r}.")
-        self.max_staleness = max_staleness
+        self.max_staleness = check_count("drop_stale", "max_staleness", max_staleness, 0,
+                                         "global steps")
 
     def update(self, grads, state, info):
         return grads, keep_if_fresh(info.tau, self.max_staleness)

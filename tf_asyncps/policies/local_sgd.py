@@ -20,7 +20,7 @@ first closure start after ``sync_every`` steps.
 import tensorflow as tf
 
 from tf_asyncps.policies import registry
-from tf_asyncps.policies.base import UpdatePolicy
+from tf_asyncps.policies.base import UpdatePolicy, check_count
 
 __all__ = ["LocalSteps"]
 
@@ -40,7 +40,7 @@ class LocalSteps(UpdatePolicy):
         (int >= 1); 1 pushes every step.
 
     Raises:
-      ValueError: ``sync_every`` is not an int >= 1.
+      ValueError: ``sync_every`` is not an integer in [1, 2**63) (NumPy ones pass).
     """
 
     name = "local_sgd"
@@ -48,10 +48,7 @@ class LocalSteps(UpdatePolicy):
     local_copies = True
 
     def __init__(self, sync_every: int = 16):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"local_sgd: sync_every must be an int >= 1 (worker steps), "
-                             f"got {sync_every!r}.")
-        self.sync_every = sync_every
+        self.sync_every = check_count("local_sgd", "sync_every", sync_every, 1, "worker steps")
 
     def get_config(self):
         return {"sync_every": self.sync_every}

@@ -32,7 +32,7 @@ import tensorflow as tf
 from tf_asyncps.core import placement
 from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
-from tf_asyncps.policies.base import UpdatePolicy
+from tf_asyncps.policies.base import UpdatePolicy, check_count
 
 __all__ = ["BoundedStaleness", "Clocks"]
 
@@ -70,10 +70,7 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
     """
 
     def __init__(self, max_staleness: int = 2, timeout_s: float = 120.0):
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) \
-                or max_staleness < 0:
-            raise ValueError(f"ssp: max_staleness must be an int >= 0 (clocks), got "
-                             f"{max_staleness!r}.")
+        max_staleness = check_count("ssp", "max_staleness", max_staleness, 0, "clocks")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"ssp: timeout_s must be > 0 seconds, got {timeout_s!r}.")
         self.max_staleness = max_staleness

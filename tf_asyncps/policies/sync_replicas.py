@@ -53,7 +53,7 @@ from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import placement
 from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
-from tf_asyncps.policies.base import Decision, UpdatePolicy
+from tf_asyncps.policies.base import Decision, UpdatePolicy, check_count
 
 __all__ = ["SyncReplicas", "SyncReplicasAggregator", "Rounds"]
 
@@ -73,12 +73,6 @@ class Rounds:
     sent: Any
     gate: Any
     num_workers: int
-
-
-def _check_count(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"sync_replicas: {name} must be an int >= {minimum}, got {value!r}.")
 
 
 def _accumulator_dtype(dtype):
@@ -112,15 +106,18 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
     def __init__(self, replicas_to_aggregate: int = 1,
                  total_num_replicas: Optional[int] = None, max_staleness: int = 0,
                  timeout_s: float = 120.0):
-        _check_count("replicas_to_aggregate", replicas_to_aggregate)
+        replicas_to_aggregate = check_count("sync_replicas", "replicas_to_aggregate",
+                                            replicas_to_aggregate, 1, "gradients per update")
         if total_num_replicas is not None:
-            _check_count("total_num_replicas", total_num_replicas)
+            total_num_replicas = check_count("sync_replicas", "total_num_replicas",
+                                             total_num_replicas, 1, "workers")
             if total_num_replicas < replicas_to_aggregate:
                 raise ValueError(
                     f"sync_replicas: total_num_replicas={total_num_replicas} < "
                     f"replicas_to_aggregate={replicas_to_aggregate}; M counts every worker "
                     "and must be >= N (M - N are backup workers).")
-        _check_count("max_staleness", max_staleness, minimum=0)
+        max_staleness = check_count("sync_replicas", "max_staleness", max_staleness, 0,
+                                    "global steps")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"sync_replicas: timeout_s must be > 0 seconds, got {timeout_s!r}.")
         self.replicas_to_aggregate = replicas_to_aggregate
