@@ -71,6 +71,9 @@ def test_parse_policy_args_types():
     assert job.parse_policy_args("a=1,b=0.5,c=true,d=inverse, e = 2") == {
         "a": 1, "b": 0.5, "c": True, "d": "inverse", "e": 2}
     assert job.parse_policy_args("") == {}
+    # A key given twice took the last value silently (a new user's report).
+    with pytest.raises(ValueError, match="gives 'sync_every' twice"):
+        job.parse_policy_args("sync_every=4, sync_every =8")
 
 
 def test_mnist_offline_points_to_digits(monkeypatch):

@@ -153,7 +153,8 @@ def parse_policy_args(text: str) -> Dict[str, Any]:
     """Parses ``"k=v,k2=v2"`` into a dict; values become int, float, bool or str.
 
     Raises:
-      ValueError: an item without ``=`` (naming the item and the format).
+      ValueError: an item without ``=`` (naming the item and the format); a
+        key given twice (naming it: which value was meant is unknown).
     """
     out = {}
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
@@ -162,6 +163,10 @@ def parse_policy_args(text: str) -> Dict[str, Any]:
             raise ValueError(
                 f"--policy_args item {item!r} is not key=value; write e.g. "
                 "--policy_args=max_staleness=2,mode=inverse.")
+        if key.strip() in out:
+            raise ValueError(
+                f"--policy_args gives {key.strip()!r} twice ({text!r}); give each "
+                "argument once.")
         val = val.strip()
         low = val.lower()
         if low in ("true", "false"):
