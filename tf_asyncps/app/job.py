@@ -159,13 +159,14 @@ def parse_policy_args(text: str) -> Dict[str, Any]:
     out = {}
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
         key, sep, val = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(
                 f"--policy_args item {item!r} is not key=value; write e.g. "
                 "--policy_args=max_staleness=2,mode=inverse.")
-        if key.strip() in out:
+        if key in out:
             raise ValueError(
-                f"--policy_args gives {key.strip()!r} twice ({text!r}); give each "
+                f"--policy_args gives {key!r} twice ({text!r}); give each "
                 "argument once.")
         val = val.strip()
         low = val.lower()
@@ -179,7 +180,7 @@ def parse_policy_args(text: str) -> Dict[str, Any]:
                     parsed = float(val)
                 except ValueError:
                     parsed = val
-        out[key.strip()] = parsed
+        out[key] = parsed
     return out
 
 

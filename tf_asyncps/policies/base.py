@@ -1,6 +1,8 @@
 """The policy base class and its types (defined in ``tf_asyncps/core/protocol.py``,
 the contract between the engine and the rules; re-exported here)."""
 
+import numbers
+
 from tf_asyncps.core.protocol import (Decision, Keep, PolicyRuntime, StepInfo,
                                       UpdatePolicy, after_apply_of, as_decision)
 
@@ -17,7 +19,6 @@ def check_count(policy: str, name: str, value, minimum: int, unit: str) -> int:
     Raises:
       ValueError: naming ``policy``, ``name``, the range and ``unit``.
     """
-    import numbers
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
             or not minimum <= value < _INT64_LIMIT:
         raise ValueError(f"{policy}: {name} must be an int >= {minimum} and < 2**63 "
