@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tf_asyncps import policies
+from tf_asyncps.policies import registry
 from tf_asyncps.policies import StepInfo
 from tf_asyncps.core.grads import all_finite
 from tf_asyncps.policies.dc_asgd import delay_compensate
@@ -187,7 +188,11 @@ def test_ssp_arguments():
         policies.get("ssp", max_staleness=1, timeout_s=0)
 
 
-def test_readme_custom_policy_registers_in_under_30_lines():
+def test_readme_custom_policy_registers_in_under_30_lines(monkeypatch):
+    # The registry is process-wide: the name leaves it with this test (it
+    # made test_cli's "every registered policy" fail when run after it).
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
     @policies.register("halve_when_stale_test")
     class HalveWhenStale(policies.UpdatePolicy):
         def __init__(self, limit=2):
