@@ -355,3 +355,16 @@ def test_example_custom_loop_is_the_tutorial_loop_and_runs():
     assert any(l.startswith("Final loss is ") for l in lines)
     # 4 epochs x 5 scheduled steps + the fetched one, each applied once.
     assert any(l.startswith("applied 21 gradients, dropped 0, tau mean ") for l in lines), log
+
+
+@pytest.mark.cluster
+def test_strategy_run_outside_a_function_runs_eagerly_as_in_vanilla():
+    # TensorFlow's own strategy tests call strategy.run eagerly (its test-only
+    # mode, or to see its usage warning); the engine's placement entered a
+    # device function there: "tf.device does not support functions when
+    # eager execution is enabled".
+    r = run_scenario("eager_run", shared=(1, 2))
+    assert r["test_only"] == 1  # first element 0 + v (1)
+    assert r["num_shards"] == 2
+    assert r["sharded_after_add"] == [1.0, 1.0, 1.0, 1.0]
+    assert r["warned"] is True

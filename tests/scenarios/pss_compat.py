@@ -78,3 +78,45 @@ def tf_keras_evaluate_finite():
                 out[name] = {"error": type(e).__name__, "message": str(e)}
             out[name]["closures"] = sum(strategy.closures_done_per_worker())
     return out
+
+
+@scenario(shares_cluster=True)
+def eager_run():
+    """``strategy.run`` outside a ``tf.function``, as TensorFlow's own
+    strategy tests call it: in its test-only mode (the coordinator's process
+    runs the step eagerly) and without it (the usage warning); variables with
+    an aggregation, plain and sharded, updated from an eager ``run``."""
+    import logging as py_logging
+    out = {}
+    with cluster(num_workers=1, num_ps=2) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+            .FixedShardsPartitioner(2))
+        strategy.extended._allow_run_without_coordinator = True  # TF's test-only mode
+        with strategy.scope():
+            v = tf.Variable(1, dtype=tf.int64)
+            agg = tf.Variable(tf.zeros([4]), aggregation=tf.VariableAggregation.SUM)
+        it = iter(tf.data.Dataset.range(15))
+        out["test_only"] = int(strategy.run(lambda i: next(i) + v, args=(it,)))
+        strategy.run(lambda: agg.assign_add(tf.ones([4])))
+        out["sharded_after_add"] = [float(x) for x in tf.concat(
+            [s.read_value() for s in agg.variables], 0).numpy()]
+        out["num_shards"] = len(agg.variables)
+
+        strategy2 = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        with strategy2.scope():
+            w = tf.Variable(1, dtype=tf.int64)
+        records = []
+
+        class Keep(py_logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+
+        handler = Keep()
+        tf.get_logger().addHandler(handler)
+        try:
+            strategy2.run(lambda i: next(i) + w, args=(iter(tf.data.Dataset.range(8)),))
+        finally:
+            tf.get_logger().removeHandler(handler)
+        out["warned"] = any("ClusterCoordinator.schedule" in r for r in records)
+    return out
