@@ -50,3 +50,20 @@ def test_a_print_fn_gets_every_line_whatever_verbose_says():
     got = []
     _one_epoch(StalenessLogger(print_fn=got.append), 0)
     assert len(got) == 1 and got[0].startswith("epoch 1/1: loss=0.5")
+
+
+def test_staleness_stats_print_as_one_readable_line():
+    hist = np.zeros(33, np.int64)
+    hist[[0, 1, 32]] = [90, 50, 3]
+    dropped = np.zeros(33, np.int64)
+    dropped[5] = 2
+    stats = StalenessStats(global_step=143, applied=143, dropped=2, histogram=hist,
+                           dropped_histogram=dropped, mean=0.7832, max=40, nonfinite=0,
+                           retried_closures=1)
+    assert repr(stats) == str(stats) == (
+        "StalenessStats(global_step=143, applied=143, dropped=2, mean=0.783, max=40, "
+        "histogram={0: 90, 1: 50, '>=32': 3}, dropped_histogram={5: 2}, retried_closures=1)")
+    empty = StalenessStats(global_step=0, applied=0, dropped=0, histogram=np.zeros(33, np.int64),
+                           dropped_histogram=np.zeros(33, np.int64), mean=0.0, max=0)
+    assert repr(empty) == ("StalenessStats(global_step=0, applied=0, dropped=0, mean=0, max=0, "
+                           "histogram={})")

@@ -70,6 +70,20 @@ class StalenessStats:
         reaches the PS), or ``local_steps`` under ``local_sgd``."""
         return self.local_steps or (self.applied + self.dropped)
 
+    def __repr__(self) -> str:
+        """One line: the counts, mean and max τ, each histogram's non-zero
+        buckets as ``{τ: count}`` (the last bin as ``'>=T'``), and the
+        optional counters only where they are not 0."""
+        parts = [f"global_step={int(self.global_step)}", f"applied={int(self.applied)}",
+                 f"dropped={int(self.dropped)}", f"mean={float(self.mean):.3g}",
+                 f"max={int(self.max)}", f"histogram={_buckets(self.histogram)}"]
+        if int(np.sum(self.dropped_histogram)):
+            parts.append(f"dropped_histogram={_buckets(self.dropped_histogram)}")
+        parts += [f"{name}={int(getattr(self, name))}" for name in
+                  ("nonfinite", "local_steps", "retried_closures", "worker_failures")
+                  if int(getattr(self, name))]
+        return f"StalenessStats({', '.join(parts)})"
+
     def to_dict(self) -> Dict[str, Any]:
         """Returns a JSON-serialisable dict (histograms as lists of ints)."""
         return {
@@ -85,6 +99,15 @@ class StalenessStats:
             "retried_closures": int(self.retried_closures),
             "worker_failures": int(self.worker_failures),
         }
+
+
+def _buckets(histogram) -> str:
+    """``{τ: count}`` of a histogram's non-zero bins; the last bin, which
+    counts every τ from its index on, as ``'>=T'``."""
+    last = len(histogram) - 1
+    items = [f"{repr(f'>={last}') if t == last else t}: {int(c)}"
+             for t, c in enumerate(histogram) if int(c)]
+    return "{" + ", ".join(items) + "}"
 
 
 class StalenessTracker:
