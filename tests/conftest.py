@@ -12,6 +12,11 @@ import time
 
 import pytest
 
+import tmp_per_test
+
+# Each test's temporary files in a directory of its own (tests/tmp_per_test.py).
+pytest_plugins = ["tmp_per_test"]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: ``python SCENARIOS_DIR NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
@@ -130,6 +135,9 @@ class SharedCluster:
 
     def _start(self, deadline):
         env = subprocess_env()
+        # It outlives the test that starts it: a directory of its own.
+        self.tmp = env["TMPDIR"] = tmp_per_test.shared_dir(
+            "shared_{num_workers}w{num_ps}ps".format(**self.shape))
         env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 comes in by `import keras`
         self._lines = queue.Queue()
         self._tail = []
@@ -152,17 +160,17 @@ class SharedCluster:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self.close()
+                self.close(failed=True)
                 pytest.fail(f"shared cluster {self.shape}: no answer in time; output "
                             f"tail:\n{''.join(self._tail[-40:])}")
             if line is None:
-                self.close()
+                self.close(failed=True)
                 pytest.fail(f"shared cluster {self.shape} exited; output tail:\n"
                             f"{''.join(self._tail[-40:])}")
             if line.startswith(word + ": ") or line.startswith("ERROR: "):
                 kind, _, body = line.partition(": ")
                 if kind == "ERROR":
-                    self.close()
+                    self.close(failed=True)
                     pytest.fail(f"scenario failed on the shared cluster {self.shape}:\n"
                                 f"{json.loads(body)}")
                 return json.loads(body)
@@ -171,7 +179,7 @@ class SharedCluster:
     def run(self, name, kwargs, timeout):
         deadline = time.monotonic() + timeout
         if self._busy:
-            self.close()
+            self.close(failed=True)
         if self.proc is None or self.proc.poll() is not None:
             self._start(deadline)
         self._busy = True
@@ -181,9 +189,10 @@ class SharedCluster:
         self._busy = False
         return result
 
-    def close(self):
+    def close(self, failed=False):
         """Ends the process (end of input, then by process group) and checks
-        that every task it started is gone."""
+        that every task it started is gone. Its temporary files (the cluster's
+        logs) go, or stay when ``failed``."""
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
@@ -194,7 +203,10 @@ class SharedCluster:
         except (OSError, subprocess.TimeoutExpired):
             pass
         stop_process(proc)
-        wait_dead(self.child_pids)
+        try:
+            wait_dead(self.child_pids)
+        finally:
+            tmp_per_test.finish(self.tmp, failed, f"shared cluster {self.shape}")
 
 
 _SHARED_CLUSTERS = collections.OrderedDict()  # shape -> SharedCluster, least recent first
