@@ -295,6 +295,23 @@ def test_private_tensorflow_and_keras_attributes_live_in_compat_only():
     assert {"_put_back", "_translate", "_tracker"} <= project
     assert "_extended" not in project and "_num_workers" not in project
 
+
+#: TensorFlow calls that log a deprecation warning each job, with the compat helper to use.
+_DEPRECATED = {"tf.compat.v1.colocate_with": "compat.tensorflow.colocated_with / colocate_only_with"}
+
+
+def test_no_module_calls_a_tensorflow_api_that_warns_deprecated():
+    # tf.compat.v1.colocate_with printed TensorFlow's "_colocate_with ... is
+    # deprecated" warning on every job (core/placement.py, core/update_gate.py).
+    found = []
+    for m, path in _modules().items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and _dotted(node.func) in _DEPRECATED:
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {_dotted(node.func)}"
+                             f" (use {_DEPRECATED[_dotted(node.func)]})")
+    assert found == []
+
+
 def test_the_package_has_no_import_circles():
     modules = _modules()
     # Imports at any depth count (one inside a function is still an arrow).

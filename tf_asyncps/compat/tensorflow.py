@@ -395,6 +395,14 @@ def in_save_context() -> bool:
     return save_context.in_save_context()
 
 
+def colocated_with(op):
+    """Context: ops created in it are placed with ``op`` (a tensor, an op or
+    a variable), inside any colocation around it: ``tf.compat.v1.colocate_with(op)``
+    without its deprecation warning, which every job printed (TF 2.16-2.21)."""
+    from tensorflow.python.framework import ops
+    return ops.colocate_with(op)
+
+
 def colocate_only_with(op):
     """Context: ops created in it are placed with ``op``, whatever colocation
     or device scope surrounds them (``tf.compat.v1.colocate_with(op,

@@ -368,7 +368,7 @@ class LocalCopies:
                     before = tf_compat.read_handle(c.handle, c.dtype)
                     with tf.control_dependencies([before]):
                         pushes.append(tf_compat.assign_add_handle(c.handle, delta))
-                with tf.compat.v1.colocate_with(delta.op):  # on the worker
+                with tf_compat.colocated_with(delta.op):  # on the worker
                     merged.append(before + delta)
             with tf.control_dependencies(pushes):
                 g_after = tracker.record_increment(tf_compat.read_handle(last_v.handle, tf.int64))

@@ -188,7 +188,7 @@ def one_per_device(ops) -> list:
     for device, group in by_device.items():
         # Colocated, not tf.device: beside_inputs' device function would
         # move an op with no inputs to its default device.
-        with tf.compat.v1.colocate_with(group[0]):
+        with tf_compat.colocated_with(group[0]):
             out.append(tf.group(*group))
     return out
 

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_variables as variables_compat
 
 __all__ = ["gated_by", "gate", "active"]
@@ -53,9 +54,9 @@ class _Gate:
             return read()
         key = (id(hoisted), var.device)
         if key not in self.copies or self.copies[key].graph is not graph:
-            with graph.as_default(), tf.compat.v1.colocate_with(None, ignore_existing=True):
+            with graph.as_default(), tf_compat.colocate_only_with(None):
                 value = read()
-                with tf.compat.v1.colocate_with(var):
+                with tf_compat.colocated_with(var):
                     self.copies[key] = tf.identity(value)
         return self.copies[key]
 
