@@ -188,7 +188,13 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             # tf_keras's current learning rate under a schedule, takes that one
             # update's value instead of raising.
             kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        var = super()._create_variable(next_creator, **kwargs)
+        # A variable created inside a worker step (an optimizer built by its
+        # first apply_gradients in a scheduled tf.function) must not inherit
+        # the step's control dependencies: tf.function lifts its initializer
+        # out of the step, and one depending on the step's read of the global
+        # step (engine.worker_step) cannot be lifted (UnliftableError).
+        with tf.control_dependencies(None):
+            var = super()._create_variable(next_creator, **kwargs)
         # Function-local variables (tf_keras's exact evaluation clones its
         # metrics with lifting off) live and die in one closure: not tracked.
         local = kwargs.get("experimental_enable_variable_lifting", True) is False
