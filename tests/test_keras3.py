@@ -260,3 +260,19 @@ def test_compiling_again_takes_effect_and_vector_metrics_are_logged():
     lines = [l for l in r["console"].splitlines() if l.startswith("epoch ")]
     assert len(lines) == 2 and "precision=[" in lines[0]  # StalenessLogger's line only
     assert not [l for l in r["console"].splitlines() if l.startswith("Epoch ")]
+
+
+def test_evaluate_and_validation_of_a_regularized_model_equal_one_process():
+    """A weight regularizer (L2 on kernels and a bias): evaluate and fit's
+    validation failed with 'NoneType' object has no attribute 'dtype'. Both
+    equal one-process Keras 3 evaluate of the same weights, whose loss is the
+    mean squared error plus l2 * sum(w^2) of the regularized weights."""
+    r = run_scenario("keras3_evaluate_with_regularizer", shared=(2, 1), num_workers=2)
+    ref = r["ref_evaluate"]
+    for key in ("loss", "mae"):
+        assert r["evaluate"][key] == pytest.approx(ref[key], abs=1e-5), key
+    assert r["l2_term"] > 1e-3
+    assert ref["loss"] == pytest.approx(r["mse"] + r["l2_term"], abs=1e-5)
+    # One epoch: its validation ran on the weights evaluate saw after it.
+    assert r["val_loss"] == [pytest.approx(ref["loss"], abs=1e-5)]
+    assert r["val_mae"] == [pytest.approx(ref["mae"], abs=1e-5)]

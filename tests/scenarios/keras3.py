@@ -523,3 +523,42 @@ def keras3_recompile_and_vector_metric(steps=10):
                 "second_logs": hist.history, "second_console": console2.getvalue(),
                 "vector_history": {k: np.asarray(v).tolist() for k, v in vec.history.items()},
                 "console": console.getvalue()}
+
+
+@scenario(shares_cluster=True)
+def keras3_evaluate_with_regularizer(num_workers=2, l2=0.01):
+    """A model with an L2 kernel regularizer: fit with validation_data and
+    evaluate under the strategy, against one-process Keras 3 evaluate of the
+    same weights, and the regularization term by its closed form."""
+    import keras
+    x, y = _k3_regression()
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(3, activation="tanh",
+                               kernel_regularizer=keras.regularizers.L2(l2)),
+            keras.layers.Dense(2, kernel_regularizer=keras.regularizers.L2(l2),
+                               bias_regularizer=keras.regularizers.L2(l2))], name="reg")
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        return model
+
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        val = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        with strategy.scope():
+            model = make()
+        hist = model.fit(train, epochs=1, steps_per_epoch=6, verbose=0, validation_data=val)
+        ev = model.evaluate(val, return_dict=True, verbose=0)
+        weights = model.get_weights()
+        ref = make()
+        ref.set_weights(weights)
+        ref_ev = ref.evaluate(val, return_dict=True, verbose=0)
+        k1, _, k2, b2 = weights
+        pred = ref.predict(x, verbose=0)
+        return {"val_loss": hist.history["val_loss"], "val_mae": hist.history["val_mae"],
+                "evaluate": ev, "ref_evaluate": ref_ev,
+                "mse": float(np.mean((pred - y) ** 2)),
+                "l2_term": float(l2 * (np.sum(k1 ** 2) + np.sum(k2 ** 2) + np.sum(b2 ** 2)))}

@@ -531,8 +531,17 @@ class Keras3Trainer:
 @tf.autograph.experimental.do_not_convert
 def _stateless_test_step(model, metric_vars, state, batch):
     """``model.test_step(batch)`` with the metric variables read from and
-    written to ``state`` (a tuple of tensors) instead of the ps."""
-    with keras.StatelessScope(state_mapping=list(zip(metric_vars, state))) as scope:
+    written to ``state`` (a tuple of tensors) instead of the ps.
+
+    The trainable weights with a regularizer are in the scope too, at their
+    values read now: Keras 3 computes a weight's regularization term from the
+    stateless scope's value of that weight (``Layer._get_regularization_losses``),
+    and a weight missing there gave the regularizer None (``'NoneType' object
+    has no attribute 'dtype'``). The forward pass reads the same value."""
+    regularized = [(v, v.value) for v in model.trainable_weights
+                   if getattr(v, "regularizer", None) is not None]
+    mapping = list(zip(metric_vars, state)) + regularized
+    with keras.StatelessScope(state_mapping=mapping) as scope:
         model.test_step(batch)
     return tuple(scope.get_current_value(v) for v in metric_vars)
 
