@@ -140,6 +140,25 @@ def test_help_exits_0_and_lists_each_command_once_with_its_flags():
     assert ours <= named, sorted(ours - named)
 
 
+@pytest.mark.parametrize("command", ["launch", "train", "server", "bench", "reference"])
+def test_command_help_lists_that_commands_flags_with_their_help(command):
+    # `bench --help` printed the general help, without a word of bench's flags.
+    from tf_asyncps.app.cli_help import COMMAND_HELP, JOB_FLAGS
+    rc, out = _cli(command, "--help")
+    assert rc == 0, out
+    assert out.startswith(f"tf-asyncps {command}: ")
+    names = next(c[3] for c in COMMAND_HELP if c[0] == command)
+    listed = re.findall(r"^  --(\w+):", out, re.M)
+    expected = [f for n in names if not n.endswith("*") for f in
+                (JOB_FLAGS if n.startswith("the job's") else [n])]
+    assert [f for f in listed if not f.startswith("bench_")] == expected
+    assert len(re.findall(r"^    \(default: ", out, re.M)) == len(listed)
+    if command == "bench":
+        assert {"bench_steps", "bench_hosts", "bench_only"} <= set(listed)
+    else:
+        assert not any(f.startswith("bench_") for f in listed)
+
+
 def test_bench_flags_are_listed_by_bench_helpfull_only():
     rc, out = _cli("--helpfull")
     assert rc == 0 and "--bench_steps" not in out and "--num_workers" in out

@@ -529,7 +529,12 @@ def run():
     for names, short in (({"--help", "-help", "-h", "-?", "--helpshort", "-helpshort"}, True),
                          ({"--helpfull", "-helpfull"}, False)):
         if names.intersection(args):
-            app.usage(shorthelp=short, writeto_stdout=True)
+            from tf_asyncps.app.cli_help import COMMAND_HELP, command_help
+            command = next((a for a in args if not a.startswith("-")), None)
+            if short and command in {c[0] for c in COMMAND_HELP}:
+                sys.stdout.write(command_help(command, FLAGS))  # that command's flags
+            else:
+                app.usage(shorthelp=short, writeto_stdout=True)
             sys.exit(0)
     app.run(main)
 

@@ -1,6 +1,6 @@
 """What ``tf-asyncps --help`` prints: each command, an example, its flags."""
 
-__all__ = ["HELP", "JOB_FLAGS", "COMMAND_HELP", "help_text"]
+__all__ = ["HELP", "JOB_FLAGS", "COMMAND_HELP", "help_text", "command_help"]
 
 HELP = """tf-asyncps: asynchronous parameter-server training (absl command line).
 
@@ -62,3 +62,39 @@ def help_text() -> str:
     job = textwrap.fill(" ".join(f"--{n}" for n in JOB_FLAGS), 79,
                         initial_indent=" " * 16, subsequent_indent=" " * 2).lstrip()
     return HELP.format(commands="\n".join(lines) + "\n", job_flags=job)
+
+
+def command_help(command: str, flag_values) -> str:
+    """What ``tf-asyncps COMMAND --help`` prints: that command's line, its
+    example and each of its flags with absl's help and default.
+
+    Args:
+      command: a name of ``COMMAND_HELP``.
+      flag_values: the defined absl flags (``absl.flags.FLAGS``); bench's
+        ``--bench_*`` flags must be defined already.
+
+    Raises:
+      KeyError: an unknown command.
+    """
+    import textwrap
+    name, what, example, names = next(c for c in COMMAND_HELP if c[0] == command)
+    wanted = []
+    for n in names:
+        if n.startswith("the job's"):
+            wanted += list(JOB_FLAGS)
+        elif n.endswith("*"):
+            wanted += sorted(f for f in flag_values if f.startswith(n[:-1]))
+        else:
+            wanted.append(n)
+    lines = textwrap.wrap(f"tf-asyncps {name}: {what}.", 79) + [
+        "", "Example:", f"  {example}", "", "Flags:"]
+    for n in dict.fromkeys(wanted):
+        flag = flag_values[n]
+        lines.append(f"  --{n}: " + " ".join(str(flag.help).split()))
+        lines[-1:] = textwrap.wrap(lines[-1], 79, subsequent_indent=" " * 4)
+        lines.append(f"    (default: {flag.default_as_str or repr(flag.default)})")
+    note = [n for n in names if n.startswith("the job's (")]
+    if note:
+        lines += ["", textwrap.fill(f"Note: {note[0][len('the job' + chr(39) + 's '):]}", 79)]
+    lines += ["", "Every flag: tf-asyncps --helpfull; every command: tf-asyncps --help"]
+    return "\n".join(lines) + "\n"
