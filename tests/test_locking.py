@@ -92,3 +92,19 @@ def test_locking_optimizer_arguments():
         optimizers.LockingOptimizer(tf_keras.optimizers.SGD)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         optimizers.LockingOptimizer(tf_keras.optimizers.SGD(0.1), timeout_s=0)
+
+
+def test_make_locking_is_the_verb_and_isinstance_of_locking_optimizer_holds():
+    # LockingOptimizer was a function that marked its argument, so
+    # isinstance(x, LockingOptimizer) raised TypeError.
+    import tf_keras
+    from tf_keras.mixed_precision import LossScaleOptimizer
+    opt = tf_keras.optimizers.Adam(0.1)
+    assert not isinstance(opt, optimizers.LockingOptimizer)
+    assert optimizers.make_locking(opt, timeout_s=5) is opt
+    assert isinstance(opt, optimizers.LockingOptimizer)
+    assert isinstance(opt, tf_keras.optimizers.Adam)  # still Keras's own class
+    assert optimizers.lock_timeout(opt) == 5.0
+    assert isinstance(LossScaleOptimizer(opt), optimizers.LockingOptimizer)  # a wrapper of one
+    assert not isinstance(LossScaleOptimizer(tf_keras.optimizers.SGD(0.1)),
+                          optimizers.LockingOptimizer)

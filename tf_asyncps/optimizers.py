@@ -26,7 +26,7 @@ replaces the read-then-write increment with an atomic one
 
 from tf_asyncps.compat import tensorflow as tf_compat
 
-__all__ = ["LockingOptimizer", "is_locking", "lock_timeout"]
+__all__ = ["LockingOptimizer", "make_locking", "is_locking", "lock_timeout"]
 
 _ATTR = "_asyncps_lock_timeout_s"
 
@@ -35,15 +35,17 @@ def _is_optimizer(obj) -> bool:
     return callable(getattr(obj, "apply_gradients", None))
 
 
-def LockingOptimizer(optimizer, timeout_s: float = 60.0):  # noqa: N802 - reads as a wrapper
-    """Makes each worker step's update of ``optimizer`` one locked unit.
+def make_locking(optimizer, timeout_s: float = 60.0):
+    """Marks ``optimizer`` so that each worker step's update is one locked unit.
 
     Works with tf_keras optimizers (``tf_keras.optimizers.*`` and
     ``tf_keras.optimizers.legacy.*``) and Keras 3 optimizers. Returns the same
     optimizer object, marked, so it goes anywhere an optimizer goes
-    (``model.compile(optimizer=LockingOptimizer(SGD(0.1)))``); the lock is
-    taken by AsyncParameterServerStrategy when a worker step applies gradients.
+    (``model.compile(optimizer=make_locking(SGD(0.1)))``); the lock is taken
+    by AsyncParameterServerStrategy when a worker step applies gradients.
     Outside the strategy the optimizer behaves as before.
+    ``LockingOptimizer(optimizer)`` is the same call, and
+    ``isinstance(optimizer, LockingOptimizer)`` tells whether it was made.
 
     Args:
       optimizer: a tf_keras or Keras 3 optimizer instance.
@@ -66,6 +68,31 @@ def LockingOptimizer(optimizer, timeout_s: float = 60.0):  # noqa: N802 - reads 
     return optimizer
 
 
+class _Marking(type):
+    """``LockingOptimizer(opt)`` marks and returns ``opt`` (:func:`make_locking`);
+    ``isinstance(opt, LockingOptimizer)`` is :func:`is_locking`."""
+
+    def __call__(cls, optimizer, timeout_s: float = 60.0):
+        return make_locking(optimizer, timeout_s)
+
+    def __instancecheck__(cls, obj):
+        return is_locking(obj)
+
+
+class LockingOptimizer(metaclass=_Marking):
+    """A tf_keras or Keras 3 optimizer whose worker-step update is one locked
+    unit: ``LockingOptimizer(optimizer, timeout_s=60.0)`` is
+    :func:`make_locking` (the same optimizer object, marked, so Keras sees its
+    own class), and ``isinstance(optimizer, LockingOptimizer)`` holds for
+    every optimizer so marked (or wrapping one, e.g. a ``LossScaleOptimizer``).
+
+    Example::
+
+        model.compile(optimizer=tf_asyncps.optimizers.LockingOptimizer(
+            tf_keras.optimizers.Adam(1e-3)), loss="mse")
+    """
+
+
 def _marks(optimizer):
     """The lock marks of ``optimizer`` and of the optimizers it wraps.
 
@@ -83,10 +110,10 @@ def _marks(optimizer):
 
 def is_locking(optimizer) -> bool:
     """Whether ``optimizer``, or an optimizer it wraps (``inner_optimizer``),
-    was passed through :func:`LockingOptimizer`."""
+    was passed through :func:`make_locking` (``LockingOptimizer``)."""
     return next(_marks(optimizer), None) is not None
 
 
 def lock_timeout(optimizer, default: float = 60.0) -> float:
-    """The lock timeout of :func:`LockingOptimizer` (the outermost mark), else ``default``."""
+    """The lock timeout of :func:`make_locking` (the outermost mark), else ``default``."""
     return next(_marks(optimizer), None) or default
