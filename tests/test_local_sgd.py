@@ -1,4 +1,4 @@
-"""local_sgd (LocalSteps): exactness with one worker, exact sums with several."""
+"""local_sgd (LocalSGD): exactness with one worker, exact sums with several."""
 
 import pytest
 
@@ -16,7 +16,7 @@ def test_sync_every_must_be_a_positive_int(bad):
 
 def test_registered_with_its_default():
     p = tf_asyncps.policies.get("local_sgd")
-    assert isinstance(p, tf_asyncps.policies.LocalSteps)
+    assert isinstance(p, tf_asyncps.policies.LocalSGD)
     assert p.get_config() == {"sync_every": 16}
 
 

@@ -73,17 +73,17 @@ def test_staleness_aware_scales(tau, inverse, plus_one):
     assert staleness_scale(tau, "inverse").numpy() == pytest.approx(inverse)
     assert staleness_scale(tau, "inverse_plus_one").numpy() == pytest.approx(plus_one)
     g = tf.constant([3.0, -6.0])
-    out, keep = policies.StalenessAwareLR("inverse").update([g], (), _info(tau))
+    out, keep = policies.StalenessAware("inverse").update([g], (), _info(tau))
     assert keep is True
     np.testing.assert_allclose(_np(out[0]), np.array([3.0, -6.0]) * inverse, rtol=1e-6)
-    out, _ = policies.StalenessAwareLR("inverse_plus_one").update([g], (), _info(tau))
+    out, _ = policies.StalenessAware("inverse_plus_one").update([g], (), _info(tau))
     np.testing.assert_allclose(_np(out[0]), np.array([3.0, -6.0]) * plus_one, rtol=1e-6)
 
 
 def test_staleness_aware_keeps_indexed_slices_sparse():
     g = tf.IndexedSlices(tf.constant([[3.0, 3.0]]), tf.constant([4], tf.int64),
                          tf.constant([10, 2], tf.int64))
-    out, _ = policies.StalenessAwareLR().update([g], (), _info(3))
+    out, _ = policies.StalenessAware().update([g], (), _info(3))
     assert isinstance(out[0], tf.IndexedSlices)
     np.testing.assert_allclose(out[0].values.numpy(), [[1.0, 1.0]])
     assert out[0].indices.numpy().tolist() == [4]
@@ -163,7 +163,7 @@ def test_chain_and_route_keep_their_members_after_apply():
 
 
 def test_chain_composes_in_order_and_ands_keep():
-    c = policies.chain(policies.StalenessAwareLR("inverse_plus_one"),
+    c = policies.chain(policies.StalenessAware("inverse_plus_one"),
                        policies.DropStale(max_staleness=3))
     assert c.atomic
     d = c.update([tf.constant([4.0])], c.init([]), _info(3))
@@ -266,3 +266,17 @@ def test_update_results_become_decisions_or_fail_clearly():
     assert d == policies.Decision([1], True, None)
     with pytest.raises(TypeError, match=r"must return tf_asyncps.policies.Decision"):
         policies.base.as_decision([1, 2, 3])
+
+
+def test_each_registered_policy_class_is_named_after_its_registry_name():
+    from tf_asyncps.policies.registry import _REGISTRY
+    # ssp/BoundedStaleness, local_sgd/LocalSteps and staleness_aware/StalenessAwareLR
+    # drifted apart; the former class names stay as aliases.
+    acronyms = {"ssp": "SSP", "sgd": "SGD", "dc": "DC", "asgd": "ASGD"}
+    for name in policies.names():
+        camel = "".join(acronyms.get(w, w.capitalize()) for w in name.split("_"))
+        assert getattr(policies, camel) is _REGISTRY[name], name
+        assert getattr(policies, camel).__name__ == camel
+    assert policies.BoundedStaleness is policies.SSP
+    assert policies.LocalSteps is policies.LocalSGD
+    assert policies.StalenessAwareLR is policies.StalenessAware

@@ -108,7 +108,7 @@ def test_build_returns_the_cluster_state_and_the_policy_keeps_none():
 def test_a_policy_never_built_says_so():
     ssp = policies.get("ssp")
     assert ssp.gate is None and not ssp.built
-    with pytest.raises(RuntimeError, match=r"BoundedStaleness\(.*\) has no cluster state: "
+    with pytest.raises(RuntimeError, match=r"SSP\(.*\) has no cluster state: "
                                            r"build\(num_workers, device\) was not called"):
         ssp.clock_values()
 
@@ -141,7 +141,7 @@ def test_an_unregistered_policy_reports_its_class_name():
         def update(self, grads, state, info):
             return grads, True
 
-    class Slower(policies.BoundedStaleness):
+    class Slower(policies.SSP):
         pass
 
     assert Mine().name == "Mine" and repr(Mine()) == "Mine()"

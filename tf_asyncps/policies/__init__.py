@@ -18,13 +18,16 @@ from tf_asyncps.policies.chain import Chain, chain
 from tf_asyncps.policies.route import Route, route
 from tf_asyncps.policies.async_ import Async
 from tf_asyncps.policies.drop_stale import DropStale
-from tf_asyncps.policies.staleness_aware import StalenessAwareLR
-from tf_asyncps.policies.ssp import BoundedStaleness
+from tf_asyncps.policies.staleness_aware import StalenessAware, StalenessAwareLR
+from tf_asyncps.policies.ssp import SSP, BoundedStaleness
 from tf_asyncps.policies.dc_asgd import DCASGD
 from tf_asyncps.policies.sync_replicas import SyncReplicas, SyncReplicasAggregator
-from tf_asyncps.policies.local_sgd import LocalSteps
+from tf_asyncps.policies.local_sgd import LocalSGD, LocalSteps
 
+# Each registered policy's class is its name in CamelCase (``ssp`` -> SSP,
+# ``local_sgd`` -> LocalSGD); the former class names stay as aliases.
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "PolicyRuntime", "get", "names",
-           "register", "chain", "Chain", "route", "Route", "Async", "DropStale", "StalenessAwareLR",
-           "BoundedStaleness", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
-           "LocalSteps", "scale", "map_values", "all_finite", "beside"]
+           "register", "chain", "Chain", "route", "Route", "Async", "DropStale", "StalenessAware",
+           "SSP", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
+           "LocalSGD", "scale", "map_values", "all_finite", "beside",
+           "StalenessAwareLR", "BoundedStaleness", "LocalSteps"]

@@ -22,11 +22,11 @@ import tensorflow as tf
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
 
-__all__ = ["LocalSteps"]
+__all__ = ["LocalSGD", "LocalSteps"]
 
 
 @registry.register("local_sgd")
-class LocalSteps(UpdatePolicy):
+class LocalSGD(UpdatePolicy):
     """Local SGD: train local copies, push deltas every ``sync_every`` steps.
 
     Every numeric variable created in the strategy's scope gets a local copy:
@@ -59,3 +59,7 @@ class LocalSteps(UpdatePolicy):
     def update(self, grads, state, info):
         del state, info  # never called: steps apply to the local copies
         return grads, True
+
+
+#: Its former name, kept as an alias (the class is now named after its registry name).
+LocalSteps = LocalSGD

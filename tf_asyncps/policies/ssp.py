@@ -34,7 +34,7 @@ from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
 
-__all__ = ["BoundedStaleness", "Clocks"]
+__all__ = ["SSP", "BoundedStaleness", "Clocks"]
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class Clocks:
 
 
 @registry.register("ssp")
-class BoundedStaleness(GatedPolicy, UpdatePolicy):
+class SSP(GatedPolicy, UpdatePolicy):
     """Stale Synchronous Parallel with bound ``max_staleness`` (clocks).
 
     Args:
@@ -147,3 +147,6 @@ class BoundedStaleness(GatedPolicy, UpdatePolicy):
         (released reads excluded)."""
         return int(self.cluster.max_spread.numpy()[0])
 
+
+#: Its former name, kept as an alias (the class is now named after its registry name).
+BoundedStaleness = SSP

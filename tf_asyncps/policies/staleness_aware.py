@@ -17,7 +17,7 @@ from tf_asyncps.policies import registry
 from tf_asyncps.core.grads import scale
 from tf_asyncps.policies.base import UpdatePolicy
 
-__all__ = ["StalenessAwareLR", "staleness_scale", "MODES"]
+__all__ = ["StalenessAware", "StalenessAwareLR", "staleness_scale", "MODES"]
 
 MODES = ("inverse", "inverse_plus_one")
 
@@ -31,7 +31,7 @@ def staleness_scale(tau, mode: str = "inverse") -> tf.Tensor:
 
 
 @registry.register("staleness_aware")
-class StalenessAwareLR(UpdatePolicy):
+class StalenessAware(UpdatePolicy):
     """Scales each step's gradients by a function of its τ.
 
     Args:
@@ -52,3 +52,7 @@ class StalenessAwareLR(UpdatePolicy):
 
     def get_config(self):
         return {"mode": self.mode}
+
+
+#: Its former name, kept as an alias (the class is now named after its registry name).
+StalenessAwareLR = StalenessAware
