@@ -28,7 +28,7 @@ __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
 # tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
 TESTED_VERSIONS = ("3.10.0", "3.12.4", "3.15.1")
 # Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
-# _symbolic_build's arguments in 3.5 (DESIGN section 9): only releases this
+# _symbolic_build's arguments in 3.5 (docs/design.md#9-keras-3-on-parameter-servers): only releases this
 # module was run against are accepted. Below 3.10: Keras 3.5.0 fails
 # tests/test_keras3.py (mixed_float16 loss scaling counts 0 of 60 steps, two
 # replicas differ from one process by 0.08); 3.6-3.9 were not run whole.
@@ -344,7 +344,7 @@ def make_assign_add_atomic(var) -> None:
 
     Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
     a write, so concurrent workers lose increments of metric totals and counts
-    (DESIGN section 9). This instance (only) gets the backing tf.Variable's
+    (docs/design.md#9-keras-3-on-parameter-servers). This instance (only) gets the backing tf.Variable's
     atomic ``assign_add``; inside a ``keras.StatelessScope`` (exact
     evaluation's worker-local state) the original, recorded update is kept.
     """
