@@ -15,7 +15,7 @@ one tf_keras runs under ParameterServerStrategy:
 
 Keras 3 state that workers update at once is made exact: the optimizer's
 ``iterations`` (the engine), every metric variable's ``assign_add`` (one
-atomic op instead of Keras' read-then-write; DESIGN section 9), the
+atomic op instead of Keras' read-then-write; docs/design.md#9-keras-3-on-parameter-servers), the
 LossScaleOptimizer's counters and the SeedGenerators' state.
 ``evaluate`` is exact: each worker holds the whole dataset, closures take
 one shard of its batches each and keep metric state worker-local
