@@ -25,9 +25,9 @@ from tf_asyncps.policies.sync_replicas import SyncReplicas, SyncReplicasAggregat
 from tf_asyncps.policies.local_sgd import LocalSGD, LocalSteps
 
 # Each registered policy's class is its name in CamelCase (``ssp`` -> SSP,
-# ``local_sgd`` -> LocalSGD); the former class names stay as aliases.
+# ``local_sgd`` -> LocalSGD); the former class names (BoundedStaleness,
+# LocalSteps, StalenessAwareLR) still import, as aliases, outside __all__.
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "PolicyRuntime", "get", "names",
            "register", "chain", "Chain", "route", "Route", "Async", "DropStale", "StalenessAware",
            "SSP", "DCASGD", "SyncReplicas", "SyncReplicasAggregator",
-           "LocalSGD", "scale", "map_values", "all_finite", "beside",
-           "StalenessAwareLR", "BoundedStaleness", "LocalSteps"]
+           "LocalSGD", "scale", "map_values", "all_finite", "beside"]

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
 
-__all__ = ["LocalSGD", "LocalSteps"]
+__all__ = ["LocalSGD"]
 
 
 @registry.register("local_sgd")

@@ -34,7 +34,7 @@ from tf_asyncps.core.gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
 
-__all__ = ["SSP", "BoundedStaleness", "Clocks"]
+__all__ = ["SSP", "Clocks"]
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from tf_asyncps.policies import registry
 from tf_asyncps.core.grads import scale
 from tf_asyncps.policies.base import UpdatePolicy
 
-__all__ = ["StalenessAware", "StalenessAwareLR", "staleness_scale", "MODES"]
+__all__ = ["StalenessAware", "staleness_scale", "MODES"]
 
 MODES = ("inverse", "inverse_plus_one")
 
