@@ -368,3 +368,23 @@ def test_strategy_run_outside_a_function_runs_eagerly_as_in_vanilla():
     assert r["num_shards"] == 2
     assert r["sharded_after_add"] == [1.0, 1.0, 1.0, 1.0]
     assert r["warned"] is True
+
+
+@pytest.mark.cluster
+def test_tf_keras_optimizer_made_outside_the_scope_is_refused_naming_the_fix():
+    """Vanilla hangs; before, TensorFlow's 'Must not nest tf.distribute.Strategy
+    scopes' came from fit's first closure, with no fix named. compile refuses
+    the optimizer at once, and a custom loop's first schedule does."""
+    r = run_scenario("tf_keras_optimizer_outside_scope", shared=(1, 1))
+    fix = ("Create the optimizer inside the scope: create and compile the model inside "
+           "`with strategy.scope():`")
+    compile_error, loop_error = r["compile"], r["loop"]
+    assert compile_error["type"] == "ValueError", compile_error
+    assert compile_error["message"].startswith(
+        "The optimizer SGD was created outside AsyncParameterServerStrategy.scope() "
+        "(it belongs to _DefaultDistributionStrategy)")
+    assert fix in compile_error["message"]
+    assert loop_error["type"] == "ValueError", loop_error
+    assert "The optimizer Adam was created outside" in loop_error["message"]
+    assert fix in loop_error["message"]
+    assert r["closures"] == 0

@@ -44,7 +44,7 @@ from tf_asyncps.core import (faults, lookup, mixed_precision, placement, replica
                              wire_reads)
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
-from tf_asyncps.core.step import install_optimizer_hooks
+from tf_asyncps.core.step import check_optimizer_scope, install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout
 
 __all__ = ["AsyncParameterServerStrategy", "INPUT_RAN_OUT_MESSAGE", "KERAS3_FIT_MESSAGE"]
@@ -173,6 +173,10 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
                 from tf_asyncps.keras3 import trainer as keras3_trainer
                 keras3_trainer.guard(model, self._container_strategy())
         if tf_keras_compat.creating_steps_per_execution():
+            # compile, in the model's scope, after setting model.optimizer: an
+            # optimizer made outside the scope is refused here, before fit.
+            model = tf_keras_compat.compiling_model()
+            check_optimizer_scope(getattr(model, "optimizer", None), self._container_strategy())
             # tf_keras reads this counter on the coordinator twice per closure
             # and never in a step: on a ps each read is a round trip, which
             # took most of the chief's time under local_sgd (README,

@@ -120,3 +120,45 @@ def eager_run():
             tf.get_logger().removeHandler(handler)
         out["warned"] = any("ClusterCoordinator.schedule" in r for r in records)
     return out
+
+
+@scenario(shares_cluster=True)
+def tf_keras_optimizer_outside_scope():
+    """A tf_keras optimizer created outside the scope: passed to compile
+    (the model made inside the scope), and used by a custom loop. Each
+    error (type and message) and the closures that ran."""
+    out = {}
+    x, y = np.zeros((32, 4), np.float32), np.zeros((32, 1), np.float32)
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        with strategy.scope():
+            model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])
+        try:
+            model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+            model.fit(tf_keras.utils.experimental.DatasetCreator(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()),
+                epochs=1, steps_per_epoch=2, verbose=0)
+            out["compile"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["compile"] = {"type": type(e).__name__, "message": str(e)}
+        opt = tf_keras.optimizers.Adam(0.01)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([4]))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        @tf.function
+        def step():
+            def body():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(w * w)
+                opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+            strategy.run(body)
+
+        try:
+            coord.schedule(step)
+            coord.join()
+            out["loop"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["loop"] = {"type": type(e).__name__, "message": str(e)}
+        out["closures"] = sum(strategy.closures_done_per_worker())
+    return out

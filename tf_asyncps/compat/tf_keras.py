@@ -115,6 +115,29 @@ def creating_steps_per_execution(frames: int = 12) -> bool:
     return _training_frame("_configure_steps_per_execution", frames) is not None
 
 
+def compiling_model(frames: int = 12):
+    """The tf_keras model whose ``compile`` is creating its
+    ``_steps_per_execution`` variable on this thread (the ``self`` of
+    ``Model._configure_steps_per_execution``, tf_keras 2.18-2.21; compile has
+    set ``model.optimizer`` by then), else None."""
+    f = _training_frame("_configure_steps_per_execution", frames)
+    return None if f is None else f.f_locals.get("self")
+
+
+def optimizer_strategy(optimizer):
+    """The ``tf.distribute.Strategy`` a tf_keras optimizer runs its update
+    under, else None: ``Optimizer._distribution_strategy`` (tf_keras
+    2.18-2.21), which the optimizer takes from ``tf.distribute.get_strategy()``
+    when it is created (TensorFlow's default strategy outside any scope) and
+    whose scope its ``apply_gradients`` enters; a legacy optimizer created
+    outside any scope has None and takes the strategy of its first update.
+    A LossScaleOptimizer's is its inner optimizer's."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and inner is not optimizer:
+        return optimizer_strategy(inner)
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
 def evaluate_call(frames: int = 8):
     """``(model, x, steps)`` of the tf_keras ``Model.evaluate`` that is
     creating its ClusterCoordinator on this thread (evaluate does so before it

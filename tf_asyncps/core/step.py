@@ -37,7 +37,7 @@ from tf_asyncps.compat import keras_slots
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 
-__all__ = ["WorkerStep", "current_step", "install_optimizer_hooks"]
+__all__ = ["WorkerStep", "current_step", "install_optimizer_hooks", "check_optimizer_scope"]
 
 _local = threading.local()
 
@@ -124,12 +124,40 @@ def two_updates_message(first, second) -> str:
         "scheduled function (e.g. a GAN's discriminator and generator steps).")
 
 
+def check_optimizer_scope(optimizer, strategy) -> None:
+    """Refuses a tf_keras optimizer created outside ``strategy``'s scope.
+
+    Its update enters the strategy it was created under (TensorFlow's
+    default one outside any scope) inside this strategy's worker step, and
+    TensorFlow stops that with "Must not nest tf.distribute.Strategy scopes"
+    (vanilla ParameterServerStrategy hangs).
+
+    Raises:
+      ValueError: naming the optimizer and the fix.
+    """
+    if optimizer is None or isinstance(optimizer, str):
+        return
+    own = tf_keras_compat.optimizer_strategy(optimizer)
+    if own is None or own is strategy:
+        return
+    raise ValueError(
+        f"The optimizer {type(optimizer).__name__} was created outside "
+        f"{type(strategy).__name__}.scope() (it belongs to {type(own).__name__}), so its "
+        "update cannot run in a worker step (TensorFlow: 'Must not nest "
+        "tf.distribute.Strategy scopes'). Create the optimizer inside the scope: create "
+        "and compile the model inside `with strategy.scope():`, e.g. `with "
+        "strategy.scope(): model = make_model(); model.compile(optimizer="
+        f"{type(optimizer).__name__}(...), ...)` (or pass the optimizer by name, "
+        "compile(optimizer=\"sgd\"), which compile creates in the model's scope).")
+
+
 def _hook(original, adapt_args):
     @functools.wraps(original)
     def hooked(self, *args, **kwargs):
         step = current_step()
         if step is None:
             return original(self, *args, **kwargs)
+        check_optimizer_scope(self, tf.distribute.get_strategy())
         grads_and_vars, rebuild = adapt_args(self, args, kwargs)
         # Before the engine's before-update hooks, which need the slots.
         variables = [v for _, v in grads_and_vars]
