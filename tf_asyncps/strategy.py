@@ -179,8 +179,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             check_optimizer_scope(getattr(model, "optimizer", None), self._container_strategy())
             # tf_keras reads this counter on the coordinator twice per closure
             # and never in a step: on a ps each read is a round trip, which
-            # took most of the chief's time under local_sgd (README,
-            # "Performance"). It lives on the chief.
+            # took most of the chief's time under local_sgd
+            # (docs/benchmarks.md#performance). It lives on the chief.
             with tf.device(COORDINATOR_DEVICE):
                 return next_creator(**kwargs)
         per_worker = kwargs.get("per_worker_variable", False)
@@ -412,10 +412,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         that keeps the step (``async``, ``staleness_aware``, ``ssp``, ``dc_asgd``),
         each variable's update is a ``tf.cond`` on its own ps task
         (``core/update_gate.py``); otherwise one ``tf.cond`` spans the ps
-        tasks. Its cost on the embedding workload of docs/benchmarks.md
-        (2 ps, loopback, every socket): 1.6 KB per worker step (74.9 against
-        73.3 KB; 76.9 with one cond over both tasks); the bench's
-        ``async+nocheck@emb`` run measures it over netns links.
+        tasks. The check adds a little traffic between the tasks per step
+        (figures: docs/benchmarks.md#the-non-finite-check).
       deduplicate_lookups: row reads of the tables created in the scope
         (``tf.nn.embedding_lookup``, tf_keras and Keras 3 ``Embedding``) send
         each distinct id of a batch to its ps once and expand the rows on the
