@@ -272,3 +272,24 @@ def pytest_configure(config):
     # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 20
+
+
+#: Modules longer than this are listed at the end of a run: a hint that one may
+#: hold two ideas, not a rule (a module is split by idea, never by length).
+LONG_MODULE_LINES = 600
+
+
+def pytest_terminal_summary(terminalreporter):
+    pkg = os.path.join(ROOT, "tf_asyncps")
+    long = []
+    for d, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(d, f)) as fh:
+                    n = sum(1 for _ in fh)
+                if n > LONG_MODULE_LINES:
+                    long.append(f"{os.path.relpath(os.path.join(d, f), ROOT)} ({n} lines)")
+    if long:
+        terminalreporter.write_sep("-", f"modules over {LONG_MODULE_LINES} lines (one idea each?)")
+        for line in sorted(long):
+            terminalreporter.write_line(line)

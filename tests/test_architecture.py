@@ -1,5 +1,7 @@
 """The house rules: private TensorFlow/Keras APIs only in compat/, no import
-circles, no file over 600 lines, and every module importable first."""
+circles, and every module importable first. Size is no rule (a module holds
+one idea, whatever its length): the run's summary lists modules over
+LONG_MODULE_LINES lines as places to look (conftest)."""
 
 import ast
 import importlib
@@ -341,12 +343,6 @@ def test_the_package_has_no_import_circles():
         if m not in state:
             visit(m, [m])
     assert circles == []
-
-
-def test_no_file_is_over_600_lines():
-    long = {os.path.relpath(p, ROOT): n for p in _modules().values()
-            if (n := sum(1 for _ in open(p))) > 600}
-    assert long == {}
 
 
 _FIRST_TOUCH = r"""
