@@ -7,7 +7,7 @@ Run it as is to train on a local cluster of real processes (1 ps, 2 workers):
 The only parameter-server lines are the strategy and its scope; the model,
 compile, fit, evaluate, predict and save are Keras 3's own API. With
 TF_CONFIG set (chief role) it joins that cluster instead; start the ps and
-worker tasks with `tf-asyncps server` (see README, "Several hosts").
+worker tasks with `tf-asyncps server` (see docs/guides/several_hosts.md).
 """
 
 import contextlib

@@ -5,7 +5,7 @@ Run it as is to train on a local cluster of real processes (1 ps, 2 workers):
     python examples/keras_fit.py
 
 With TF_CONFIG set (chief role) it joins that cluster instead; start the ps
-and worker tasks with `tf-asyncps server` (see README, "Several hosts").
+and worker tasks with `tf-asyncps server` (see docs/guides/several_hosts.md).
 """
 
 import contextlib

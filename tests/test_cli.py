@@ -185,7 +185,7 @@ def test_launch_refuses_more_workers_than_memory_holds_with_what_they_need():
         "--num_workers=8 with --num_ps=2 needs at least 5.4 GiB (790 MB for the chief, "
         "470 MB per ps and 480 MB per worker: each task is a TensorFlow process, measured "
         "on the digits job), but this machine has 4.0 GiB available (MemAvailable). Use "
-        "--num_workers=4 or fewer, or hosts of their own (README: Several hosts).")
+        "--num_workers=4 or fewer, or hosts of their own (docs/guides/several_hosts.md).")
     with pytest.raises(ValueError, match="Even one worker does not fit beside 4 ps: use "
                                          "fewer --num_ps, or hosts of their own"):
         devices.check_memory(1, 4, available_mb=2048.0)

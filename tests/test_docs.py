@@ -2,7 +2,9 @@
 warning (broken links or anchors, pages left out of the nav, docstrings the
 API reference cannot read), without importing TensorFlow (the API reference is
 read from the source by griffe), and its API reference documents every name
-the package root exports."""
+the package root exports. Every `docs/<page>.md#<anchor>` the code and the
+tests cite resolves, and none cites the design notes outside the repository
+or a README section by name."""
 
 import ast
 import json
@@ -144,3 +146,95 @@ def test_sphinx_roles_in_docstrings_become_code_spans():
         "Use :class:`LocalCluster` or :func:`~tf_asyncps.cluster.cluster_resolver`; "
         ":mod:`tf_asyncps.policies`, ``x``.") == (
         "Use `LocalCluster` or `cluster_resolver`; `tf_asyncps.policies`, ``x``.")
+
+
+# References from the code to the docs: `docs/<page>.md` or
+# `docs/<page>.md#<anchor>` in a comment, docstring or message.
+_DOCS_REF = re.compile(r"\bdocs/([\w./-]+?\.md)(?:#([\w-]+))?")
+# Citations of the old design notes (kept outside the repository) and of README
+# sections by name: the README is a front page; the sections live in docs/.
+_DESIGN_REF = re.compile(r"\bDESIGN\b")
+_README_SECTION = re.compile(r"""\bREADME(?::\s+["'A-Z]|,?\s+["'])|\(README,""")
+
+
+def _sources():
+    """(relative path, text) of every .py file of the package, the tests and
+    the examples."""
+    this = os.path.abspath(__file__)
+    for top in ("tf_asyncps", "tests", "examples"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(files):
+                path = os.path.join(dirpath, name)
+                if name.endswith(".py") and os.path.abspath(path) != this:
+                    with open(path, encoding="utf-8") as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+
+
+def _page_anchors(path):
+    """The anchors MkDocs gives the headings of a docs page (toc's slugify:
+    lowercase, punctuation dropped, spaces and runs of hyphens to one '-';
+    `{#id}` kept as written; a repeated heading gets `_1`, `_2`...)."""
+    from markdown.extensions.toc import slugify  # of mkdocs' markdown
+    anchors, in_code = set(), False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.lstrip().startswith(("```", "~~~")):
+                in_code = not in_code
+            m = None if in_code else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+            if not m:
+                continue
+            title = m.group(1)
+            custom = re.search(r"\{[^}]*#([\w-]+)[^}]*\}\s*$", title)
+            slug = custom.group(1) if custom else slugify(re.sub(r"<[^>]+>", "", title), "-")
+            unique, n = slug, 0
+            while unique in anchors:
+                n += 1
+                unique = f"{slug}_{n}"
+            anchors.add(unique)
+    return anchors
+
+
+def test_page_anchors_are_mkdocs_anchors(tmp_path):
+    """As the built site's ids (docs/benchmarks.md, read in site/benchmarks/)."""
+    assert {"benchmarks", "how-cost-grows-bench_scaling", "bfloat16-on-the-wire-asyncbf161m",
+            "bytes-per-step-by-policy", "bytes-per-step-on-an-embedding-nameemb"} <= \
+        _page_anchors(os.path.join(ROOT, "docs", "benchmarks.md"))
+    page = tmp_path / "page.md"
+    page.write_text("# A, b\n\n```\n# not a heading\n```\n## A b\n## x {#own}\n")
+    assert _page_anchors(str(page)) == {"a-b", "a-b_1", "own"}
+
+
+def test_every_docs_reference_in_the_code_resolves():
+    """Every `docs/<page>.md[#anchor]` in tf_asyncps/ and tests/ names a page
+    that exists and, with an anchor, a heading of that page; nothing cites the
+    old design notes ("DESIGN section N") or a README section by name."""
+    broken, design, readme, checked, anchors = [], [], [], 0, {}
+    for rel, text in _sources():
+        for lineno, line in enumerate(text.splitlines(), 1):
+            where = f"{rel}:{lineno}: {line.strip()}"
+            for m in _DOCS_REF.finditer(line):
+                page, anchor = m.group(1), m.group(2)
+                full = os.path.join(ROOT, "docs", page)
+                checked += 1
+                if not os.path.isfile(full):
+                    broken.append(f"{where}  (no page docs/{page})")
+                elif anchor:
+                    if full not in anchors:
+                        anchors[full] = _page_anchors(full)
+                    if anchor not in anchors[full]:
+                        broken.append(f"{where}  (no heading #{anchor} in docs/{page})")
+            if _DESIGN_REF.search(line):
+                design.append(where)
+            if _README_SECTION.search(line):
+                readme.append(where)
+        # A message may be split over source lines and adjacent string literals.
+        joined = re.sub(r"""["']\s*["']""", "", " ".join(text.replace("#", " ").split()))
+        for m in _README_SECTION.finditer(joined):
+            if not any(w.startswith(rel + ":") for w in readme):
+                readme.append(f"{rel}: ...{joined[m.start():m.end() + 40]}")
+    assert not broken, "docs references that do not resolve:\n" + "\n".join(broken)
+    assert not design, ("cites the design notes outside the repository; point at "
+                        "docs/design.md#<section> instead:\n" + "\n".join(design))
+    assert not readme, ("cites a README section (README.md is a front page); point at "
+                        "the docs page that holds it:\n" + "\n".join(readme))
+    assert checked >= 10

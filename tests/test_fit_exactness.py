@@ -1,4 +1,5 @@
-"""Real clusters: single-worker equivalence and exact accounting (DESIGN 3, 6)."""
+"""Real clusters: single-worker equivalence and exact accounting (docs/design.md#3-staleness-exactly,
+docs/design.md#6-tests)."""
 
 import numpy as np
 import pytest

@@ -49,7 +49,7 @@ def test_four_workers_count_every_step_and_example(optimizer):
     r = run_scenario("keras3_fit_counters", shared=(4, 1), optimizer=optimizer,
                      steps=200, batch=8)
     # Keras 3's assign_add is read-then-write: without the atomic counters
-    # these lose updates under 4 concurrent workers (DESIGN section 9).
+    # these lose updates under 4 concurrent workers (docs/design.md#9-keras-3-on-parameter-servers).
     assert r["iterations"] == 200 == r["stats"]["applied"]
     assert r["counts"] == {"loss/count": 1600.0, "mean_absolute_error/count": 1600.0}
     # One Dropout call per step: the seed state advanced exactly 200 times.

@@ -21,7 +21,7 @@ def test_movielens_is_split_by_time_with_ids_and_features():
         assert np.all(x[:, :2] == np.round(x[:, :2]))  # ids are exact integers
         assert x[:, 0].max() < 671 and x[:, 1].max() < 9066 and x[:, :2].min() >= 0
         assert np.all(x[:, 3:].sum(axis=1) >= 1)  # every movie has a genre entry
-    # 51.6% of all ratings are >= 4 (DESIGN section 8)
+    # 51.6% of all ratings are >= 4 (docs/design.md#8-sharded-embeddings-and-several-ps-tasks)
     liked = (d.y_train.sum() + d.y_test.sum()) / 100004
     assert liked == pytest.approx(0.516, abs=0.001)
 

@@ -38,7 +38,7 @@ def test_two_replicas_two_workers_sync_replicas_counts_worker_steps():
     assert r["replicas"] == 2 and r["finite"]
     # Every worker step (not every replica) reaches the aggregator once.
     assert s["applied"] + s["dropped"] == 20
-    # The identity of the README: a gradient computed before a drain's release
+    # The identity of docs/concepts/staleness.md: a gradient computed before a drain's release
     # may arrive stale and be dropped (seen: 19 applied, 1 dropped, 9 rounds).
     assert s["global_step"] == s["applied"] // 2 == r["rounds"]
     assert r["iterations"] == s["global_step"]

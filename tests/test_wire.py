@@ -3,8 +3,8 @@
 In one process, no TensorFlow servers: the rules of core/lookup.py,
 core/grads.unique_rows and core/placement.beside_inputs on hand-made
 tensors, in closed form, and the graphs they trace (which op reads which
-ids, where each op is placed). Bytes per step are bench figures (README,
-"Bytes per step").
+ids, where each op is placed). Bytes per step are bench figures
+(docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb).
 """
 
 import numpy as np

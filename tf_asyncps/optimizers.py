@@ -7,7 +7,7 @@ make a step's several ops (the variable, each slot, the iteration counter) one
 unit: between two of them another worker's step can run, so slot updates that
 read then write (Adam's m and v) can interleave, and Keras 3's
 ``optimizer.iterations.assign_add`` (a read then a write) loses increments
-(measured: 133 of 200 with 2 workers, 106 of 200 with 4).
+(measured: docs/design.md#1-facts-measured-on-the-development-machine).
 
 What :class:`LockingOptimizer` guarantees: every write of one worker step —
 each variable, each slot, the iteration counter and the staleness counters —
@@ -16,7 +16,7 @@ first PS with a bounded wait. It does not make reads snapshots: the forward
 pass still reads variables while other steps update them (``drop_stale`` with
 ``max_staleness=0`` is the policy that only applies gradients computed on the
 current parameters). Cost: one lock acquisition per step and updates of
-different steps run one at a time; see README "Locking" for measurements.
+different steps run one at a time; measurements: docs/concepts/policies.md#locking.
 
 Without locking, ``optimizer.iterations`` is still exact: tf_keras increments
 it with one atomic ``assign_add``, and for Keras 3 optimizers the engine

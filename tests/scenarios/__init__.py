@@ -1,6 +1,7 @@
 """Cluster scenarios, each run in its own process (one cluster per process).
 
-TensorFlow allows one cluster per Python process (DESIGN section 1), so every
+TensorFlow allows one cluster per Python process
+(docs/design.md#1-facts-measured-on-the-development-machine), so every
 test that needs a real cluster runs one of these functions through
 ``conftest.run_scenario``: ``python tests/scenarios NAME JSON_KWARGS``.
 The scenario starts a LocalCluster (ps/worker processes, stopped by pid on

@@ -21,7 +21,8 @@ def single_worker_fit(**kwargs):
 @scenario(shares_cluster=True)
 def single_worker_fits(cases):
     """single_worker_fit for each kwargs dict of ``cases``, one strategy each
-    on one cluster (one cluster per process: DESIGN)."""
+    on one cluster (one cluster per process:
+    docs/design.md#1-facts-measured-on-the-development-machine)."""
     with cluster(num_workers=1, num_ps=1) as c:
         return {"runs": [_single_worker_fit(c, **case) for case in cases]}
 

@@ -55,8 +55,8 @@ flags.DEFINE_enum("policy", "async", POLICIES,
                   "max_staleness), staleness_aware (scale by 1/max(1, tau)), ssp (bounded "
                   "staleness: the fastest waits), dc_asgd (delay-compensated), "
                   "sync_replicas (mean of N gradients per update), local_sgd (local "
-                  "steps, periodic averaging); their arguments: --policy_args, README "
-                  "'Update policies'.")
+                  "steps, periodic averaging); their arguments: --policy_args, "
+                  "docs/concepts/policies.md.")
 flags.DEFINE_string("policy_args", "", "Policy arguments as k=v,k2=v2.")
 flags.DEFINE_list("hidden", ["128"], "Hidden layer sizes of the mlp.")
 flags.DEFINE_boolean("locking", False,
@@ -77,7 +77,7 @@ flags.DEFINE_integer("gpus_per_worker", 0,
                      "launch: GPUs each worker process sees (worker i: GPUs i*K..i*K+K-1 via "
                      "CUDA_VISIBLE_DEVICES); ps and chief see none. 0: CPU workers. "
                      "K > 1: K replicas per worker step, their gradients summed into "
-                     "one update (README: GPU workers).", lower_bound=0)
+                     "one update (docs/guides/gpu.md).", lower_bound=0)
 flags.DEFINE_string("gpus", None,
                     "train/server: the GPUs this task sees, as CUDA_VISIBLE_DEVICES takes them "
                     "(e.g. 0 or 0,1; none: no GPU). Default: the environment's "
@@ -85,7 +85,7 @@ flags.DEFINE_string("gpus", None,
 flags.DEFINE_enum("wire_dtype", "float32", ["float32", "bfloat16"],
                   "dtype the float32 gradients and the weights a training step reads cross "
                   "the network in; bfloat16 halves those bytes (variables and slots stay float32 on the "
-                  "ps; README 'bfloat16 on the wire').")
+                  "ps; docs/guides/mixed_precision.md#bfloat16-on-the-wire).")
 flags.DEFINE_enum("mixed_precision", "none",
                   ["none", "mixed_float16", "mixed_bfloat16", "auto"],
                   "tf_keras mixed-precision policy of the model (variables stay float32); "

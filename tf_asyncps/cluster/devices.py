@@ -39,7 +39,7 @@ _GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
 
 
 #: Peak resident memory (MB) of one TensorFlow process of the digits job
-#: (README "How cost grows", VmHWM, 2026-12-02): chief, ps task, worker task.
+#: (VmHWM, docs/benchmarks.md#how-cost-grows-bench_scaling): chief, ps task, worker task.
 #: Larger models need more; these make a lower bound.
 TASK_MEMORY_MB = {"chief": 790, "ps": 470, "worker": 480}
 
@@ -73,7 +73,7 @@ def check_memory(num_workers: int, num_ps: int, available_mb: Optional[float]) -
         f"(MemAvailable). " + (f"Use --num_workers={fits} or fewer" if fits >= 1 else
                                f"Even one worker does not fit beside {num_ps} ps: use "
                                "fewer --num_ps") +
-        ", or hosts of their own (README: Several hosts).")
+        ", or hosts of their own (docs/guides/several_hosts.md).")
 
 
 def local_copies_replicas_message(policy_name: str, gpus_per_worker: int,

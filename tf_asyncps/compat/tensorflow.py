@@ -1,7 +1,7 @@
 """Private TensorFlow APIs used by tf_asyncps, in one place.
 
 Tested with TensorFlow 2.18.1, 2.19.1, 2.20.0 and 2.21.0 (``pyproject.toml``
-asks for ``tensorflow>=2.18,<2.22``; README "Compatibility"): nothing below
+asks for ``tensorflow>=2.18,<2.22``; docs/guides/compatibility.md): nothing below
 differs between them.
 Each function imports TensorFlow when called, so importing this module is
 free (the CLI validates flags before TensorFlow loads). What each group is

@@ -88,9 +88,8 @@ def dense_on_sparse_gradients(optimizer) -> Optional[str]:
 
     tf_keras 2.21's ``SGD`` builds a momentum slot even with ``momentum=0``
     and, for a sparse gradient, runs ``m.assign(m * momentum)`` and
-    ``variable.assign_add(m)`` over the whole variable (measured: a 5M x 32
-    table trains at 2.8 steps/s in one process, 1,900 with
-    ``tf_keras.optimizers.legacy.SGD``).
+    ``variable.assign_add(m)`` over the whole variable, a cost that grows with
+    the table (docs/benchmarks.md#optimizers-on-sparse-gradients).
     """
     try:
         import tf_keras

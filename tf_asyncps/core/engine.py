@@ -232,8 +232,8 @@ class PolicyEngine:
         """The policy's ``before_read``, then the read step r (int64 scalar
         tensor): once per worker step."""
         # On the ps, beside the policy's state (the gate's queues): a wait
-        # placed on the worker moved ~10 KB per step between them (ssp,
-        # sync_replicas on the embedding workload).
+        # placed on the worker sent the policy's state to the worker and back
+        # every step (docs/benchmarks.md#placement-of-a-steps-ops).
         with self._policy_hook():
             before = self.policy.before_read(w)
         with tf.control_dependencies(before):
@@ -320,8 +320,9 @@ class PolicyEngine:
         if keras3 is None or not isinstance(optimizer, keras3):
             # Distinct rows only: tf_keras's optimizers sum the rows of repeated
             # ids in apply_gradients anyway, so each row crosses to the ps once
-            # (README, "Bytes per step"). Keras 3's Adam and Adagrad square each
-            # repeated row on its own: its gradients keep their rows.
+            # (docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb). Keras 3's
+            # Adam and Adagrad square each repeated row on its own: its gradients
+            # keep their rows.
             grads = [grads_lib.unique_rows(g) for g in grads]
         variables = [v for _, v in pairs]
         # A LossScaleOptimizer skips non-finite steps itself: always check, so

@@ -132,8 +132,8 @@ def beside_inputs(default_device: str):
     gradient on its own task, τ and the counters on ``/job:ps/task:0``. Under
     a plain ``tf.device(ps0)`` every op that transforms a gradient (a policy's
     scaling, tf_keras's de-duplication in ``apply_gradients``) ran on ps 0,
-    so a gradient of a variable on ps 1 crossed ps1 -> ps0 -> ps1 (measured:
-    +32 KB per step, 26 %, on a 2-ps embedding model). Here such an op runs
+    so a gradient of a variable on ps 1 crossed ps1 -> ps0 -> ps1 (figures:
+    docs/benchmarks.md#placement-of-a-steps-ops). Here such an op runs
     where its largest input is (a scalar such as τ is what moves); an op with
     no input on a ps (a constant) runs on ``default_device``. A ``tf.device``
     or colocation inside the context still wins (the counters on ps 0, the
@@ -174,8 +174,8 @@ def one_per_device(ops) -> list:
 
     TensorFlow sends one control message per source op that an op on another
     task depends on: the engine's counters on ps 0 waited for each op of the
-    optimizer's update on ps 1 (measured: about 1 KB per step between the ps
-    tasks on the 2-ps embedding bench). Grouped, each task sends one.
+    optimizer's update on ps 1 (docs/benchmarks.md#placement-of-a-steps-ops).
+    Grouped, each task sends one.
     """
     by_device, out = {}, []
     for op in ops:

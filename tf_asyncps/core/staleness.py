@@ -1,6 +1,6 @@
 """Staleness tracking: the global step and the τ histograms, kept on a PS task.
 
-Definitions (DESIGN section 3):
+Definitions (docs/design.md#3-staleness-exactly; docs/concepts/staleness.md):
 
 * global step ``g``: int64 scalar on ``/job:ps/task:0``, incremented once per
   applied update.

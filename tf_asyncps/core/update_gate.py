@@ -3,8 +3,8 @@
 A step whose gradients hold NaN/Inf is never applied (``skip_nonfinite``).
 One ``tf.cond`` around the whole optimizer call spans every ps task: lowered
 to Switch/Merge on each, it sends the predicate and the branches' dead
-signals between the ps tasks every step (measured: +1.7 ms of ps CPU per
-worker step and 2.6 KB per step on the embedding bench, docs/benchmarks.md).
+signals between the ps tasks every step (ps CPU and bytes per step:
+docs/benchmarks.md#the-non-finite-check).
 
 While :func:`gated_by` is active, the strategy's ``extended.update`` (which
 every tf_keras, legacy tf_keras and Keras 3 optimizer calls once per

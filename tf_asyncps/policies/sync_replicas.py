@@ -17,7 +17,7 @@ Rule, for each worker gradient g computed at read step r (τ = g_step − r):
   triggers one optimizer update with the mean of exactly those N gradients,
   resets the buffers and advances the global step by one.
 
-Counting (DESIGN section 3): ``applied`` counts accepted gradients, including
+Counting (docs/design.md#3-staleness-exactly): ``applied`` counts accepted gradients, including
 the (at most N − 1) accepted into a round that is not complete yet, so at a
 quiet point ``global_step == applied // replicas_to_aggregate`` and
 ``applied + dropped`` equals the worker steps run.
