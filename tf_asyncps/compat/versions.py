@@ -23,14 +23,10 @@ __all__ = ["TENSORFLOW", "TESTED", "SKIP_ENV", "installed", "unsupported", "chec
 
 #: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds.
 #: tf_keras follows TensorFlow's minor (each tf_keras release pins one).
-#: Below 2.18 (2.16.2 and 2.17.1 measured: the fast tier and the smoke jobs of
-#: scripts/matrix.sh pass) a partitioned model's BackupAndRestore does not
-#: resume exactly: tests/test_sharded.py::test_backup_and_restore_resumes_a_
-#: crashed_fit_exactly finds half the embedding table (80 of 160 values, one
-#: of 2 shards) up to 0.16 off the uninterrupted fit on 2.17.1; on 2.16.2 it
-#: stopped earlier, at a checkpoint written with MaxShardSizePolicy ("Duplicate
-#: tensor keyed by", tf#73836). 2.18.1 passes. A silent loss on resume, so 2.16
-#: and 2.17 are refused (TF_ASYNCPS_SKIP_VERSION_CHECK=1 runs them anyway).
+#: Below 2.18 a partitioned model's BackupAndRestore does not resume exactly
+#: (tests/test_sharded.py; the runs: docs/guides/compatibility.md): a silent
+#: loss on resume, so 2.16 and 2.17 are refused (TF_ASYNCPS_SKIP_VERSION_CHECK=1
+#: runs them anyway).
 TENSORFLOW = ((2, 18), (2, 22))
 
 #: TensorFlow minor -> (TensorFlow, tf_keras, Keras) releases the matrix ran.
