@@ -388,3 +388,26 @@ def test_tf_keras_optimizer_made_outside_the_scope_is_refused_naming_the_fix():
     assert "The optimizer Adam was created outside" in loop_error["message"]
     assert fix in loop_error["message"]
     assert r["closures"] == 0
+
+
+@pytest.mark.cluster
+def test_seeded_initial_weights_equal_vanillas_exactly():
+    """tf_keras.utils.set_random_seed (keras.utils.set_random_seed for Keras 3)
+    before building the model: this strategy's initial weights are vanilla's
+    exactly (an Embedding partitioned over two ps, Dense layers), as in one
+    process. tf.random.set_seed alone does not seed Keras initializers (they
+    draw their seeds from Python's random module): vanilla itself then
+    starts from other weights each time (docs/guides/compatibility.md)."""
+    r = run_scenario("initial_weights_by_seed", shared=(1, 2))
+    # The same placement: the 500 x 16 table in two shards under both.
+    assert r["shapes"]["ours"] == r["shapes"]["vanilla"]
+    assert r["shapes"]["ours"][:2] == [[250, 16], [250, 16]]
+    for lib in ("tf_keras", "keras3"):
+        assert r[lib]["ours"] == 0.0, lib
+        assert r[lib]["one_process_dense"] == 0.0, lib
+        assert r[lib]["nonzero"] > 0.01, lib
+    # Keras 3 initializes a partitioned table whole, as one process does;
+    # tf_keras draws each shard on its own (vanilla and ours alike).
+    assert r["keras3"]["one_process"] == 0.0
+    assert r["tf_keras"]["one_process"] > 0.01
+    assert r["tf_seed_only_vanilla_twice"] > 0.01

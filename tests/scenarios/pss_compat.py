@@ -162,3 +162,73 @@ def tf_keras_optimizer_outside_scope():
             out["loop"] = {"type": type(e).__name__, "message": str(e)}
         out["closures"] = sum(strategy.closures_done_per_worker())
     return out
+
+
+@scenario(shares_cluster=True)
+def initial_weights_by_seed(seed=7):
+    """The same models' initial weights under vanilla ParameterServerStrategy
+    and this strategy on one cluster (one worker, two ps, an Embedding
+    partitioned over both), each seeded by Keras's set_random_seed, and in
+    one process; and vanilla twice after tf.random.set_seed alone."""
+    import keras
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=4 << 10, max_shards=2)
+
+    def tf_keras_model():
+        model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"),
+                                     tf_keras.layers.Embedding(500, 16),
+                                     tf_keras.layers.Flatten(), tf_keras.layers.Dense(8),
+                                     tf_keras.layers.Dense(1)])
+        model.compile(tf_keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    def keras3_model():
+        model = keras.Sequential([keras.Input((3,), dtype="int64"),
+                                  keras.layers.Embedding(500, 16), keras.layers.Flatten(),
+                                  keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    def weights(strategy, make, seed_fn):
+        seed_fn(seed)
+        if strategy is None:
+            return [np.asarray(w) for w in make().get_weights()]
+        with strategy.scope():
+            model = make()
+        return [np.asarray(w) for w in model.get_weights()]
+
+    def max_diff(a, b):
+        # A partitioned table's shards split its rows: in order, their
+        # values are the whole table's (one process has it whole).
+        a, b = (np.concatenate([w.ravel() for w in ws]) for ws in (a, b))
+        return float(np.max(np.abs(a - b)))
+
+    out = {}
+    with cluster(num_workers=1, num_ps=2) as c:
+        made = {}
+        for name, make_strategy in (
+                ("vanilla", lambda: tf.distribute.ParameterServerStrategy(
+                    c.resolver(), variable_partitioner=partitioner)),
+                ("ours", lambda: tf_asyncps.AsyncParameterServerStrategy(
+                    c.resolver(), variable_partitioner=partitioner)),
+                ("one_process", lambda: None)):
+            strategy = make_strategy()
+            made[name] = {
+                "tf_keras": weights(strategy, tf_keras_model, tf_keras.utils.set_random_seed),
+                "keras3": weights(strategy, keras3_model, keras.utils.set_random_seed),
+                "tf_keras_tf_seed": weights(strategy, tf_keras_model, tf.random.set_seed)}
+            if name == "vanilla":
+                made["vanilla_again"] = {"tf_keras_tf_seed": weights(
+                    strategy, tf_keras_model, tf.random.set_seed)}
+        for lib in ("tf_keras", "keras3"):
+            ours, vanilla, one = (made[n][lib] for n in ("ours", "vanilla", "one_process"))
+            out[lib] = {"ours": max_diff(ours, vanilla),
+                        # the Dense layers (the last 4 arrays): never partitioned
+                        "one_process_dense": max_diff(one[-4:], vanilla[-4:]),
+                        "one_process": max_diff(one, vanilla),
+                        "nonzero": float(max(np.max(np.abs(w)) for w in ours))}
+        out["shapes"] = {name: [list(w.shape) for w in made[name]["tf_keras"]]
+                         for name in ("vanilla", "ours")}
+        out["tf_seed_only_vanilla_twice"] = max_diff(
+            made["vanilla"]["tf_keras_tf_seed"], made["vanilla_again"]["tf_keras_tf_seed"])
+    return out
