@@ -512,3 +512,84 @@ def test_each_shard_gets_its_own_slots_even_two_shards_on_one_ps(legacy):
             assert [init for _, init in slots] == kinds
             assert all(f"part_{i}" in s.name and f"part_{1 - i}" not in s.name
                        for s, _ in slots), [s.name for s, _ in slots]
+
+
+def test_uint64_ids_are_refused_naming_the_bitcast():
+    """uint64 ids were cast silently (ids >= 2**63 came back from export() as
+    negative int64): refused, naming tf.bitcast, which keeps them distinct."""
+    layer = DynamicEmbedding(2, capacity=4, initializer="zeros")
+    with pytest.raises(TypeError, match=r"uint64 ids.*tf.bitcast\(ids, tf.int64\)"):
+        layer(tf.constant([2**63 + 5, 1], tf.uint64), training=True)
+    assert layer.stats()["live_rows"] == 0
+    layer(tf.bitcast(tf.constant([2**63 + 5, 1], tf.uint64), tf.int64), training=True)
+    ids = tf.bitcast(layer.export()[0], tf.uint64).numpy().tolist()
+    assert sorted(ids) == [1, 2**63 + 5]
+
+
+def _reset_every_row(layer, capacity):
+    """Admits ``capacity`` ids at step 0, then a pass at step 5 (traced, as
+    on a cluster) evicts them all (ttl_steps=1); returns (rows before, after)."""
+    layer(tf.range(capacity, dtype=tf.int64), training=True)
+    before = layer.dynamic_table.table.numpy().copy()
+
+    @tf.function
+    def evict():
+        layer.dynamic_table.maybe_evict(tf.constant(5, tf.int64))
+
+    evict()
+    assert layer.stats()["evicted"] == capacity and layer.stats()["live_rows"] == 0
+    return before, layer.dynamic_table.table.numpy()
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+@pytest.mark.parametrize("initializer", ["he_normal", "glorot_uniform"])
+def test_fan_initializers_reset_rows_with_the_tables_fans(keras_name, initializer):
+    """he_normal / glorot_uniform (the keras-io example's) failed at the first
+    traced pass (tf_keras: len is not well defined for a symbolic Tensor;
+    Keras 3: OperatorNotAllowedInGraphError). A reset row's elements now come
+    from the initializer's distribution with the fans of the whole table
+    [capacity, dim], as the first values: he_normal std sqrt(2 / capacity)
+    (cut at 2 / 0.8796 of it), glorot_uniform on +-sqrt(6 / (capacity + dim))."""
+    capacity, dim = 2000, 32
+    if keras_name == "keras3":
+        keras = pytest.importorskip("keras")
+        import tf_asyncps
+        layer = tf_asyncps.keras3.DynamicEmbedding(dim, capacity, initializer=initializer,
+                                                   ttl_steps=1, evict_every=1)
+        del keras
+    else:
+        layer = DynamicEmbedding(dim, capacity, initializer=initializer, ttl_steps=1,
+                                 evict_every=1)
+    before, after = _reset_every_row(layer, capacity)
+    if initializer == "he_normal":
+        std, bound = np.sqrt(2 / capacity), 2 * np.sqrt(2 / capacity) / .87962566103423978
+    else:
+        bound = np.sqrt(6 / (capacity + dim))
+        std = bound / np.sqrt(3)
+    for values in (before, after):  # Keras's first draw, then the pass's
+        assert abs(values.std() / std - 1) < 0.03, (values.std(), std)
+        assert abs(values.mean()) < 0.03 * std
+        assert np.abs(values).max() <= bound * (1 + 1e-6)
+        assert np.abs(values).max() > 0.9 * bound
+    assert (after != before).mean() > 0.99  # new values, drawn by the pass
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+def test_initializers_that_cannot_draw_rows_alone_are_refused_when_made(keras_name):
+    """Orthogonal and Identity (a row depends on the others) are refused when
+    the layer is made, naming those that work; a callable taking a shape
+    tensor is used as it is."""
+    if keras_name == "keras3":
+        pytest.importorskip("keras")
+        import tf_asyncps
+        make = tf_asyncps.keras3.DynamicEmbedding
+    else:
+        make = DynamicEmbedding
+    for name in ("orthogonal", "identity"):
+        with pytest.raises(ValueError, match=rf"initializer='{name}'.*cannot draw rows alone.*"
+                                             r"Use one of zeros, ones, Constant.*he_normal"):
+            make(4, 8, initializer=name)
+    layer = make(4, 3, initializer=lambda shape, dtype=None: tf.fill(shape, 0.25), ttl_steps=1,
+                 evict_every=1)
+    before, after = _reset_every_row(layer, 3)
+    assert np.all(before == 0.25) and np.all(after == 0.25)

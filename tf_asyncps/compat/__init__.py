@@ -33,6 +33,9 @@ with:
   (an optimizer's slots of partitioned weights saved whole in
   ``tf.train.Checkpoint``, restored onto any number of shards; apart from
   ``keras`` for its 600-line limit).
+* :mod:`tf_asyncps.compat.keras_layers`: Keras 3.15.1, tf_keras 2.21.0 (what
+  ``tf_asyncps.layers`` needs: a weight made under Keras 3's symbolic build,
+  whether a ``train_step`` runs, the frames that pick a layer's Keras).
 
 Each module is importable without the library it wraps being imported
 first: functions import what they need when called.

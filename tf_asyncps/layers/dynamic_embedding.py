@@ -12,27 +12,14 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.layers import dynamic_init
 from tf_asyncps.layers import dynamic_local
 from tf_asyncps.layers import dynamic_reshard
 from tf_asyncps.layers import dynamic_state
+from tf_asyncps.layers import keras_choice
 from tf_asyncps.layers import dynamic_table as dt
 
-__all__ = ["DynamicEmbedding", "attach_to_strategy", "keras3_layer"]
-
-
-def reset_initializer(initializer, name):
-    """``fn(shape) -> float32 tensor``: fresh values for evicted rows, in
-    plain TensorFlow ops (they run on the ps, in a critical section). The
-    names Keras gives its common initializers map to the same
-    distributions; any other initializer object is called as it is."""
-    key = name if isinstance(name, str) else None
-    if key in ("zeros", "ones"):
-        return lambda shape: tf.fill(shape, 0.0 if key == "zeros" else 1.0)
-    if key in ("uniform", "random_uniform"):  # both Kerases: [-0.05, 0.05]
-        return lambda shape: tf.random.uniform(shape, -0.05, 0.05)
-    if key in ("normal", "random_normal"):  # both Kerases: stddev 0.05
-        return lambda shape: tf.random.normal(shape, stddev=0.05)
-    return lambda shape: tf.cast(initializer(shape, "float32"), tf.float32)
+__all__ = ["DynamicEmbedding", "PICKED", "attach_to_strategy", "keras3_layer"]
 
 
 def _strategy_engine():
@@ -94,12 +81,17 @@ class _Mixin:
         self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
         self.initializer_name = initializer
 
+    def __call__(self, *args, **kwargs):
+        if args:  # the other Keras's symbolic tensor: an error naming the class to use
+            keras_choice.check_input(args[0], self._keras, self)
+        return super().__call__(*args, **kwargs)
+
     def _make_table(self, table_var, initializer):
         engine = _strategy_engine()[1]
         table = dt.DynamicTable(
             table_var, key_dtype=self.key_dtype, min_count=self.min_count,
             eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
-            initializer=reset_initializer(initializer, self.initializer_name), name=self.name,
+            initializer=self._row_sampler, name=self.name,
             local_copies=engine is not None and engine.local is not None)
         strategy = attach_to_strategy(table)
         # Tracked: the map's variables are checkpointed with the layer.
@@ -256,6 +248,8 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         with key_dtype=tf.string (at call).
     """
 
+    _keras = "tf_keras"
+
     def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64, min_count: int = 1,
                  eviction: str = "lfu", evict_every: int = 1000, initializer="uniform",
                  name: Optional[str] = None, ttl_steps: Optional[int] = None, **kwargs):
@@ -263,6 +257,8 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         self._init_dynamic(output_dim, capacity, key_dtype, min_count, eviction, evict_every,
                            ttl_steps, initializer)
         self.initializer = _tf_keras().initializers.get(initializer)
+        self._row_sampler = dynamic_init.row_sampler(self.initializer, self.capacity,
+                                                     self.output_dim, initializer)
 
     def build(self, input_shape):
         embeddings = self.add_weight("embeddings", shape=[self.capacity, self.output_dim],
@@ -302,10 +298,12 @@ def keras3_layer():
     import keras
 
     from tf_asyncps.compat import keras as keras_compat
+    from tf_asyncps.compat import keras_layers
     from tf_asyncps.compat import tensorflow_checkpoint
 
     class DynamicEmbedding(_Mixin, keras.layers.Layer):
         __doc__ = _tf_keras_doc()
+        _keras = "keras3"
 
         def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64,
                      min_count: int = 1, eviction: str = "lfu", evict_every: int = 1000,
@@ -315,16 +313,28 @@ def keras3_layer():
             self._init_dynamic(output_dim, capacity, key_dtype, min_count, eviction,
                                evict_every, ttl_steps, initializer)
             self.initializer = keras.initializers.get(initializer)
+            self._row_sampler = dynamic_init.row_sampler(self.initializer, self.capacity,
+                                                         self.output_dim, initializer)
 
         def build(self, input_shape):
-            self.embeddings = self.add_weight(
-                shape=(self.capacity, self.output_dim), initializer=self.initializer,
-                dtype="float32", trainable=True, name="embeddings")
-            self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
+            # Made now, with its value, also under a symbolic build (a
+            # subclassed model's model(keras.Input(...)), the strategy's fit:
+            # Keras defers variables there) and inside a traced step (Keras 3
+            # builds a subclassed model's layers in its first train step).
+            with keras_layers.outside_stateless_scope():
+                self.embeddings = self.add_weight(
+                    shape=(self.capacity, self.output_dim), initializer=self.initializer,
+                    dtype="float32", trainable=True, name="embeddings")
+            with tf.init_scope():  # the map's variables: made eagerly, not in the step's graph
+                self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
             # The tracked object (the table saves its live rows itself).
             tensorflow_checkpoint.save_elsewhere(self.embeddings)
 
         def call(self, ids, training=None):
+            if training is None and keras_layers.in_train_step():
+                # A subclassed model whose call takes no `training`: Keras 3's
+                # train_step calls it without, and no layer gets training=True.
+                training = True
             return self._dynamic_call(ids, training)
 
         def compute_output_shape(self, input_shape):
@@ -350,3 +360,27 @@ def keras3_layer():
 def _tf_keras_doc():
     return DynamicEmbedding.__doc__.replace("(tf_keras)", "(Keras 3)").replace(
         "a tf_keras initializer", "a Keras 3 initializer")
+
+
+_KERAS_ARG = """      name: layer name.
+      keras: "tf_keras" or "keras3": the Keras the layer is for; None (the
+        default): picked by the rule of ``tf_asyncps.layers.keras_choice``
+        (a model being made on this thread, then the Keras the calling code
+        imported, else tf_keras). The object is an instance of the tf_keras
+        class (``tf_asyncps.layers.dynamic_embedding.DynamicEmbedding``) or of
+        the Keras 3 one (``tf_asyncps.keras3.DynamicEmbedding``).
+"""
+
+
+def _picked_doc():
+    doc = DynamicEmbedding.__doc__.replace("(tf_keras)", "(tf_keras or Keras 3)").replace(
+        "a tf_keras initializer", "an initializer of the layer's Keras")
+    return doc.replace("      name: layer name.\n", _KERAS_ARG)
+
+
+#: ``tf_asyncps.layers.DynamicEmbedding``: makes the tf_keras or the Keras 3
+#: layer (``keras_choice``'s rule).
+PICKED = keras_choice.picker(
+    "DynamicEmbedding", _picked_doc(),
+    {"tf_keras": lambda: DynamicEmbedding, "keras3": keras3_layer},
+    lambda: [DynamicEmbedding] + _KERAS3_CLASS, "tf_asyncps.layers")

@@ -397,7 +397,7 @@ class DynamicTable(tf.Module):
         """``ids`` as a tensor of the key dtype.
 
         Raises:
-          TypeError: float ids, or ids of the other kind (string/integer).
+          TypeError: float, bool or uint64 ids, or ids of the other kind.
         """
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError(f"DynamicEmbedding got a {type(ids).__name__} of ids: pass a dense "
@@ -413,14 +413,14 @@ class DynamicTable(tf.Module):
         if ids.dtype == tf.string:
             raise TypeError("DynamicEmbedding(key_dtype=tf.int64) got string ids: make the "
                             "layer with key_dtype=tf.string.")
-        if ids.dtype == tf.bool:
-            raise TypeError("DynamicEmbedding got bool ids: ids are integers "
-                            "(key_dtype=tf.int64) or strings (key_dtype=tf.string).")
-        if not ids.dtype.is_integer:
-            raise TypeError(f"DynamicEmbedding got ids of dtype {ids.dtype.name}: ids are "
-                            "integers (key_dtype=tf.int64) or strings (key_dtype=tf.string); "
-                            "cast float ids with tf.cast(ids, tf.int64) only if they hold "
-                            "whole numbers.")
+        if not ids.dtype.is_integer:  # bool and float ids
+            raise TypeError(f"DynamicEmbedding got {ids.dtype.name} ids: ids are integers "
+                            "(key_dtype=tf.int64) or strings (key_dtype=tf.string); cast float "
+                            "ids with tf.cast(ids, tf.int64) only if they hold whole numbers.")
+        if ids.dtype == tf.uint64:  # a cast would wrap ids >= 2**63 to negative ones
+            raise TypeError("DynamicEmbedding got uint64 ids: pass tf.bitcast(ids, tf.int64) "
+                            "(the same 64 bits, every id distinct; tf.bitcast(export()[0], "
+                            "tf.uint64) gives them back), or tf.cast if all are below 2**63.")
         return tf.cast(ids, tf.int64)
 
     def _parts(self, ids):
