@@ -304,7 +304,7 @@ _DEPRECATED = {"tf.compat.v1.colocate_with": "compat.tensorflow.colocated_with /
 
 def test_no_module_calls_a_tensorflow_api_that_warns_deprecated():
     # tf.compat.v1.colocate_with printed TensorFlow's "_colocate_with ... is
-    # deprecated" warning on every job (core/placement.py, core/update_gate.py).
+    # deprecated" warning on every job (core/placement.py, core/nonfinite_guard.py).
     found = []
     for m, path in _modules().items():
         for node in ast.walk(ast.parse(open(path).read(), path)):

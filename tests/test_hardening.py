@@ -309,7 +309,7 @@ def test_a_drain_release_that_crosses_a_grant_lets_no_later_step_through():
     lands here."""
     import time
     import tensorflow as tf
-    from tf_asyncps.core.gate import WorkerGate
+    from tf_asyncps.core.worker_gate import WorkerGate
     cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
     gate = WorkerGate(2, cpu, initial_tokens=0, timeout_s=30, name="test",
                       progress=lambda: 0, describe=str)

@@ -19,7 +19,7 @@ import tf_keras
 from tf_asyncps import policies
 from tf_asyncps.core import placement
 from tf_asyncps.core.engine import PolicyEngine
-from tf_asyncps.core.gate import WorkerGate
+from tf_asyncps.core.worker_gate import WorkerGate
 from tf_asyncps.core.staleness import StalenessTracker
 from tf_asyncps.core.step import install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout

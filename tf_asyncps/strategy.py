@@ -7,14 +7,14 @@ StrategyExtended hooks and hands the work to the policy engine
 
 * ``_call_for_each_replica``: wraps each worker step so that it first reads
   the global step ``r`` on the PS, before any model variable is read
-  (``PolicyEngine.worker_step``; K > 1 replicas: ``core/replicas.py``).
+  (``PolicyEngine.worker_step``; K > 1 replicas: ``core/gpu_replicas.py``).
 * ``_use_merge_call``/``_replica_ctx_update``/``_replica_ctx_all_reduce``:
   with one replica per worker there is nothing to merge, so updates run
   directly in the replica context (this is what lets the engine put an
   optimizer update under ``tf.cond``).
 * ``_update``: each variable's update, gated by the step's non-finite check
   on the variable's own ps task while the engine asks for it
-  (``core/update_gate.py``).
+  (``core/nonfinite_guard.py``).
 * ``_reduce_to``/``_batch_reduce_to``: inside a K-replica step's one update
   the optimizer's all-reduce passes the already summed gradients through.
 * ``_distribute_datasets_from_function``: one input pipeline per worker.
@@ -40,8 +40,8 @@ from tf_asyncps.cluster import devices
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import (faults, lookup, mixed_precision, placement, replicas, update_gate,
-                             wire_reads)
+from tf_asyncps.core import (faults, gpu_replicas, lookup, mixed_precision, nonfinite_guard,
+                             placement, wire_reads)
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import check_optimizer_scope, install_optimizer_hooks
@@ -123,8 +123,8 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
 
     def _update(self, var, fn, args, kwargs, group):
         # A step's non-finite check: one cond per variable, on its ps task
-        # (core/update_gate.py), when the engine gates this update.
-        return super()._update(var, update_gate.gate(var, fn), args, kwargs, group)
+        # (core/nonfinite_guard.py), when the engine gates this update.
+        return super()._update(var, nonfinite_guard.guard(var, fn), args, kwargs, group)
 
     def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
         if self._use_merge_call():
@@ -138,13 +138,13 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
 
     # -- K replicas per worker: the summed gradients are reduced already ------
     def _reduce_to(self, reduce_op, value, destinations, options):
-        if replicas.in_single_update() and \
+        if gpu_replicas.in_single_update() and \
                 not isinstance(value, tf.distribute.DistributedValues):
             return value  # the optimizer's all-reduce of a K-replica sum
         return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        if replicas.in_single_update() and not any(
+        if gpu_replicas.in_single_update() and not any(
                 isinstance(v, tf.distribute.DistributedValues)
                 for v, _ in value_destination_pairs):
             return [v for v, _ in value_destination_pairs]
@@ -187,7 +187,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         none = tf.VariableAggregation.NONE
         if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \
                 kwargs.get("aggregation", none) in (none, None):
-            # K replicas per worker: a step's update runs once (core/replicas.py),
+            # K replicas per worker: a step's update runs once (core/gpu_replicas.py),
             # so a non-trainable variable assigned in replica context, such as
             # tf_keras's current learning rate under a schedule, takes that one
             # update's value instead of raising.
@@ -229,7 +229,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             return self._worker_steps(tf_compat.autograph_convert(fn), args, kwargs)
 
     def _worker_steps(self, fn, args, kwargs):
-        if replicas.in_single_update():
+        if gpu_replicas.in_single_update():
             # Inside a K-replica step's single update (LossScaleOptimizer calls
             # call_for_each_replica there): one replica holds the summed
             # gradients, so fn runs once.
@@ -237,7 +237,7 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
                                               replica_id_in_sync_group=0):
                 return fn(*args, **(kwargs or {}))
         if self._num_replicas_in_sync > 1 and self.engine.local is None:
-            return replicas.replicated_step(self.engine, fn, args, kwargs,
+            return gpu_replicas.replicated_step(self.engine, fn, args, kwargs,
                                             super()._call_for_each_replica,
                                             self._num_replicas_in_sync)
         return super()._call_for_each_replica(self.engine.worker_step(fn), args, kwargs)
@@ -411,7 +411,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         Keras 3 optimizer (no EMA, no gradient accumulation) and a policy
         that keeps the step (``async``, ``staleness_aware``, ``ssp``, ``dc_asgd``),
         each variable's update is a ``tf.cond`` on its own ps task
-        (``core/update_gate.py``); otherwise one ``tf.cond`` spans the ps
+        (``core/nonfinite_guard.py``); otherwise one ``tf.cond`` spans the ps
         tasks. The check adds a little traffic between the tasks per step
         (figures: docs/benchmarks.md#the-non-finite-check).
       deduplicate_lookups: row reads of the tables created in the scope

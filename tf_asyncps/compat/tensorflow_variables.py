@@ -61,7 +61,7 @@ def adding_only_if(var, pred):
     tf_keras 2.21.0 (``Optimizer`` and ``legacy.OptimizerV2``) and Keras
     3.15.1 increment with ``iterations.assign_add(1)`` once per
     ``apply_gradients`` call, outside ``extended.update``: a step gated
-    per variable (core/update_gate.py) must not count a dropped step.
+    per variable (core/nonfinite_guard.py) must not count a dropped step.
 
     Args:
       var: a ``tf.Variable`` or a Keras 3 ``Variable`` (integer dtype).

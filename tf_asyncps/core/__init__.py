@@ -9,12 +9,12 @@ one concept per module:
   ``StepInfo``, ``Decision``);
 * ``step.py``: the worker step's trace-time context and the optimizer hooks;
 * ``staleness.py``: the global step and the τ histograms on the PS;
-* ``update_gate.py``: the non-finite check as one cond per variable, on its
+* ``nonfinite_guard.py``: the non-finite check as one cond per variable, on its
   ps task;
 * ``locking.py``: the update lock on the PS (bounded wait);
-* ``gate.py``: per-worker token gates on the PS (``ssp``, ``sync_replicas``);
+* ``worker_gate.py``: per-worker token gates on the PS (``ssp``, ``sync_replicas``);
 * ``watchdog.py``: the chief-side threads that bound every wait;
-* ``replicas.py``: K GPUs per worker: K replicas, one update;
+* ``gpu_replicas.py``: K GPUs per worker: K replicas, one update;
 * ``local_copies.py``: per-worker copies and delta exchange (``local_sgd``);
 * ``grads.py``: dense/IndexedSlices gradient helpers (``unique_rows``: one
   gradient row per distinct id);

@@ -15,13 +15,13 @@ One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
                   [release]  after_step(w)
 
 A kept step under the non-finite check is gated per variable instead, each
-``tf.cond`` on the variable's own ps task (core/update_gate.py), and counted
+``tf.cond`` on the variable's own ps task (core/nonfinite_guard.py), and counted
 without a cond (``StalenessTracker.record_gated``).
 
 Everything after the copy runs on the PS in the step's PS partition: no extra
 worker<->PS round trip. ``local_copies`` policies take another path
 (core/local_copies.py) and K-replica workers join their replicas first
-(core/replicas.py). The engine calls the policy's hooks
+(core/gpu_replicas.py). The engine calls the policy's hooks
 (core/protocol.py) and nothing else of it.
 """
 
@@ -36,7 +36,7 @@ from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.compat import tensorflow_variables as variables_compat
-from tf_asyncps.core import mixed_precision, placement, replicas, update_gate
+from tf_asyncps.core import gpu_replicas, mixed_precision, nonfinite_guard, placement
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime, StepInfo, as_decision
@@ -301,7 +301,7 @@ class PolicyEngine:
         """
         keras_compat.make_iterations_atomic(optimizer)
         if step.group is not None and not tf.distribute.in_cross_replica_context():
-            return replicas.apply_replicated(self, step, optimizer, grads_and_vars, apply_fn)
+            return gpu_replicas.apply_replicated(self, step, optimizer, grads_and_vars, apply_fn)
         marked = self._is_locking(optimizer)
         if step.local_state is not None:
             mixed_precision.check_local_copies(self.policy, optimizer)
@@ -432,7 +432,7 @@ class PolicyEngine:
 
     def _can_gate(self, optimizer, variables) -> bool:
         """Whether each variable's update of this optimizer can be gated on
-        its own ps (core/update_gate.py): the strategy's ``extended.update``
+        its own ps (core/nonfinite_guard.py): the strategy's ``extended.update``
         gates, and the optimizer is a tf_keras, legacy tf_keras or Keras 3
         one whose every write of a step goes through it (no EMA, no Keras 3
         gradient accumulation or overwrite-with-gradient variables)."""
@@ -457,7 +457,7 @@ class PolicyEngine:
             lr = getattr(optimizer, "learning_rate", None)
         hoisted = [keras_compat.backing_variable(h) for h in (lr, counter)]
         hoisted = [h for h in hoisted if isinstance(h, tf.Variable)]
-        with update_gate.gated_by(gate, hoisted) as gated, \
+        with nonfinite_guard.guarded_by(gate, hoisted) as gated, \
                 variables_compat.adding_only_if(counter, finite):
             _, update_ops = run_collecting_ops(apply_fn, pairs)
         missed = [v.name for v in variables

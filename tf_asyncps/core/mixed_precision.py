@@ -139,7 +139,7 @@ def allow_loss_scaling(strategy_class: type) -> None:
 
     def under_this_strategy() -> bool:
         # Gradients are unscaled per replica and a worker step's K replicas
-        # make one update (core/replicas.py): the loss scale is checked and
+        # make one update (core/gpu_replicas.py): the loss scale is checked and
         # adjusted once per worker step.
         return tf.distribute.has_strategy() and isinstance(
             tf.distribute.get_strategy(), strategy_class)

@@ -228,7 +228,7 @@ class StalenessTracker:
         """Counts one gradient, applied or dropped as non-finite by the
         tensor ``applied``, with no ``tf.cond``: ``g`` advances by
         ``cast(applied)`` and each counter's index is arithmetic on it
-        (core/update_gate.py gates the update itself).
+        (core/nonfinite_guard.py gates the update itself).
 
         Args:
           read_step: int64 scalar r, the step the worker read.

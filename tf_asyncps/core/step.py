@@ -63,7 +63,7 @@ class WorkerStep:
         self.read_step = read_step
         self.worker_index = worker_index
         self.applied = False  # whether an update was traced in this step
-        self.group = None  # K > 1 replicas: the ReplicaGroup (core/replicas.py)
+        self.group = None  # K > 1 replicas: the ReplicaGroup (core/gpu_replicas.py)
         self.local_state = None  # local_sgd: the TracedStep (core/local_copies.py)
         self._applying = False
         self._updated_by = None  # the optimizer of the step's update, once made

@@ -6,7 +6,7 @@ c_w − min_j c_j <= s; otherwise it waits for the slowest worker. s = 0 makes
 bulk-synchronous rounds. Ho et al., "More Effective Distributed ML via a Stale
 Synchronous Parallel Parameter Server" (NIPS 2013).
 
-How the wait works (no spinning, see tf_asyncps/core/gate.py): each worker owns a
+How the wait works (no spinning, see tf_asyncps/core/worker_gate.py): each worker owns a
 token queue on the PS, filled with s + 1 tokens. Starting a step takes one
 token (a blocking dequeue); whenever the slowest clock advances, every queue
 gets one more. So a worker holds s + 1 + min_j c_j − c_w tokens, which is >= 1
@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asyncps.core import placement
-from tf_asyncps.core.gate import GatedPolicy, WorkerGate
+from tf_asyncps.core.worker_gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
 

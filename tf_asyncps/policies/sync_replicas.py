@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import placement
-from tf_asyncps.core.gate import GatedPolicy, WorkerGate
+from tf_asyncps.core.worker_gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import Decision, UpdatePolicy, check_count
 

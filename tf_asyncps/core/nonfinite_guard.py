@@ -6,7 +6,7 @@ to Switch/Merge on each, it sends the predicate and the branches' dead
 signals between the ps tasks every step (ps CPU and bytes per step:
 docs/benchmarks.md#the-non-finite-check).
 
-While :func:`gated_by` is active, the strategy's ``extended.update`` (which
+While :func:`guarded_by` is active, the strategy's ``extended.update`` (which
 every tf_keras, legacy tf_keras and Keras 3 optimizer calls once per
 variable) wraps that variable's update in ``tf.cond(finite, update, no-op)``
 built beside the variable: each ps task receives the worker's predicate once
@@ -32,7 +32,7 @@ import tensorflow as tf
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_variables as variables_compat
 
-__all__ = ["gated_by", "gate", "active"]
+__all__ = ["guarded_by", "guard", "active"]
 
 _state = threading.local()
 
@@ -62,7 +62,7 @@ class _Gate:
 
 
 @contextlib.contextmanager
-def gated_by(finite: tf.Tensor, hoisted=()):
+def guarded_by(finite: tf.Tensor, hoisted=()):
     """Within this context, variable updates made through the strategy's
     ``extended.update`` run only where ``finite`` (scalar tf.bool) is True.
 
@@ -89,12 +89,12 @@ def gated_by(finite: tf.Tensor, hoisted=()):
 
 
 def active() -> Optional[tf.Tensor]:
-    """The predicate of the innermost :func:`gated_by`, or None."""
+    """The predicate of the innermost :func:`guarded_by`, or None."""
     gate_ = getattr(_state, "gate", None)
     return None if gate_ is None else gate_.finite
 
 
-def gate(var, fn: Callable) -> Callable:
+def guard(var, fn: Callable) -> Callable:
     """``fn(var, *args, **kwargs)`` (one variable's update, called by the
     strategy's ``extended._update`` under ``colocate_with(var)``) gated by
     the active predicate; ``fn`` itself when none is active.

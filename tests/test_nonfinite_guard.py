@@ -1,5 +1,5 @@
 """The non-finite check as one cond per variable on its ps task
-(tf_asyncps/core/update_gate.py), in one process: the counters recorded
+(tf_asyncps/core/nonfinite_guard.py), in one process: the counters recorded
 without a cond, the optimizer counter that adds only for an applied step,
 the redirected reads, the gated update, the constants moved beside their
 consumers. On the cluster: tests/test_sharded.py's ``nan_*`` cases (NaN
@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow_graph as graph_compat
 from tf_asyncps.compat import tensorflow_variables as variables_compat
-from tf_asyncps.core import placement, update_gate
+from tf_asyncps.core import placement, nonfinite_guard
 from tf_asyncps.core.staleness import StalenessTracker
 
 
@@ -68,17 +68,17 @@ def test_a_gated_update_runs_only_for_a_finite_step(finite):
 
     @tf.function
     def step(ok, g):
-        with update_gate.gated_by(ok, hoisted=[lr]) as gated:
-            assert update_gate.active() is ok
-            out = update_gate.gate(var, sgd)(var, g)
+        with nonfinite_guard.guarded_by(ok, hoisted=[lr]) as gated:
+            assert nonfinite_guard.active() is ok
+            out = nonfinite_guard.guard(var, sgd)(var, g)
         assert gated == {id(var)}
         return out
 
     applied = step(tf.constant(finite), tf.constant([2.0, 4.0]))
     assert bool(applied) is finite
     assert var.numpy().tolist() == ([0.0, 0.0] if finite else [1.0, 2.0])
-    assert update_gate.active() is None
-    assert update_gate.gate(var, sgd) is sgd  # no gate outside the context
+    assert nonfinite_guard.active() is None
+    assert nonfinite_guard.guard(var, sgd) is sgd  # no gate outside the context
 
 
 def test_constants_move_beside_their_only_consumers():
