@@ -31,6 +31,13 @@ def before_any_test():
 def test_passes(before_any_test):
     _make("passes")
 
+def test_uses_tmp_path_first(tmp_path):
+    (tmp_path / "x").write_text("x")
+
+def test_uses_tmp_path_after_it(tmp_path):
+    # The base of tmp_path outlives the test that used it first.
+    (tmp_path / "y").write_text("y")
+
 def test_fails():
     _make("fails")
     assert False
@@ -48,7 +55,7 @@ def test_a_passing_test_removes_its_temporary_files_and_a_failing_one_keeps_them
                           "-p", "no:cacheprovider", str(tmp_path / "test_made.py")],
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=60).stdout
-    assert "1 failed, 1 passed" in out, out
+    assert "1 failed, 3 passed" in out, out
     made = dict(line.split(" ", 1) for line in log.read_text().splitlines())
     passed, failed = made["passes"].split(), made["fails"].split()
     assert all(p.startswith(str(outer)) for p in passed + failed + [made["module"]]), made

@@ -54,7 +54,11 @@ def finish(path: str, keep: bool, what: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _tmpdir_per_test(request):
+def _tmpdir_per_test(request, tmp_path_factory):
+    # pytest's own base directory (tmp_path's) is made on first use under
+    # tempfile's directory: make it in the session root, not in the first
+    # test's directory, which goes when that test passes.
+    tmp_path_factory.getbasetemp()
     path = tempfile.mkdtemp(prefix=re.sub(r"[^\w.-]+", "_", request.node.name)[:60] + "_",
                             dir=_root())
     request.node._asyncps_tmp = path
