@@ -588,3 +588,64 @@ def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad"):
         _, _, out["3to2"] = restored(c, 2, save_then_step(on_three, layer3))
         out["saved"] = on_two[4]  # the tensors of the 2-shard checkpoint
         return out
+
+
+@scenario(shares_cluster=True)
+def dynamic_fan_initializers(keras_name="tf_keras", initializer="he_normal", capacity=400,
+                             dim=16, steps=24, width=20,
+                             symbolic=True):
+    """2 workers, 2 ps, ``initializer`` (he_normal, glorot_uniform), a pass
+    every step evicting rows unseen in the last one (ttl_steps=1): ``width``
+    ids a row drawn from 5,000, so most rows are reset on the ps. tf_keras: a functional model;
+    Keras 3: a subclassed one whose call takes no ``training``, built by
+    ``model(keras.Input(...))`` in the strategy's scope (``symbolic``; else
+    by the strategy's fit: no first values then). Returns the values of
+    the rows reset by passes (free rows that differ from the first values),
+    Keras's first values, the stats and the loss per epoch."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 5000, size=(8 * steps, width)).astype(np.int64)
+    y = np.ones((len(x), 1), np.float32)
+    with cluster(num_workers=2, num_ps=2) as c:
+        strategy = _strategy(c)
+        if keras_name == "keras3":
+            import keras
+
+            class SubclassedModel(keras.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.emb = tf_asyncps.layers.DynamicEmbedding(
+                        dim, capacity=capacity, initializer=initializer, ttl_steps=1,
+                        evict_every=1)
+                    self.head = keras.layers.Dense(1)
+
+                def call(self, ids):  # no training: Keras 3's fit passes none
+                    return self.head(keras.ops.sum(self.emb(ids), axis=1))
+
+            with strategy.scope():
+                model = SubclassedModel()
+                if symbolic:
+                    model(keras.Input((width,), dtype="int64"))
+                model.compile(_optimizer("adagrad", "keras3"), "mse")
+            layer = model.emb
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        else:
+            with strategy.scope():
+                layer = tf_asyncps.layers.DynamicEmbedding(
+                    dim, capacity=capacity, initializer=initializer, ttl_steps=1,
+                    evict_every=1, keras="tf_keras")
+                i = tf_keras.Input([width], dtype=tf.int64)
+                model = tf_keras.Model(i, tf_keras.layers.Dense(1)(
+                    tf_keras.layers.Flatten()(layer(i))))
+                model.compile(_optimizer("adagrad"), "mse")
+            data = tf_keras.utils.experimental.DatasetCreator(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+        built = getattr(layer, "dynamic_table", None) is not None
+        first = np.concatenate([s.var.numpy() for s in layer.dynamic_table.shards]) if built \
+            else np.full([capacity, dim], np.nan)
+        history = model.fit(data, epochs=2, steps_per_epoch=steps // 2, verbose=0)
+        rows = np.concatenate([s.var.numpy() for s in layer.dynamic_table.shards])
+        free = np.concatenate([s.count.numpy() == 0 for s in layer.dynamic_table.shards])
+        reset = free & np.any(rows != first, axis=1)
+        return {"class": type(layer).__module__, "shards": len(layer.dynamic_table.shards),
+                "reset": rows[reset].ravel().tolist(), "first": first.ravel().tolist(),
+                "stats": layer.stats(), "loss": [float(v) for v in history.history["loss"]]}

@@ -48,10 +48,12 @@ def in_train_step(frames: int = 200) -> bool:
     for _ in range(frames):
         if f is None:
             return False
-        if f.f_code.co_name == "train_step":
+        # (tf__train_step: as autograph converts it, e.g. under ClusterCoordinator.)
+        if f.f_code.co_name in ("train_step", "tf__train_step"):
             module = f.f_globals.get("__name__", "")
             if (module.startswith(("keras.src.", "tf_asyncps."))
-                    or is_keras3_model(f.f_locals.get("self"))):
+                    or is_keras3_model(f.f_locals.get("self"))
+                    or is_keras3_model(f.f_locals.get("model"))):
                 return True
         f = f.f_back
     return False

@@ -321,11 +321,12 @@ def keras3_layer():
             # subclassed model's model(keras.Input(...)), the strategy's fit:
             # Keras defers variables there) and inside a traced step (Keras 3
             # builds a subclassed model's layers in its first train step).
-            with keras_layers.outside_stateless_scope():
+            # (Eagerly: under the strategy, its variable creator refuses an
+            # initial value made in the graph Keras traces the call in.)
+            with tf.init_scope(), keras_layers.outside_stateless_scope():
                 self.embeddings = self.add_weight(
                     shape=(self.capacity, self.output_dim), initializer=self.initializer,
                     dtype="float32", trainable=True, name="embeddings")
-            with tf.init_scope():  # the map's variables: made eagerly, not in the step's graph
                 self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
             # The tracked object (the table saves its live rows itself).
             tensorflow_checkpoint.save_elsewhere(self.embeddings)
