@@ -8,7 +8,16 @@
   :mod:`tf_asyncps.layers.keras_choice` (``keras=`` to say which).
 """
 
-from tf_asyncps.layers.dynamic_embedding import PICKED as DynamicEmbedding
+from tf_asyncps.layers import dynamic_embedding as _dynamic_embedding
 from tf_asyncps.layers.dynamic_table import DynamicTable
+
+DynamicEmbedding = _dynamic_embedding.PICKED
+"""``DynamicEmbedding(output_dim, capacity, key_dtype=tf.int64, min_count=1,
+eviction="lfu", evict_every=1000, initializer="uniform", name=None,
+ttl_steps=None, keras=None)``: the tf_keras layer
+(``tf_asyncps.layers.dynamic_embedding.DynamicEmbedding``) or the Keras 3 one
+(``tf_asyncps.keras3.DynamicEmbedding``), picked by ``keras=`` or by the rule
+of :mod:`tf_asyncps.layers.keras_choice`; ``isinstance`` holds for both. The
+arguments, the call and the errors: the classes' docstrings."""
 
 __all__ = ["DynamicEmbedding", "DynamicTable"]
