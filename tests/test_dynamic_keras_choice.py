@@ -74,8 +74,8 @@ def test_the_guides_program_in_keras_3_trains_and_round_trips_its_config():
 
 
 def test_a_model_being_made_picks_its_keras_and_the_other_kerases_input_names_the_class():
-    """Rule 2: made in a subclassed Keras 3 model's __init__ (this module
-    imports both Kerases): the Keras 3 layer. The tf_keras layer given
+    """Rule 2: made in a subclassed Keras 3 model's or layer's __init__ (this
+    module imports both Kerases): the Keras 3 layer; in a tf_keras model's, tf_keras. The tf_keras layer given
     keras.Input, and the Keras 3 one given tf_keras.Input, fail naming the
     class to use."""
     class Model(keras.Model):
@@ -91,6 +91,13 @@ def test_a_model_being_made_picks_its_keras_and_the_other_kerases_input_names_th
             self.emb = DynamicEmbedding(4, capacity=8)
 
     assert type(TfKerasModel().emb) is dynamic_embedding.DynamicEmbedding
+
+    class Tower(keras.layers.Layer):  # a layer of Keras 3 holding the table
+        def __init__(self):
+            super().__init__()
+            self.emb = DynamicEmbedding(4, capacity=8)
+
+    assert type(Tower().emb) is tf_asyncps.keras3.DynamicEmbedding
     with pytest.raises(TypeError, match=r"is the tf_keras layer and got a Keras 3 KerasTensor: "
                                         r"make it with tf_asyncps.layers.DynamicEmbedding\(\.\.\., "
                                         r"keras=\"keras3\"\) or tf_asyncps.keras3.DynamicEmbedding"):

@@ -66,8 +66,8 @@ def caller(depth: int = 1):
 
 def model_being_made(frame, which, frames: int = 60):
     """``which(obj)`` of the first ``self`` of an ``__init__`` on the stack
-    from ``frame`` up for which it is not None (a subclassed model being
-    made), else None."""
+    from ``frame`` up for which it is not None (a subclassed model or layer
+    being made), else None."""
     f = frame
     for _ in range(frames):
         if f is None:

@@ -9,8 +9,8 @@ instance of that concrete class (registered with its Keras, so
 for both Kerases uses it, with this rule (:func:`choose`), first match wins:
 
 1. ``keras="tf_keras"`` or ``keras="keras3"`` given to the constructor;
-2. made while a model is being made on this thread (a subclassed model's
-   ``__init__`` on the stack): that model's Keras;
+2. made while a model or layer is being made on this thread (a subclassed
+   model's or layer's ``__init__`` on the stack): its Keras;
 3. the Keras the code making the layer imported: the module objects bound
    in the calling function's locals and its module's globals, when they are
    of one Keras only (``import keras`` / ``from keras import layers``:
@@ -31,13 +31,16 @@ __all__ = ["KERASES", "choose", "check_input", "picker"]
 KERASES = ("tf_keras", "keras3")
 
 
-def _model_keras(obj):
-    """"keras3"/"tf_keras" if ``obj`` is a model of that Keras, else None."""
-    from tf_asyncps.compat import keras as keras_compat
-    if keras_compat.is_keras3_model(obj):
+def _owner_keras(obj):
+    """"keras3"/"tf_keras" if ``obj`` is a layer (a model too) of that Keras, else None."""
+    if obj is None:
+        return None
+    keras = sys.modules.get("keras")
+    if (keras is not None and str(getattr(keras, "__version__", "")).startswith("3.")
+            and isinstance(obj, keras.layers.Layer)):
         return "keras3"
     tf_keras = sys.modules.get("tf_keras")
-    if tf_keras is not None and isinstance(obj, tf_keras.Model):
+    if tf_keras is not None and isinstance(obj, tf_keras.layers.Layer):
         return "tf_keras"
     return None
 
@@ -77,7 +80,7 @@ def choose(keras=None, frame=None, layer: str = "DynamicEmbedding", frames: int 
                              f"docs/guides/dynamic_embeddings.md, \"Which Keras\").")
         return keras
     frame = frame or frames_compat.caller(1)
-    found = frames_compat.model_being_made(frame, _model_keras, frames)
+    found = frames_compat.model_being_made(frame, _owner_keras, frames)
     if found:
         return found
     seen = {_module_keras(v) for v in frames_compat.bound_values(frame)} - {None}
