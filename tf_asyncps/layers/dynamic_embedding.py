@@ -232,7 +232,11 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         shard's pass runs once per period, by one worker; under local_sgd
         the global step counts exchanges, and the passes run at them).
       initializer: a tf_keras initializer (name or object) for the rows, used
-        again for a row when it is evicted.
+        again for a row when it is evicted: every elementwise one (zeros,
+        uniform, he_normal, glorot_uniform, ...; a reset row's elements follow
+        its distribution with the whole table's fans, see
+        ``tf_asyncps.layers.dynamic_init``), or a callable ``f(shape, dtype)``
+        taking a shape tensor.
       ttl_steps: None, or int >= 1: rows unseen for this many global steps are
         evicted at the next pass.
       name: layer name.
@@ -243,9 +247,11 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
 
     Raises:
       ValueError: a field out of range (capacity < 1, min_count < 1, an
-        unknown eviction), naming it.
-      TypeError: float ids, string ids with key_dtype=tf.int64, integer ids
-        with key_dtype=tf.string (at call).
+        unknown eviction), naming it; an initializer that cannot draw rows
+        alone (orthogonal, identity), naming those that work.
+      TypeError: float, bool or uint64 ids, string ids with key_dtype=tf.int64,
+        integer ids with key_dtype=tf.string, the other Keras's KerasTensor
+        (at call, naming the fix).
     """
 
     _keras = "tf_keras"
