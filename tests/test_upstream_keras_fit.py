@@ -1,0 +1,18 @@
+"""tf_keras's own dataset_creator_model_fit_test.py (its parameter-server
+combinations: model.fit/evaluate/predict with DatasetCreator, NumPy and tensor
+data), run with AsyncParameterServerStrategy swapped in
+(tests/upstream/README.md): every test passes as under vanilla."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream"))
+import run_upstream  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1560)]
+
+
+def test_dataset_creator_model_fit_test_passes_with_the_class_swapped():
+    run_upstream.pytest_check("dataset_creator_model_fit_test", timeout=1500)

@@ -1,0 +1,17 @@
+"""TensorFlow's own parameter_server_strategy_v2_test.py, run with
+AsyncParameterServerStrategy swapped in (tests/upstream/README.md): every test
+passes as under vanilla but for the accepted differences (messages only)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream"))
+import run_upstream  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(660)]
+
+
+def test_parameter_server_strategy_v2_test_passes_with_the_class_swapped():
+    run_upstream.pytest_check("parameter_server_strategy_v2_test", timeout=600)
