@@ -364,6 +364,9 @@ def test_strategy_run_outside_a_function_runs_eagerly_as_in_vanilla():
     # device function there: "tf.device does not support functions when
     # eager execution is enabled".
     r = run_scenario("eager_run", shared=(1, 2))
+    # A partitioner passed second (vanilla's variable_partitioner position;
+    # ours is update_policy) partitions: "not a registered policy" before.
+    assert r["policy"] == "async" and r["num_shards"] == 2
     assert r["test_only"] == 1  # first element 0 + v (1)
     assert r["num_shards"] == 2
     assert r["sharded_after_add"] == [1.0, 1.0, 1.0, 1.0]
@@ -411,3 +414,13 @@ def test_seeded_initial_weights_equal_vanillas_exactly():
     assert r["keras3"]["one_process"] == 0.0
     assert r["tf_keras"]["one_process"] > 0.01
     assert r["tf_seed_only_vanilla_twice"] > 0.01
+
+
+def test_a_partitioner_given_both_ways_is_refused_naming_both_parameters():
+    from tf_asyncps.strategy import _positional_partitioner
+    part = lambda shape, dtype: [1]  # noqa: E731 - any callable partitions
+    assert _positional_partitioner(part, None) == ("async", part)
+    assert _positional_partitioner("ssp", part) == ("ssp", part)
+    with pytest.raises(ValueError, match="is a partitioner, and variable_partitioner is given "
+                                         "too: pass the policy as update_policy="):
+        _positional_partitioner(part, part)

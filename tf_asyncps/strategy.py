@@ -377,6 +377,26 @@ def _describe_source(resolver) -> str:
     return f"{type(resolver).__name__}.cluster_spec()"
 
 
+def _positional_partitioner(update_policy, variable_partitioner):
+    """``(update_policy, variable_partitioner)`` with vanilla's positional
+    call honoured: its second parameter is ``variable_partitioner``, so code
+    written for ``ParameterServerStrategy(resolver, partitioner)`` passes a
+    partitioner (a callable, never a policy name or object) where ours takes
+    the policy.
+
+    Raises:
+      ValueError: a partitioner given both ways.
+    """
+    if isinstance(update_policy, (str, policies_lib.UpdatePolicy)) or not callable(update_policy):
+        return update_policy, variable_partitioner
+    if variable_partitioner is not None:
+        raise ValueError(
+            f"update_policy={update_policy!r} is a partitioner, and variable_partitioner is "
+            "given too: pass the policy as update_policy= and the partitioner as "
+            "variable_partitioner=.")
+    return "async", update_policy
+
+
 class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     """Parameter-server training with pluggable asynchronous update policies.
 
@@ -400,7 +420,11 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         tutorial), a "chief" job; an "evaluator" job is left out of the
         cluster TensorFlow connects to, with a warning.
       update_policy: a registered policy name (``tf_asyncps.policies.names()``)
-        or a ``tf_asyncps.policies.UpdatePolicy``.
+        or a ``tf_asyncps.policies.UpdatePolicy``. A partitioner here (any
+        callable, as vanilla's second positional parameter is
+        ``variable_partitioner``: ``ParameterServerStrategy(resolver,
+        partitioner)``) is taken as ``variable_partitioner``, with the policy
+        ``"async"``.
       variable_partitioner: as in ``ParameterServerStrategy``.
       max_tracked_staleness: last bin of the τ histograms (int >= 1).
       connect_timeout_s: seconds to wait for every ps and worker to accept
@@ -459,6 +483,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver "
                 "(e.g. tf_asyncps.cluster.cluster_resolver() for TF_CONFIG, or "
                 f"LocalCluster(...).resolver()), got {cluster_resolver!r}.")
+        update_policy, variable_partitioner = _positional_partitioner(update_policy,
+                                                                      variable_partitioner)
         policy = policies_lib.get(update_policy)
         wire = _wire_dtype(wire_dtype)
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):

@@ -89,9 +89,10 @@ def eager_run():
     import logging as py_logging
     out = {}
     with cluster(num_workers=1, num_ps=2) as c:
+        # The partitioner second and positional, as vanilla's signature has it.
         strategy = tf_asyncps.AsyncParameterServerStrategy(
-            c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
-            .FixedShardsPartitioner(2))
+            c.resolver(), tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+        out["policy"] = strategy.update_policy.name
         strategy.extended._allow_run_without_coordinator = True  # TF's test-only mode
         with strategy.scope():
             v = tf.Variable(1, dtype=tf.int64)

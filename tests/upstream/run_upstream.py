@@ -23,10 +23,10 @@ this file as its main module): ``tf.distribute.ParameterServerStrategy``,
 ``tf.compat.v2``) and ``tensorflow.python.distribute.
 parameter_server_strategy_v2.ParameterServerStrategyV2`` (the name the
 TensorFlow files and tf_keras's strategy combinations call) become
-``DropInStrategy``: ``AsyncParameterServerStrategy`` whose second positional
-parameter is ``variable_partitioner``, as vanilla's (ours takes
-``update_policy`` there, ``variable_partitioner`` third), so the files'
-``ParameterServerStrategyV2(resolver, partitioner)`` means what it says.
+``DropInStrategy`` is ``AsyncParameterServerStrategy`` itself, the class
+name as the only change (a partitioner given as its second positional
+parameter, as the files' ``ParameterServerStrategyV2(resolver, partitioner)``
+does, is taken as ``variable_partitioner``, as vanilla's).
 
 tf_keras's files are of its repository layout before ``tf_keras/src``
 (``from tf_keras.distribute import ...``): a finder here maps
@@ -181,12 +181,9 @@ def _swap():
 
     vanilla = real.ParameterServerStrategyV2
 
-    class DropInStrategy(tf_asyncps.AsyncParameterServerStrategy):
-        """AsyncParameterServerStrategy with vanilla's positional parameters."""
-
-        def __init__(self, cluster_resolver=None, variable_partitioner=None, **kwargs):
-            super().__init__(cluster_resolver, variable_partitioner=variable_partitioner,
-                             **kwargs)
+    # The class itself: its second positional parameter takes vanilla's
+    # variable_partitioner too (AsyncParameterServerStrategy's docstring).
+    DropInStrategy = tf_asyncps.AsyncParameterServerStrategy
 
     copy = types.ModuleType(real.__name__, real.__doc__)
     copy.__dict__.update({k: v for k, v in vars(real).items() if k != "__name__"})
