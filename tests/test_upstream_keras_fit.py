@@ -6,16 +6,11 @@ data), run with AsyncParameterServerStrategy swapped in
 import os
 import sys
 
-import pytest
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream"))
 import run_upstream  # noqa: E402
 
-# 25 min or more on 2 cores (a 6-process cluster and TensorFlow's 3 s waits per
-# test): outside the suite's 20 minutes, run with ASYNCPS_UPSTREAM_LONG=1.
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1560), pytest.mark.skipif(
-    os.environ.get("ASYNCPS_UPSTREAM_LONG") != "1",
-    reason="about 25 min on 2 cores: ASYNCPS_UPSTREAM_LONG=1 runs it (tests/upstream/README.md)")]
+# Outside the suite's 20 minutes: ASYNCPS_UPSTREAM_LONG=1 runs it.
+pytestmark = run_upstream.long_file_marks(25, timeout=1560)
 
 
 def test_dataset_creator_model_fit_test_passes_with_the_class_swapped():

@@ -382,6 +382,17 @@ def check(results):
     return problems
 
 
+def long_file_marks(minutes, timeout):
+    """``pytestmark`` of a file too long for the suite's 20 minutes (a
+    MultiProcessRunner cluster and TensorFlow's 3 s waits per test): it runs
+    only with ASYNCPS_UPSTREAM_LONG=1."""
+    import pytest
+    return [pytest.mark.cluster, pytest.mark.timeout(timeout), pytest.mark.skipif(
+        os.environ.get("ASYNCPS_UPSTREAM_LONG") != "1",
+        reason=f"about {minutes} min on 2 cores: ASYNCPS_UPSTREAM_LONG=1 runs it "
+               "(tests/upstream/README.md)")]
+
+
 def pytest_check(name, timeout):
     """The test of the suite's tests/test_upstream_*.py: runs ``name`` with the
     class swapped and fails on any problem of :func:`check`; skips, saying
