@@ -17,6 +17,12 @@ import tmp_per_test
 # Each test's temporary files in a directory of its own (tests/tmp_per_test.py).
 pytest_plugins = ["tmp_per_test"]
 
+# TensorFlow's and tf_keras's own test files, where placed (tests/upstream/README.md),
+# run through tests/test_upstream_*.py in processes of their own: pytest would
+# collect them as *_test.py and import them into its process, whose eager context
+# they change (in-process tests then failed: "/job:localhost/... unknown device").
+collect_ignore_glob = ["upstream/*"]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: ``python SCENARIOS_DIR NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
