@@ -33,6 +33,9 @@ def _cli(*args, env=None):
     (["launch", "--dataset=cifar"], ["--dataset", "digits"]),
     (["launch", "--epochs=0"], ["epochs"]),
     (["frobnicate"], ["usage: tf-asyncps", "launch"]),
+    # One line, not absl's usage page before it.
+    (["launch", "--hidden=12,x"], ["tf-asyncps launch: error: --hidden must be integers, got "
+                                   "['12', 'x']; write e.g. --hidden=128,64."]),
     ([], ["usage: tf-asyncps"]),
     # At flag parsing, before TensorFlow is imported:
     (["launch", "--flagfile=configs/movielens_async.flags", "--model=mlp"],
@@ -51,6 +54,8 @@ def test_bad_flags_fail_before_any_process_starts(args, words):
     for w in words:
         assert w in out, out[-2000:]
     assert "Traceback" not in out
+    if args[1:2] == ["--hidden=12,x"]:
+        assert len(out.strip().splitlines()) == 1, out
     assert time.perf_counter() - t0 < 60
 
 

@@ -133,7 +133,10 @@ def _hidden():
     try:
         return tuple(int(h) for h in FLAGS.hidden)
     except ValueError:
-        raise app.UsageError(f"--hidden must be integers, got {FLAGS.hidden}.")
+        # A ValueError: main prints it as one line (absl's UsageError prints
+        # the whole usage page first).
+        raise ValueError(f"--hidden must be integers, got {FLAGS.hidden}; write e.g. "
+                         "--hidden=128,64.") from None
 
 
 def _job_config():
