@@ -311,3 +311,30 @@ def test_after_step_runs_beside_the_policy_state():
     assert sorted((n.op, n.name) for n in bodies if n.device != CPU) == []
     flow = {"Case", "StatelessCase", "If", "StatelessIf", "While", "StatelessWhile"}
     assert {n.device for n in graph_def.node if n.op in flow} == {CPU}
+
+
+def test_the_counters_are_added_under_the_variables_exclusive_lock():
+    # A resource scatter of int64 runs under a shared lock in TensorFlow (only
+    # use_locking, which ResourceScatterAdd lacks, takes the exclusive one), so
+    # two workers' increments of one bin could lose one: applied 499 with
+    # global_step 500 (examples/keras_fit.py, 3 runs at once). The counts are
+    # one dense AssignAddVariableOp, which holds the exclusive lock.
+    import tensorflow as tf
+    from tf_asyncps.core.staleness import StalenessTracker
+    tracker = StalenessTracker(4, device="/cpu:0")
+
+    @tf.function
+    def step(r, ok):
+        tracker.record_increment(r)
+        tracker.record_gated(r, ok)
+        tracker.record(tf.constant(2, tf.int64), applied=False)
+        return tracker.add_local_steps(tf.constant(3, tf.int64))
+
+    graph = step.get_concrete_function(tf.constant(0, tf.int64), tf.constant(True)).graph
+    types = [op.type for op in graph.get_operations()]
+    assert "ResourceScatterAdd" not in types
+    assert types.count("AssignAddVariableOp") == 4 + 2  # counts x4, g x2
+    step(tf.constant(0, tf.int64), tf.constant(True))
+    s = tracker.stats()
+    assert (s.global_step, s.applied, s.dropped, s.local_steps) == (2, 2, 1, 3)
+    assert s.histogram.tolist() == [1, 1, 0, 0, 0] and s.dropped_histogram.tolist()[2] == 1

@@ -120,7 +120,8 @@ class StalenessTracker:
 
     Per worker step the tracker adds, all on the PS: one scalar read of ``g``
     (the read step), one scalar read of ``g`` at apply time, and at most one
-    ``assign_add``, one ``scatter_add`` and one ``scatter_max`` of two elements.
+    ``assign_add`` of ``g``, one dense ``assign_add`` of ``counts`` and one
+    ``scatter_max`` of one element.
 
     Args:
       max_tracked: last histogram bin (int >= 1); τ >= max_tracked share it.
@@ -151,6 +152,19 @@ class StalenessTracker:
                 tf.zeros([2], tf.int64), trainable=False, name="asyncps_tau_max")
 
     # -- graph side (called while tracing a worker step) ---------------------
+    def _add_counts(self, slices: tf.IndexedSlices) -> tf.Tensor:
+        """``counts[indices] += values`` as one dense ``assign_add``: TensorFlow
+        runs a resource scatter of a plain dtype under a shared lock (its
+        kernel takes the exclusive one only with ``use_locking``, an attribute
+        ``ResourceScatterAdd`` lacks), so two workers' increments of one bin
+        could both read the old count and one was lost (seen: applied 499
+        with global_step 500). ``AssignAddVariableOp`` holds the variable's
+        exclusive lock; the vector is 2 * (max_tracked + 1) + 4 int64s."""
+        dense = tf.scatter_nd(tf.reshape(slices.indices, [-1, 1]), slices.values,
+                              tf.constant(self.counts.shape.as_list(), tf.int64))
+        return self.counts.assign_add(dense)
+
+
     def read_step(self) -> tf.Tensor:
         """Returns ``g`` now (int64 scalar, placed on the PS)."""
         with tf.device(self.device):
@@ -191,7 +205,7 @@ class StalenessTracker:
                 upd = tf.stack([one, tau, bad])
                 which = 1
             ops = [
-                self.counts.scatter_add(tf.IndexedSlices(upd, idx)),
+                self._add_counts(tf.IndexedSlices(upd, idx)),
                 self.tau_max.scatter_max(tf.IndexedSlices(
                     tf.reshape(tau, [1]), tf.constant([which], tf.int64))),
             ]
@@ -214,7 +228,7 @@ class StalenessTracker:
             tau = tf.maximum(g_after - 1 - tf.cast(read_step, tf.int64), 0)
             b = tf.minimum(tau, self.max_tracked)
             ops = [
-                self.counts.scatter_add(tf.IndexedSlices(
+                self._add_counts(tf.IndexedSlices(
                     tf.stack([tf.constant(1, tf.int64), tau]),
                     tf.stack([b, tf.constant(self._sum_applied, tf.int64)]))),
                 self.tau_max.scatter_max(tf.IndexedSlices(
@@ -252,7 +266,7 @@ class StalenessTracker:
                             self._sum_applied + dropped * (self._sum_dropped - self._sum_applied),
                             tf.constant(self._nonfinite, tf.int64)])
             ops = [
-                self.counts.scatter_add(tf.IndexedSlices(
+                self._add_counts(tf.IndexedSlices(
                     tf.stack([tf.constant(1, tf.int64), tau, dropped]), idx)),
                 self.tau_max.scatter_max(tf.IndexedSlices(
                     tf.reshape(tau, [1]), tf.reshape(dropped, [1]))),
@@ -264,7 +278,7 @@ class StalenessTracker:
         """Adds ``n`` (int64 scalar) worker steps trained on local copies
         (``local_sgd``). Returns the op's output (int64 vector, the counts)."""
         with tf.device(self.device):
-            return self.counts.scatter_add(tf.IndexedSlices(
+            return self._add_counts(tf.IndexedSlices(
                 tf.reshape(tf.cast(n, tf.int64), [1]),
                 tf.constant([self._local_steps], tf.int64)))
 
