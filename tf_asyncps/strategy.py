@@ -172,11 +172,12 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
             if model is not None:
                 from tf_asyncps.keras3 import trainer as keras3_trainer
                 keras3_trainer.guard(model, self._container_strategy())
-        if tf_keras_compat.creating_steps_per_execution():
+        compiling = tf_keras_compat.compiling_model()  # its _steps_per_execution, else None
+        if compiling is not None:
             # compile, in the model's scope, after setting model.optimizer: an
             # optimizer made outside the scope is refused here, before fit.
-            model = tf_keras_compat.compiling_model()
-            check_optimizer_scope(getattr(model, "optimizer", None), self._container_strategy())
+            check_optimizer_scope(getattr(compiling, "optimizer", None),
+                                  self._container_strategy())
             # tf_keras reads this counter on the coordinator twice per closure
             # and never in a step: on a ps each read is a round trip, which
             # took most of the chief's time under local_sgd

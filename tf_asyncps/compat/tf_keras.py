@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
-           "dense_on_sparse_gradients", "creating_steps_per_execution", "evaluate_call",
+           "dense_on_sparse_gradients", "evaluate_call",
            "pss_evaluation_shards", "hook_apply_gradients", "build_for_pending_restore",
            "legacy_sharded_slots_saved_elsewhere", "build_now", "not_built"]
 
@@ -105,20 +105,14 @@ def dense_on_sparse_gradients(optimizer) -> Optional[str]:
     return None
 
 
-def creating_steps_per_execution(frames: int = 12) -> bool:
-    """Whether tf_keras's ``Model._configure_steps_per_execution`` (run by
-    ``compile``) is creating its ``_steps_per_execution`` variable on this
-    thread. ``fit``/``evaluate`` read that variable on the coordinator before
-    every closure (``DataHandler.steps`` and the scheduled call's argument)
-    and never inside a step."""
-    return _training_frame("_configure_steps_per_execution", frames) is not None
-
-
 def compiling_model(frames: int = 12):
     """The tf_keras model whose ``compile`` is creating its
     ``_steps_per_execution`` variable on this thread (the ``self`` of
     ``Model._configure_steps_per_execution``, tf_keras 2.18-2.21; compile has
-    set ``model.optimizer`` by then), else None."""
+    set ``model.optimizer`` by then), else None. ``fit``/``evaluate`` read
+    that variable on the coordinator before every closure
+    (``DataHandler.steps`` and the scheduled call's argument) and never
+    inside a step."""
     f = _training_frame("_configure_steps_per_execution", frames)
     return None if f is None else f.f_locals.get("self")
 
