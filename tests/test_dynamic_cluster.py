@@ -266,10 +266,13 @@ def test_keras3_subclassed_model_built_by_the_strategys_fit_admits_and_evicts():
     """A subclassed Keras 3 model, unbuilt, whose call takes no training: the
     strategy's fit builds it (it failed: 'NoneType' object has no attribute
     'shape', the weight deferred by Keras's symbolic build) and its lookups
-    admit and evict (they admitted nothing: 0 live rows, the loss stuck)."""
+    admit and evict (they admitted nothing: 0 live rows, the loss stuck).
+    Admission is shown by evictions (a row is evicted only once admitted):
+    live rows at the end are not, since with ttl_steps=1 a pass after a
+    worker's last step may free every row (seen in CI: 0 live, 3581 evicted)."""
     r = run_scenario("dynamic_fan_initializers", timeout=280, shared=(2, 2),
                      keras_name="keras3", initializer="glorot_uniform", symbolic=False)
-    assert r["stats"]["live_rows"] >= 1 and r["stats"]["evicted"] >= 300, r["stats"]
+    assert r["stats"]["evicted"] >= 300, r["stats"]
     reset = np.array(r["reset"])
     assert len(reset) >= 120 * 16 and abs(reset.std() / (np.sqrt(6 / 416) / np.sqrt(3)) - 1) < 0.06
     assert r["loss"][-1] < r["loss"][0], r["loss"]
