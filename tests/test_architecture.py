@@ -345,6 +345,26 @@ def test_the_package_has_no_import_circles():
     assert circles == []
 
 
+def test_the_dynamic_tables_sit_between_core_and_the_layers():
+    """tf_asyncps.dynamic (the table machinery) imports only compat, core and
+    itself; compat and core import neither it nor the Keras layers. The
+    layers build on the tables, the tables on the runtime."""
+    modules = _modules()
+    allowed = ("tf_asyncps.compat", "tf_asyncps.core", "tf_asyncps.dynamic")
+    wrong = []
+    for m, path in modules.items():
+        for line, name in _imports(path, m, modules):
+            if not name.startswith("tf_asyncps"):
+                continue
+            up = m.startswith("tf_asyncps.dynamic") and not name.startswith(allowed)
+            down = m.startswith(("tf_asyncps.compat", "tf_asyncps.core")) and name.startswith(
+                ("tf_asyncps.dynamic", "tf_asyncps.layers"))
+            if up or down:
+                wrong.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
+    assert wrong == []
+    assert {"tf_asyncps.dynamic.table", "tf_asyncps.dynamic.checkpoint"} <= set(modules)
+
+
 _FIRST_TOUCH = r"""
 import importlib, json, sys
 names, attrs = json.loads(sys.argv[1]), json.loads(sys.argv[2])

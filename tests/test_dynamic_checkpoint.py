@@ -11,7 +11,7 @@ import tf_keras
 
 from tf_asyncps.callbacks import DynamicEviction
 from tf_asyncps.layers import DynamicEmbedding
-from tf_asyncps.layers.dynamic_table import optimizer_slots
+from tf_asyncps.dynamic.table import optimizer_slots
 
 LIVE, DIM = 50, 8
 IDS = (np.arange(LIVE, dtype=np.int64) * 7919 + 10**12).reshape(25, 2)

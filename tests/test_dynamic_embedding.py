@@ -393,7 +393,7 @@ def _one_process_fit(keras_name, callbacks):
 @pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
 def test_dynamic_eviction_callback_runs_passes_in_one_process(keras_name):
     from tf_asyncps.callbacks import DynamicEviction
-    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    from tf_asyncps.dynamic.table import optimizer_slots
     layer, opt = _one_process_fit(keras_name, [DynamicEviction()])
     stats = layer.stats()
     assert stats["evicted"] == 4 and stats["live_rows"] == 4, stats
@@ -425,7 +425,7 @@ def test_eviction_resets_only_its_own_layers_slots_not_a_layer_whose_name_contai
     """Layers 'user' and 'power_user' (equal shapes, one device): the slots
     of 'user' are not those of 'power_user' (a newcomer saw an eviction in
     'user' reset 'power_user''s Adagrad accumulators)."""
-    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    from tf_asyncps.dynamic.table import optimizer_slots
     i = tf_keras.Input([2], dtype=tf.int64)
     u = DynamicEmbedding(4, capacity=6, name="user")
     pu = DynamicEmbedding(4, capacity=6, name="power_user")
@@ -500,7 +500,7 @@ def test_each_shard_gets_its_own_slots_even_two_shards_on_one_ps(legacy):
     ps tasks): an eviction in part_1 resets part_1's slots, not part_0's
     (before: both shards' slots for each, the first one used; legacy
     optimizers: none found, so nothing reset)."""
-    from tf_asyncps.layers.dynamic_table import optimizer_slots
+    from tf_asyncps.dynamic.table import optimizer_slots
     parts = [tf.Variable(tf.zeros([3, 2]), name=f"emb/table/part_{i}") for i in range(2)]
     table = tf.__internal__.distribute.ShardedVariable(parts)  # noqa: F841 (kept: slots find it)
     optimizers = tf_keras.optimizers.legacy if legacy else tf_keras.optimizers

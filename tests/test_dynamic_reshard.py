@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_asyncps.layers import dynamic_reshard
-from tf_asyncps.layers.dynamic_table import DynamicTable, _bucket
+from tf_asyncps.dynamic import reshard
+from tf_asyncps.dynamic.table import DynamicTable, _bucket
 
 IDS = np.array([3, 17, -5, 99, 10**12 + 7, 8, 9, 42], np.int64)
 
@@ -19,7 +19,7 @@ def test_plan_keeps_home_rows_moves_the_others_to_the_lowest_free_rows():
     score = tf.constant([5, 5, 5, 5], tf.int64)
     # Row 0 stays; row 3's id goes to shard 0's lowest free row (1); row 4
     # stays; row 1's id goes to shard 1's free row (3).
-    assert dynamic_reshard.plan_rows(rows, home, score, [3, 2]).numpy().tolist() == [0, 3, 1, 4]
+    assert reshard.plan_rows(rows, home, score, [3, 2]).numpy().tolist() == [0, 3, 1, 4]
 
 
 def test_plan_full_home_shard_keeps_the_highest_scores():
@@ -28,7 +28,7 @@ def test_plan_full_home_shard_keeps_the_highest_scores():
     rows = tf.constant([0, 1, 2, 3], tf.int64)
     home = tf.constant([0, 0, 0, 0], tf.int64)
     score = tf.constant([1, 7, 7, 3], tf.int64)
-    assert dynamic_reshard.plan_rows(rows, home, score, [2, 2]).numpy().tolist() == [-1, 1, 0, -1]
+    assert reshard.plan_rows(rows, home, score, [2, 2]).numpy().tolist() == [-1, 1, 0, -1]
 
 
 def _table(sizes, key_dtype=tf.int64, eviction="lfu", dim=3):
@@ -145,7 +145,7 @@ def test_slots_move_with_their_rows(tmp_path):
         slots_b, name="s")).read(path)
     b.dt.lookup(IDS[:1])  # re-homes the rows; the slots wait
     assert [bool(s.marks.slots_pending.numpy()) for s in b.dt.shards] == [True] * 3
-    dynamic_reshard.prepare_slots(b.dt, [(slots_b, 0.5)])
+    reshard.prepare_slots(b.dt, [(slots_b, 0.5)])
     assert [bool(s.marks.slots_pending.numpy()) for s in b.dt.shards] == [False] * 3
     rows_b, _ = b.dt.rows_of(tf.constant(IDS))
     full = tf.concat(slots_b, 0).numpy()

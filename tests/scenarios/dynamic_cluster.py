@@ -124,7 +124,7 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad", num_w
             # Free rows: fresh initializer values (zeros) and fresh slots.
             free_rows, free_slots = [], []
             slots = [s for v in model.trainable_variables[:len(table.shards)]
-                     for s in tf_asyncps.layers.dynamic_table.optimizer_slots(opt, v)]
+                     for s in tf_asyncps.dynamic.table.optimizer_slots(opt, v)]
             for i, shard in enumerate(table.shards):
                 free = np.flatnonzero(shard.count.numpy() == 0)
                 free_rows.append(float(np.abs(shard.var.numpy()[free]).max(initial=0)))
@@ -302,7 +302,7 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
         for shard in layer.dynamic_table.shards:
             free = np.flatnonzero(shard.count.numpy() == 0)
             free_rows.append(float(np.abs(shard.var.numpy()[free]).max(initial=0)))
-            for slot, value in tf_asyncps.layers.dynamic_table.optimizer_slots(
+            for slot, value in tf_asyncps.dynamic.table.optimizer_slots(
                     model.optimizer, shard.var):
                 free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
         return {"max_diff": float(np.abs(model.predict(x, verbose=0)
@@ -394,7 +394,7 @@ def _table_state(model):
     """{id: (row values, Adagrad accumulator row)} of the live ids, and the
     table's invariants: each id once, on its home shard; the accumulators of
     free rows at their initial value."""
-    from tf_asyncps.layers import dynamic_table as dt
+    from tf_asyncps.dynamic import table as dt
     layer, opt = model.layers[1], model.optimizer
     table = layer.dynamic_table
     n = len(table.shards)
@@ -527,7 +527,7 @@ def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad"):
         """{id: (row, slot rows...)} of the live ids."""
         out = {}
         for s in layer.dynamic_table.shards:
-            slots = tf_asyncps.layers.dynamic_table.optimizer_slots(model.optimizer, s.var)
+            slots = tf_asyncps.dynamic.table.optimizer_slots(model.optimizer, s.var)
             count, keys, rows = s.count.numpy(), s.key.numpy(), s.var.numpy()
             values = [slot.numpy() for slot, _ in sorted(slots, key=lambda p: p[0].name)]
             for r in np.flatnonzero(count > 0):

@@ -4,7 +4,7 @@ Keras 3's own ``BackupAndRestore`` writes ``latest.weights.h5``, which holds
 variables by position: a ``DynamicEmbedding``'s id -> row map cannot be one
 of them, so that layer refuses such files. :class:`CheckpointBackup` does the
 same job with ``tf.train.Checkpoint`` (model and optimizer), which holds the
-map, the live rows and their optimizer slots (layers/dynamic_state.py), as
+map, the live rows and their optimizer slots (dynamic/checkpoint.py), as
 tf_keras's ``BackupAndRestore`` does.
 """
 

@@ -1,7 +1,7 @@
 """Eviction passes of DynamicEmbedding tables in a ``fit`` without the strategy.
 
 Under AsyncParameterServerStrategy a table's eviction pass runs on its ps
-after the updates (tf_asyncps/layers/dynamic_table.py). In one process
+after the updates (tf_asyncps/dynamic/table.py). In one process
 (plain ``fit``, ``tf-asyncps reference``) nothing runs it, so a full table
 would refuse new ids for good; :class:`DynamicEviction` runs it there.
 """
@@ -9,7 +9,7 @@ would refuse new ids for good; :class:`DynamicEviction` runs it there.
 import numpy as np
 import tf_keras
 
-from tf_asyncps.layers import dynamic_table as dt
+from tf_asyncps.dynamic import table as dt
 
 __all__ = ["DynamicEviction", "dynamic_layers"]
 

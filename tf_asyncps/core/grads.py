@@ -62,7 +62,7 @@ def mark_rows_on_ps(indices) -> None:
     """Marks ``indices`` (a 1-D int tensor built on a ps, in a traced graph)
     as distinct rows of a variable gathered on that ps: the gradient's
     IndexedSlices then keeps them there (:func:`rows_on_ps`). A dynamic
-    table's lookup marks its rows (``layers/dynamic_table.py``)."""
+    table's lookup marks its rows (``dynamic/table.py``)."""
     if not tf.executing_eagerly():
         _ON_PS.setdefault(indices.graph, set()).add(indices.name)
 

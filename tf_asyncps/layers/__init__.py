@@ -9,7 +9,7 @@
 """
 
 from tf_asyncps.layers import dynamic_embedding as _dynamic_embedding
-from tf_asyncps.layers.dynamic_table import DynamicTable
+from tf_asyncps.dynamic.table import DynamicTable
 
 DynamicEmbedding = _dynamic_embedding.PICKED
 """``DynamicEmbedding(output_dim, capacity, key_dtype=tf.int64, min_count=1,

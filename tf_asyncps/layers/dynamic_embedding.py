@@ -2,7 +2,7 @@
 strings) in a table of fixed capacity, with admission and eviction.
 
 The table and its map live on the parameter servers (see
-:mod:`tf_asyncps.layers.dynamic_table` for the design and its sources).
+:mod:`tf_asyncps.dynamic.table` for the design and its sources).
 This module holds the tf_keras layer; ``tf_asyncps.keras3.DynamicEmbedding``
 is the Keras 3 one (same arguments, same behaviour; :func:`keras3_layer`).
 """
@@ -12,12 +12,12 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.layers import dynamic_init
-from tf_asyncps.layers import dynamic_local
-from tf_asyncps.layers import dynamic_reshard
-from tf_asyncps.layers import dynamic_state
+from tf_asyncps.dynamic import checkpoint as dynamic_state
+from tf_asyncps.dynamic import generations as dynamic_local
+from tf_asyncps.dynamic import initializers as dynamic_init
+from tf_asyncps.dynamic import reshard as dynamic_reshard
+from tf_asyncps.dynamic import table as dt
 from tf_asyncps.layers import keras_choice
-from tf_asyncps.layers import dynamic_table as dt
 
 __all__ = ["DynamicEmbedding", "PICKED", "attach_to_strategy", "keras3_layer"]
 
@@ -235,7 +235,7 @@ class DynamicEmbedding(_Mixin, _tf_keras().layers.Layer):
         again for a row when it is evicted: every elementwise one (zeros,
         uniform, he_normal, glorot_uniform, ...; a reset row's elements follow
         its distribution with the whole table's fans, see
-        ``tf_asyncps.layers.dynamic_init``), or a callable ``f(shape, dtype)``
+        ``tf_asyncps.dynamic.initializers``), or a callable ``f(shape, dtype)``
         taking a shape tensor.
       ttl_steps: None, or int >= 1: rows unseen for this many global steps are
         evicted at the next pass.

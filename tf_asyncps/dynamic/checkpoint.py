@@ -26,7 +26,7 @@ A restore gives every row of the table fresh initializer values (every
 slot row its initial value) and then the saved rows at their global rows;
 each shard's free stack is rebuilt from the counts, its lowest free row on
 top. Onto another number of shards the rows keep their global row here,
-and dynamic_reshard.py re-homes them at the first lookup, as before.
+and reshard.py re-homes them at the first lookup, as before.
 
 The table meets its optimizer (:func:`track_optimizer`) when an update is
 traced under AsyncParameterServerStrategy (the engine's before- and
@@ -45,7 +45,7 @@ import tensorflow as tf
 from tf_asyncps.compat import tensorflow_checkpoint
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
-from tf_asyncps.layers import slots as slots_lib
+from tf_asyncps.dynamic import slots as slots_lib
 
 __all__ = ["save_state", "restore_state", "check_entry", "file_entries", "load_file_entries",
            "track_optimizer", "slot_sets", "COUNTERS", "process_state"]
@@ -309,7 +309,7 @@ def _put_slots(table, sets, rows, slots) -> tf.Operation:
 def restore_state(table, restored) -> tf.Operation:
     """Puts a checkpoint's entry (:func:`save_state`'s) into the table, its
     shards and, once the table has met its optimizer, its slots; marks the
-    shards for dynamic_reshard.rehome if it was saved on other shards.
+    shards for reshard.rehome if it was saved on other shards.
 
     Raises:
       tf.errors.InvalidArgumentError: the checkpoint's table has another

@@ -1,7 +1,7 @@
 """A DynamicTable restored onto another number of shards.
 
 A checkpoint holds the table's live rows by global row, with their keys,
-counts and last steps and their optimizer slots (dynamic_state.py). A
+counts and last steps and their optimizer slots (checkpoint.py). A
 restore onto the same shards brings everything back as it was; onto another
 number of shards it brings back the rows, keys, counts and last steps by
 global row, and marks every shard: the first lookup after it (or eviction
@@ -146,7 +146,7 @@ def _scatter(shards, parts, rows, values):
 
 def rehome(table, home_of) -> tf.Operation:
     """Re-homes every live id onto this table's shards (module docstring);
-    run once, in shard 0's critical section, after dynamic_state.restore_state
+    run once, in shard 0's critical section, after checkpoint.restore_state
     marked the shards. ``home_of(ids)``: int64 home shard of each id."""
     shards, n = table.shards, len(table.shards)
     live = [tf.where(s.count > 0)[:, 0] for s in shards]

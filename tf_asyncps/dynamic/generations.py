@@ -140,7 +140,7 @@ class LocalGuard:
     def slots(self, optimizer):
         """``[(slot variable, initial value)]``: ``optimizer``'s slots of the
         shard (made on the chief under ``local_sgd``: any device)."""
-        from tf_asyncps.layers import slots as slots_lib
+        from tf_asyncps.dynamic import slots as slots_lib
         return slots_lib.optimizer_slots(optimizer, self.shard.var, any_device=True)
 
 

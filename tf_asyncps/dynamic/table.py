@@ -63,10 +63,10 @@ from tf_asyncps.compat import tensorflow_checkpoint
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
-from tf_asyncps.layers import dynamic_local
-from tf_asyncps.layers import dynamic_reshard as reshard_lib
-from tf_asyncps.layers import dynamic_state as state_lib
-from tf_asyncps.layers import slots as slots_lib
+from tf_asyncps.dynamic import checkpoint as checkpoint_lib
+from tf_asyncps.dynamic import generations
+from tf_asyncps.dynamic import reshard as reshard_lib
+from tf_asyncps.dynamic import slots as slots_lib
 
 __all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
 
@@ -133,7 +133,7 @@ class _Shard(tf.Module):
     """The map and metadata beside one table shard (rows ``offset`` ..
     ``offset + rows - 1`` of the table), all on that shard's ps. Its index
     is checkpointed with it; its variables (Keras weights of the layer) are
-    checkpointed by the table, live rows only (dynamic_state.py); the lock
+    checkpointed by the table, live rows only (checkpoint.py); the lock
     and the restore marks are not."""
 
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
@@ -175,13 +175,13 @@ class _Shard(tf.Module):
             for attr in ("live", "refused", "passes", "evicted"):
                 variable(attr, scalar)
             # Restore marks (not weights): the shard count of a checkpoint
-            # restored onto other shards (0: none; dynamic_reshard.rehome
-            # runs first), and slots still to move (dynamic_reshard.move_slots).
+            # restored onto other shards (0: none; reshard.rehome
+            # runs first), and slots still to move (reshard.move_slots).
             untracked("marks", types.SimpleNamespace(
                 pending=tf.Variable(scalar, trainable=False, name=f"{name}_pending"),
                 slots_pending=tf.Variable(False, trainable=False,
                                           name=f"{name}_slots_pending")))
-        dynamic_local.add_generations(self, var, name, local_copies)
+        generations.add_generations(self, var, name, local_copies)
         with tf.init_scope(), tf.device(var.device):
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
@@ -333,7 +333,7 @@ class DynamicTable(tf.Module):
       initializer: ``initializer(shape, dtype)`` giving an evicted row its
         fresh values.
       name: prefix of the map's variables.
-      local_copies: under ``local_sgd`` (:mod:`tf_asyncps.layers.dynamic_local`).
+      local_copies: under ``local_sgd`` (:mod:`tf_asyncps.dynamic.generations`).
     """
 
     def __init__(self, table, *, key_dtype, min_count: int, eviction: str, evict_every: int,
@@ -352,24 +352,25 @@ class DynamicTable(tf.Module):
             self.shards.append(_Shard(var, offset, key_dtype, min_count, len(parts),
                                       f"{name}_{i}", local_copies))
             offset += int(var.shape[0])
-        # Not model state (see dynamic_reshard.py, dynamic_state.py).
+        # Not model state (see reshard.py, checkpoint.py).
         tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
             parts[0], name))
-        tf_compat.set_untracked_attribute(self, "saving", state_lib.process_state(parts[0], name))
+        tf_compat.set_untracked_attribute(self, "saving",
+                                          checkpoint_lib.process_state(parts[0], name))
         for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
             tensorflow_checkpoint.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.
         self.state = tensorflow_checkpoint.checkpointed_tensors(
-            lambda: state_lib.save_state(self),
-            lambda restored: state_lib.restore_state(self, restored),
-            lambda names: state_lib.check_entry(self, names))
+            lambda: checkpoint_lib.save_state(self),
+            lambda restored: checkpoint_lib.restore_state(self, restored),
+            lambda names: checkpoint_lib.check_entry(self, names))
 
     @property
     def table(self):
         """The table variable (``tf.Variable`` or ``ShardedVariable``)."""
         return self.refs.table
 
-    # -- a restore onto other shards (dynamic_reshard.py) -------------------------
+    # -- a restore onto other shards (reshard.py) -------------------------
     def prepare(self) -> None:
         """Re-homes the table now (eagerly) if a restore onto another number
         of shards is pending; every lookup and eviction pass calls it as it
@@ -378,12 +379,12 @@ class DynamicTable(tf.Module):
 
     def before_update(self, optimizer, variables):
         """The engine's before-update hook (traced with the update): slot rows
-        a restore kept waiting put in (dynamic_state.track_optimizer), then the
+        a restore kept waiting put in (checkpoint.track_optimizer), then the
         slots of rows a restore onto other shards moved, moved; eagerly, once."""
         if not any(self.owns(v) for v in variables):
             return None
-        state_lib.track_optimizer(self, optimizer, variables)
-        return reshard_lib.prepare_slots(self, state_lib.slot_sets(self, optimizer))
+        checkpoint_lib.track_optimizer(self, optimizer, variables)
+        return reshard_lib.prepare_slots(self, checkpoint_lib.slot_sets(self, optimizer))
 
     def reshard_stats(self) -> dict:
         """The last restore onto other shards in this process (eager; ints):
@@ -440,7 +441,7 @@ class DynamicTable(tf.Module):
         Args:
           ids: 1-D distinct ids of the key dtype.
           serving: a SavedModel export traces this: only the index is read
-            (dynamic_reshard.prepare_export made it whole).
+            (reshard.prepare_export made it whole).
 
         Returns:
           (rows, found): int64 [n] global rows (-1: none), bool [n].
@@ -473,7 +474,7 @@ class DynamicTable(tf.Module):
         critical section) and gathers them: an id crosses to its ps once, its row
         (and a found bit) comes back."""
         ids = self.check_ids(ids)
-        if not serving:  # (an export: dynamic_reshard.prepare_export did it)
+        if not serving:  # (an export: reshard.prepare_export did it)
             self.prepare()
         unique, position = tf.unique(tf.reshape(ids, [-1]))
         if not training:
@@ -490,7 +491,7 @@ class DynamicTable(tf.Module):
                 with tf.device(shard.device):  # a step variable read here: ps -> ps at most
                     step_now = tf.constant(0, tf.int64) if step is None else tf.cast(
                         step.read_value() if hasattr(step, "read_value") else step, tf.int64)
-                    rows, found = dynamic_local.find_in_training(shard, part, step_now)
+                    rows, found = generations.find_in_training(shard, part, step_now)
                     local = tf.boolean_mask(rows, found) - shard.offset
                     grads_lib.mark_rows_on_ps(local)  # the gradient's rows stay here
                     # Distinct already: not the strategy's de-duplicating read.
