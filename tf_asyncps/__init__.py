@@ -8,8 +8,9 @@ Public API (see README.md):
 * :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.optimizers` (LockingOptimizer),
   :mod:`tf_asyncps.cluster` (LocalCluster, its ``supervise``), :mod:`tf_asyncps.callbacks`.
 * :mod:`tf_asyncps.layers`: ``DynamicEmbedding`` (raw ids, fixed capacity,
-  admission and eviction on the ps); ``tf_asyncps.keras3.DynamicEmbedding``
-  for Keras 3.
+  admission and eviction on the ps), ``EmbeddingCollection`` (many features'
+  tables in one); ``tf_asyncps.keras3.DynamicEmbedding`` and
+  ``tf_asyncps.keras3.EmbeddingCollection`` for Keras 3.
 * :mod:`tf_asyncps.keras3`: Keras 3 ``model.fit``/``evaluate``/``predict`` on
   parameter servers (a model compiled in the strategy's scope gets them);
   :class:`DatasetFn`, its per-worker input.
@@ -66,17 +67,21 @@ def __dir__():
 
 
 def _register_layers():
-    """Makes DynamicEmbedding's class for each Keras this process has already
-    imported, which registers it ("tf_asyncps>DynamicEmbedding"), so that a
+    """Makes DynamicEmbedding's and EmbeddingCollection's classes for each Keras
+    this process has already imported, which registers them
+    ("tf_asyncps>DynamicEmbedding", ...), so that a
     model file loaded after ``import tf_asyncps`` finds it. A Keras not yet
     imported is not imported here (import time): a process that imports
     tf_asyncps first imports ``tf_asyncps.layers`` (tf_keras) or
     ``tf_asyncps.keras3`` (Keras 3) before loading."""
+    layers = ("tf_asyncps.layers.dynamic_embedding", "tf_asyncps.layers.embedding_collection")
     if "tf_keras" in sys.modules:
-        importlib.import_module("tf_asyncps.layers.dynamic_embedding")
+        for name in layers:
+            importlib.import_module(name)
     keras = sys.modules.get("keras")
     if keras is not None and str(getattr(keras, "__version__", "")).startswith("3."):
-        importlib.import_module("tf_asyncps.layers.dynamic_embedding").keras3_layer()
+        for name in layers:
+            importlib.import_module(name).keras3_layer()
 
 
 _register_layers()

@@ -12,19 +12,21 @@ Plain Keras 3 code with only the strategy added::
 A model compiled inside ``AsyncParameterServerStrategy.scope()`` gets this
 package's ``fit``/``evaluate``/``predict`` (``trainer.py``); input forms are
 in ``data.py`` (``DatasetFn``: one pipeline per worker), the callback rules
-in ``tf_asyncps/callbacks/keras3.py``; ``DynamicEmbedding`` is
-``tf_asyncps.layers.DynamicEmbedding`` for Keras 3. Keras internals it needs
-are in ``tf_asyncps/compat/keras.py``.
+in ``tf_asyncps/callbacks/keras3.py``; ``DynamicEmbedding`` and
+``EmbeddingCollection`` are ``tf_asyncps.layers``' layers for Keras 3. Keras
+internals it needs are in ``tf_asyncps/compat/keras.py``.
 """
 
 from tf_asyncps.keras3.data import DatasetFn
 from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
 from tf_asyncps.layers.dynamic_embedding import keras3_layer as _keras3_layer
+from tf_asyncps.layers.embedding_collection import keras3_layer as _keras3_collection
 
 # Made (and registered with Keras 3, as "tf_asyncps>DynamicEmbedding") when this
 # package is imported: a process loading a .keras file imports it first.
 # Documented with tf_asyncps.layers.
 DynamicEmbedding = _keras3_layer()
+EmbeddingCollection = _keras3_collection()
 
 __all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]

@@ -6,9 +6,14 @@
   Kerases: it makes the tf_keras layer or the Keras 3 one
   (``tf_asyncps.keras3.DynamicEmbedding``) by the rule of
   :mod:`tf_asyncps.layers.keras_choice` (``keras=`` to say which).
+* :class:`EmbeddingCollection`: many categorical features' tables in one
+  table (rows offset per feature): one lookup and one gradient push per
+  shard per step whatever the number of features; both Kerases, the same
+  rule (``tf_asyncps.keras3.EmbeddingCollection`` for Keras 3).
 """
 
 from tf_asyncps.layers import dynamic_embedding as _dynamic_embedding
+from tf_asyncps.layers import embedding_collection as _embedding_collection
 from tf_asyncps.dynamic.table import DynamicTable
 
 DynamicEmbedding = _dynamic_embedding.PICKED
@@ -20,4 +25,12 @@ ttl_steps=None, keras=None)``: the tf_keras layer
 of :mod:`tf_asyncps.layers.keras_choice`; ``isinstance`` holds for both. The
 arguments, the call and the errors: the classes' docstrings."""
 
-__all__ = ["DynamicEmbedding", "DynamicTable"]
+EmbeddingCollection = _embedding_collection.PICKED
+"""``EmbeddingCollection(input_dims, output_dim, *, embeddings_initializer="uniform",
+name=None, keras=None)``: the tf_keras layer
+(``tf_asyncps.layers.embedding_collection.EmbeddingCollection``) or the Keras 3
+one (``tf_asyncps.keras3.EmbeddingCollection``), picked as ``DynamicEmbedding``
+is; ``isinstance`` holds for both. The arguments, the call and the errors: the
+classes' docstrings."""
+
+__all__ = ["DynamicEmbedding", "DynamicTable", "EmbeddingCollection"]

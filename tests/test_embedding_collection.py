@@ -1,0 +1,249 @@
+"""EmbeddingCollection (issue 39): many features' tables in one table.
+
+Fast tier, in one process: training equals F separate Embedding layers
+trained the same way (SGD, Adagrad, Adam; tf_keras and Keras 3); an id out of
+its feature's range is refused naming the feature, its range and the id
+(eager and traced); bad constructor arguments name the argument; config,
+checkpoint, Keras file and SavedModel round trips; ``export`` per feature; the
+strategy's row read (core/lookup) reads the one table once per step.
+Cluster tier (one small test, 1 worker, 2 ps, the table split over both):
+the strategy's fit equals one-process training, with one gather and one
+gradient push per shard per step (tests/scenarios/embedding_collection.py).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
+from tf_asyncps.core import lookup
+from tf_asyncps.layers import embedding_collection as ec_lib
+
+from conftest import run_scenario
+
+keras = pytest.importorskip("keras")
+
+DIMS = [5, 3, 7]  # three features; the table has 15 rows
+DIM = 4
+STEPS, BATCH = 5, 6
+
+
+def _problem(seed=0):
+    rng = np.random.RandomState(seed)
+    # Few distinct ids per column: every batch repeats ids within a feature,
+    # and features share id values (different rows all the same).
+    ids = np.stack([rng.randint(0, min(d, 3), STEPS * BATCH) for d in DIMS], 1)
+    ys = rng.uniform(-1, 1, (STEPS * BATCH, 1)).astype(np.float32)
+    table = rng.uniform(-0.5, 0.5, (sum(DIMS), DIM)).astype(np.float32)
+    kernel = rng.uniform(-0.5, 0.5, (len(DIMS) * DIM, 1)).astype(np.float32)
+    return ids.astype(np.int64), ys, table, kernel
+
+
+def _offsets():
+    return np.cumsum([0] + DIMS[:-1])
+
+
+def _models(K, collection_cls, table, kernel):
+    """(the collection model, the model of F Embedding layers), same weights."""
+    const = K.initializers.Constant
+    inp = K.Input((len(DIMS),), dtype="int64")
+    rows = collection_cls(DIMS, DIM, embeddings_initializer=const(table), name="tables")(inp)
+    one = K.Model(inp, K.layers.Dense(1, use_bias=False, kernel_initializer=const(kernel))(
+        K.layers.Flatten()(rows)))
+    inp = K.Input((len(DIMS),), dtype="int64")
+    cols = [K.layers.Embedding(d, DIM, embeddings_initializer=const(table[o:o + d]))(
+        K.layers.Lambda(lambda x, f=f: x[:, f])(inp)) for f, (d, o) in enumerate(
+            zip(DIMS, _offsets()))]
+    flat = K.layers.Concatenate()(cols)  # [batch, F * DIM], feature by feature
+    many = K.Model(inp, K.layers.Dense(1, use_bias=False, kernel_initializer=const(kernel))(flat))
+    return one, many
+
+
+KERASES = {"tf_keras": (tf_keras, ec_lib.EmbeddingCollection),
+           "keras3": (keras, ec_lib.keras3_layer())}
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_training_equals_separate_embedding_layers(keras_name):
+    K, cls = KERASES[keras_name]
+    ids, ys, table, kernel = _problem()
+    makers = {"sgd": lambda: K.optimizers.SGD(0.3), "adagrad": lambda: K.optimizers.Adagrad(0.3),
+              "adam": lambda: K.optimizers.Adam(0.05)}
+    for opt_name, make in makers.items():
+        one, many = _models(K, cls, table, kernel)
+        for m in (one, many):
+            # Eager steps: the same updates without tracing 12 models (the
+            # traced read is tested below).
+            m.compile(make(), "mse", run_eagerly=True)
+            m.fit(ids, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        layer = one.get_layer("tables")
+        got = layer.export()
+        tables = [l for l in many.layers if isinstance(l, K.layers.Embedding)]
+        for f, t in enumerate(tables):
+            want = np.asarray(t.embeddings.numpy())
+            np.testing.assert_allclose(got[f], want, atol=1e-6, err_msg=f"{opt_name}, feature {f}")
+            assert np.max(np.abs(want - table[_offsets()[f]:][:DIMS[f]])) > 1e-3  # it trained
+        np.testing.assert_allclose(np.asarray(one(ids)), np.asarray(many(ids)), atol=1e-6,
+                                   err_msg=opt_name)
+        np.testing.assert_allclose(one.layers[-1].kernel.numpy(), many.layers[-1].kernel.numpy(),
+                                   atol=1e-6, err_msg=opt_name)
+
+
+def _ids_of(shape_rows=4, seed=1):
+    rng = np.random.RandomState(seed)
+    return np.stack([rng.randint(0, d, shape_rows) for d in DIMS], 1).astype(np.int64)
+
+
+def _layer(keras_name, **kwargs):
+    layer = KERASES[keras_name][1](DIMS, DIM, **kwargs)
+    layer(_ids_of())
+    return layer
+
+
+def _table_of(layer):
+    return np.concatenate([layer.export()[f] for f in range(len(DIMS))], 0)
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_rows_are_the_features_rows_of_one_table_and_export_splits_it(keras_name):
+    layer = _layer(keras_name)
+    table = np.asarray(layer.embeddings.numpy())
+    assert table.shape == (sum(DIMS), DIM) and table.dtype == np.float32
+    assert "embeddings" in layer.embeddings.name  # route's default sparse_names
+    ids = _ids_of(seed=3).astype(np.int32)  # int32 ids too
+    out = np.asarray(layer(ids))
+    assert out.shape == (4, len(DIMS), DIM) and out.dtype == np.float32
+    np.testing.assert_array_equal(out, table[ids + _offsets()])
+    tables = layer.export()
+    assert sorted(tables) == [0, 1, 2]
+    for f, o in enumerate(_offsets()):
+        np.testing.assert_array_equal(tables[f], table[o:o + DIMS[f]])
+        np.testing.assert_array_equal(layer.feature_table(f), tables[f])
+    with pytest.raises(ValueError, match=r"feature=3 is not a feature index in \[0, 3\)"):
+        layer.feature_table(3)
+    # Mixed precision: the table stays float32, rows come in the compute dtype.
+    mixed = _layer(keras_name, dtype="mixed_float16")
+    assert np.asarray(mixed.embeddings.numpy()).dtype == np.float32
+    assert mixed(_ids_of()).dtype == tf.float16
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_an_id_out_of_its_features_range_is_refused_naming_the_feature(keras_name):
+    layer = _layer(keras_name)
+    traced = tf.function(lambda ids: layer(ids))
+    # Column 1 takes [0, 3): 3 is refused there though rows 5..7 exist (feature 1's rows).
+    bad = np.array([[0, 1, 2], [4, 3, 6]], np.int64)
+    want = r"feature 1 \(column 1 of the ids\) takes ids in \[0, 3\) \(input_dims\[1\]\), got id 3"
+    for call in (layer, traced):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=want):
+            call(bad)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"feature 2 .* takes ids in \[0, 7\) .*got id -1"):
+        traced(tf.constant([[0, 0, -1]], tf.int32))
+    np.testing.assert_array_equal(np.asarray(traced(bad[:1])), np.asarray(layer(bad[:1])))
+    with pytest.raises(TypeError, match="ids must be int32 or int64, got float32"):
+        layer(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"shape \[batch, 3\]"):
+        layer(np.zeros((2, 4), np.int64))
+
+
+@pytest.mark.parametrize("args, match", [
+    (([], 4), r"input_dims must be a non-empty list"),
+    ((5, 4), r"input_dims must be a non-empty list"),
+    (([5, 0, 3], 4), r"input_dims\[1\] is 0"),
+    (([5, -2], 4), r"input_dims\[1\] is -2"),
+    (([5, True], 4), r"input_dims\[1\] is True"),
+    (([5, 2.0], 4), r"input_dims\[1\] is 2.0"),
+    (([5, 3], 0), r"output_dim must be an int >= 1"),
+    (([5, 3], False), r"output_dim=False"),
+])
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_bad_arguments_are_refused_naming_the_argument(keras_name, args, match):
+    with pytest.raises(ValueError, match=match):
+        KERASES[keras_name][1](*args)
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_config_round_trip_and_the_name_for_both_kerases(keras_name):
+    K, cls = KERASES[keras_name]
+    layer = cls(np.array(DIMS), DIM, embeddings_initializer="zeros", name="ec")
+    config = layer.get_config()
+    assert config["input_dims"] == DIMS and config["output_dim"] == DIM
+    again = cls.from_config(config)
+    assert type(again) is cls and again.get_config() == config
+    picked = tf_asyncps.layers.EmbeddingCollection.from_config(config, keras=keras_name)
+    assert type(picked) is cls
+    made = tf_asyncps.layers.EmbeddingCollection(DIMS, DIM, keras=keras_name)
+    assert type(made) is cls and isinstance(made, tf_asyncps.layers.EmbeddingCollection)
+    assert np.all(np.asarray(again(_ids_of())) == 0)
+    if keras_name == "keras3":
+        assert tf_asyncps.keras3.EmbeddingCollection is cls
+        assert keras.saving.get_registered_object("tf_asyncps>EmbeddingCollection") is cls
+    else:
+        assert tf_keras.saving.get_registered_object("tf_asyncps>EmbeddingCollection") is cls
+    other = tf_keras if keras_name == "keras3" else keras
+    with pytest.raises(TypeError, match=r"keras=\\?\"" + ("tf_keras" if keras_name == "keras3"
+                                                         else "keras3")):
+        layer(other.Input((3,), dtype="int64"))
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+def test_checkpoint_keras_file_and_saved_model_round_trips(keras_name, tmp_path):
+    K, cls = KERASES[keras_name]
+    ids = _ids_of(seed=5)
+    inp = K.Input((len(DIMS),), dtype="int64")
+    model = K.Model(inp, cls(DIMS, DIM, name="ec")(inp))
+    want = np.asarray(model(ids))
+    table = _table_of(model.get_layer("ec"))
+
+    # tf.train.Checkpoint onto a layer with other values.
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    inp = K.Input((len(DIMS),), dtype="int64")
+    other = K.Model(inp, cls(DIMS, DIM, name="ec", embeddings_initializer="ones")(inp))
+    tf.train.Checkpoint(model=other).restore(path).assert_existing_objects_matched()
+    np.testing.assert_array_equal(_table_of(other.get_layer("ec")), table)
+
+    # Keras's own file: the class is found by its registered name.
+    model.save(str(tmp_path / "m.keras"))
+    loaded = K.models.load_model(str(tmp_path / "m.keras"))
+    assert type(loaded.get_layer("ec")) is cls
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), want)
+
+    # A SavedModel served with no Keras layer in the loop.
+    export = str(tmp_path / "saved")
+    if keras_name == "keras3":
+        model.export(export, verbose=False)
+        restored = tf.saved_model.load(export)  # held: its functions use its variables
+        served = restored.serve(tf.constant(ids))
+    else:
+        tf.saved_model.save(model, export)
+        restored = tf.saved_model.load(export)
+        served = restored(tf.constant(ids))
+    np.testing.assert_array_equal(np.asarray(served), want)
+
+
+def test_the_strategys_row_read_reads_the_one_table_once():
+    """The strategy makes each table's (or shard's) row reads read distinct
+    ids once (core/lookup.read_distinct_rows): with the collection, one
+    Unique and one gather per step for all F features, the same rows and
+    gradient as the plain read."""
+    ids = np.array([[1, 2, 6], [1, 2, 6], [4, 0, 0]], np.int64)
+    plain, deduped = _layer("tf_keras"), _layer("tf_keras")
+    deduped.set_weights(plain.get_weights())
+    assert lookup.read_distinct_rows(deduped.embeddings)
+
+    def step(layer):
+        @tf.function
+        def run(ids):
+            with tf.GradientTape() as tape:
+                out = layer(ids)
+                loss = tf.reduce_sum(out * tf.range(1.0, DIM + 1))
+            return out, tf.convert_to_tensor(tape.gradient(loss, layer.embeddings))
+        return run
+
+    run_p, run_d = step(plain), step(deduped)
+    for a, b in zip(run_p(ids), run_d(ids)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    ops = [op.type for op in run_d.get_concrete_function(ids).graph.get_operations()]
+    assert ops.count("ResourceGather") == 1 and ops.count("Unique") == 1
