@@ -249,8 +249,8 @@ def test_resume_progress_read_at_an_epoch_end_is_never_an_epoch_ahead(tmp_path):
 def test_leaving_a_connected_cluster_closes_this_process_log_files(tmp_path, monkeypatch):
     """Before: the deferred stop returned before closing the parent's log
     handles (the tasks keep writing through their own descriptors)."""
-    from tf_asyncps.cluster import local
-    cluster = local.LocalCluster(1, 1, log_dir=str(tmp_path))
+    from tf_asyncps.cluster import launcher
+    cluster = launcher.LocalCluster(1, 1, log_dir=str(tmp_path))
 
     class Alive:
         pid = 1
@@ -261,7 +261,7 @@ def test_leaving_a_connected_cluster_closes_this_process_log_files(tmp_path, mon
     cluster.procs["ps:0"] = Alive()
     log = open(cluster.log_path("ps:0"), "ab")
     cluster._logs["ps:0"] = log
-    monkeypatch.setattr(local.tf_compat, "context_connected", lambda: True)
+    monkeypatch.setattr(launcher.tf_compat, "context_connected", lambda: True)
     cluster.stop(defer_if_connected=True)
     assert log.closed and cluster._logs == {}
 

@@ -22,7 +22,7 @@ Modules, from the bottom up (each imports only those above it in this list):
 * :mod:`~tf_asyncps.cluster.netns`: several hosts on one Linux machine
   (``NetnsHosts``: network namespaces with their own addresses and an
   optional rate limit per link).
-* :mod:`~tf_asyncps.cluster.local`: ``LocalCluster``, a real cluster of local
+* :mod:`~tf_asyncps.cluster.launcher`: ``LocalCluster``, a real cluster of local
   processes, and its supervisor.
 
 This package only re-exports their public names.
@@ -31,7 +31,7 @@ This package only re-exports their public names.
 from tf_asyncps.cluster.config import (
     ROLES, ClusterConfig, cluster_resolver, tf_config_from_env, validate_tf_config,
     warn_evaluators)
-from tf_asyncps.cluster.local import LocalCluster
+from tf_asyncps.cluster.launcher import LocalCluster
 from tf_asyncps.cluster.netns import NetnsHosts
 from tf_asyncps.cluster.network import (
     check_own_address, exposed_addresses, host_is_local, is_loopback, warn_if_exposed)
