@@ -8,8 +8,8 @@ Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit);
 importable without TensorFlow being imported first.
 """
 
+import contextvars
 import functools
-import threading
 
 __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
            "writing_checkpoint", "sharded_container"]
@@ -140,7 +140,10 @@ def saved_elsewhere(obj) -> bool:
     return bool(getattr(obj, _ELSEWHERE, False))
 
 
-_DEPTH = threading.local()  # .export, .write: calls under way in this thread
+# Calls under way in this thread (a new thread starts at 0, as a
+# threading.local did); each hooked call sets one more and restores.
+_DEPTH = {"export": contextvars.ContextVar("tf_asyncps.export_depth", default=0),
+          "write": contextvars.ContextVar("tf_asyncps.write_depth", default=0)}
 
 
 def in_saved_model_export() -> bool:
@@ -150,25 +153,26 @@ def in_saved_model_export() -> bool:
     that context (``tf.saved_model.save`` and tf_keras's SavedModel saves
     both go through it; hooked by :func:`save_elsewhere`)."""
     from tensorflow.python.saved_model import save_context
-    return save_context.in_save_context() or getattr(_DEPTH, "export", 0) > 0
+    return save_context.in_save_context() or _DEPTH["export"].get() > 0
 
 
 def writing_checkpoint() -> bool:
     """Whether ``TrackableSaver.save`` (``tf.train.Checkpoint.write/save``,
     tf_keras ``save_weights``) is writing a checkpoint now, not for a
     SavedModel export."""
-    return getattr(_DEPTH, "write", 0) > 0 and not in_saved_model_export()
+    return _DEPTH["write"].get() > 0 and not in_saved_model_export()
 
 
 def _counting(attr):
     def make_hook(original):
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            setattr(_DEPTH, attr, getattr(_DEPTH, attr, 0) + 1)
+            depth = _DEPTH[attr]
+            token = depth.set(depth.get() + 1)
             try:
                 return original(*args, **kwargs)
             finally:
-                setattr(_DEPTH, attr, getattr(_DEPTH, attr) - 1)
+                depth.reset(token)
         return counted
     return make_hook
 

@@ -8,6 +8,8 @@ one concept per module:
 * ``protocol.py``: the update-policy protocol the engine calls (``UpdatePolicy``,
   ``StepInfo``, ``Decision``);
 * ``step.py``: the worker step's trace-time context and the optimizer hooks;
+* ``trace_context.py``: what is current while a step is traced (the step, the
+  non-finite check, ...): one ContextVar each, one way to enter and restore;
 * ``staleness.py``: the global step and the τ histograms on the PS;
 * ``nonfinite_guard.py``: the non-finite check as one cond per variable, on its
   ps task;

@@ -39,6 +39,8 @@ class ClosureAccounting:
 
     def __init__(self, num_workers: int):
         self._lock = threading.Lock()
+        # Per thread, not per trace: each of the coordinator's worker threads
+        # serves one worker for its life and says which (on_process, below).
         self._local = threading.local()
         self._retried = 0
         self._failures = [0] * num_workers

@@ -16,21 +16,18 @@ runs, :func:`in_single_update` is True and the strategy's
 sum through.
 """
 
-import threading
-
 import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import trace_context
 from tf_asyncps.core.step import WorkerStep
 
 __all__ = ["ReplicaGroup", "replicated_step", "apply_replicated", "in_single_update"]
 
-_single_update = threading.local()
-
 
 def in_single_update() -> bool:
     """True while a K-replica step's one update runs on this thread."""
-    return getattr(_single_update, "on", False)
+    return trace_context.SINGLE_UPDATE.get()
 
 
 class ReplicaGroup:
@@ -97,12 +94,9 @@ def apply_replicated(engine, step, optimizer, grads_and_vars, apply_fn):
             # variable updates run in cross-replica mode, as
             # AggregatingVariables require), and its gradient all-reduce
             # passes the sum through (the strategy's _batch_reduce_to).
-            _single_update.on = True
-            try:
-                with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
-                    return apply0(gv)
-            finally:
-                _single_update.on = False
+            with trace_context.entered(trace_context.SINGLE_UPDATE, True), \
+                    tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+                return apply0(gv)
 
         group.applied = True
         first = WorkerStep(engine, step.read_step, step.worker_index)

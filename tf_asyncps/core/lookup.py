@@ -33,21 +33,17 @@ the worker, so the table stays float32 and only the bytes on the wire halve
 (a Dense kernel, a bias) take the same two casts in core/wire_reads.py.
 """
 
-import contextlib
 import functools
-import threading
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import trace_context
 
 __all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id"]
 
-_local = threading.local()
 
-
-@contextlib.contextmanager
 def every_id():
     """Row reads traced in this context read every id, as TensorFlow's gather.
 
@@ -56,12 +52,7 @@ def every_id():
     tf_keras and TensorFlow 1 sum the rows first; the gradient of a distinct-id
     read sums them, which would change those updates.
     """
-    before = getattr(_local, "every_id", False)
-    _local.every_id = True
-    try:
-        yield
-    finally:
-        _local.every_id = before
+    return trace_context.entered(trace_context.EVERY_ID, True)
 
 
 def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
@@ -87,7 +78,7 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     op = getattr(indices, "op", None) if tf_compat.inside_function() else None
     if op is None:  # eager: a read on the chief, nothing to save
         return sparse_read(indices, name=name)
-    if getattr(_local, "every_id", False) or not distinct:
+    if trace_context.EVERY_ID.get() or not distinct:
         return grads_lib.read_over_wire(sparse_read(indices, name=name), wire_dtype,
                                         back_with=op)
     # The ids' own device (the worker), not the variable's: only the distinct

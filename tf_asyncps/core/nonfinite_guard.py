@@ -24,18 +24,15 @@ where the cond is built, and copied there: one value crosses per task.
 
 import contextlib
 import functools
-import threading
 from typing import Callable, Optional
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.core import trace_context
 
 __all__ = ["guarded_by", "guard", "active"]
-
-_state = threading.local()
-
 
 class _Gate:
     def __init__(self, finite):
@@ -75,22 +72,18 @@ def guarded_by(finite: tf.Tensor, hoisted=()):
       a set that collects the ``id`` of every variable whose update was gated
       (the engine checks that each variable of the step is in it).
     """
-    previous = getattr(_state, "gate", None)
     gate_ = _Gate(finite)
     with contextlib.ExitStack() as stack:
         for var in hoisted:
             stack.enter_context(variables_compat.reads_redirected(
                 var, functools.partial(gate_.read, var)))
-        _state.gate = gate_
-        try:
+        with trace_context.entered(trace_context.NONFINITE_GATE, gate_):
             yield gate_.gated
-        finally:
-            _state.gate = previous
 
 
 def active() -> Optional[tf.Tensor]:
     """The predicate of the innermost :func:`guarded_by`, or None."""
-    gate_ = getattr(_state, "gate", None)
+    gate_ = trace_context.NONFINITE_GATE.get()
     return None if gate_ is None else gate_.finite
 
 
@@ -102,7 +95,7 @@ def guard(var, fn: Callable) -> Callable:
     The gated update returns a scalar tf.bool (True: applied) that runs
     after every op of ``fn`` (optimizers ignore the value or use it as a
     control dependency)."""
-    gate_ = getattr(_state, "gate", None)
+    gate_ = trace_context.NONFINITE_GATE.get()
     if gate_ is None:
         return fn
 

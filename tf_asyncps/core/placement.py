@@ -23,19 +23,16 @@ TensorFlow already does for eager variables.
 """
 
 import contextlib
-import threading
 import uuid
 
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_graph as graph_compat
+from tf_asyncps.core import trace_context
 
 __all__ = ["beside", "beside_inputs", "creating_beside", "fifo_queue", "critical_section",
            "one_per_device"]
-
-_local = threading.local()
-
 
 @contextlib.contextmanager
 def beside(var):
@@ -58,24 +55,20 @@ def beside(var):
                     out.append(tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False))
             return out
     """
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        with tf.init_scope():
-            if tf.distribute.has_strategy():
-                with tf.variable_creator_scope(tf_compat.colocating_creator(var)):
-                    yield
-            else:
-                with tf.device(var.device):
-                    yield
-    finally:
-        _local.depth = depth
+    depth = trace_context.BESIDE_DEPTH.get()
+    with trace_context.entered(trace_context.BESIDE_DEPTH, depth + 1), tf.init_scope():
+        if tf.distribute.has_strategy():
+            with tf.variable_creator_scope(tf_compat.colocating_creator(var)):
+                yield
+        else:
+            with tf.device(var.device):
+                yield
 
 
 def creating_beside() -> bool:
     """Whether this thread is inside :func:`beside` (the strategy does not
     track the variables created there)."""
-    return getattr(_local, "depth", 0) > 0
+    return trace_context.BESIDE_DEPTH.get() > 0
 
 
 #: Stands for an unknown dimension when inputs are compared by size.

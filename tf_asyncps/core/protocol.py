@@ -46,13 +46,13 @@ hook                        called
 ==========================  ===============================================
 """
 
-import contextlib
 import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import tensorflow as tf
+
+from tf_asyncps.core import trace_context
 
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision",
            "after_apply_of", "ClusterStates"]
@@ -139,9 +139,6 @@ def as_decision(result) -> Decision:
         f"a (grads, keep) pair, got {type(result).__name__} {result!r:.200}.")
 
 
-_active = threading.local()
-
-
 class ClusterStates:
     """What ``build`` returned, per policy object, for one strategy.
 
@@ -154,25 +151,14 @@ class ClusterStates:
         self._states: Dict[int, Any] = {}
         self._policies = []  # keeps the ids above valid
 
-    @contextlib.contextmanager
     def record(self):
         """Collects the states of the ``build`` calls made in this context."""
-        stack = _active.__dict__.setdefault("recording", [])
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
+        return trace_context.entered(trace_context.RECORDING_STATES, self)
 
-    @contextlib.contextmanager
     def current(self):
         """Makes these states the policies' ``cluster`` on this thread."""
-        stack = _active.__dict__.setdefault("current", [])
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
+        around = trace_context.CLUSTER_STATES.get()
+        return trace_context.entered(trace_context.CLUSTER_STATES, around + (self,))
 
     def _put(self, policy, state) -> None:
         self._states[id(policy)] = state
@@ -195,7 +181,8 @@ def _recording_build(build):
     def wrapper(self, num_workers, device):
         state = build(self, num_workers, device)
         self.__dict__["_latest_cluster"] = state
-        for states in _active.__dict__.get("recording", ())[-1:]:
+        states = trace_context.RECORDING_STATES.get()
+        if states is not None:
             states._put(self, state)
         return state
 
@@ -284,7 +271,7 @@ class UpdatePolicy:
         Raises:
           RuntimeError: the policy was never built.
         """
-        for states in reversed(_active.__dict__.get("current", ())):
+        for states in reversed(trace_context.CLUSTER_STATES.get()):
             if self in states:
                 return states.get(self)
         state = self.__dict__.get("_latest_cluster", _NOT_BUILT)

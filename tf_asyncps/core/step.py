@@ -25,7 +25,6 @@ gradients it receives, and the step is counted even when its gradients are
 non-finite and the inner optimizer is never called (see core/mixed_precision.py).
 """
 
-import contextlib
 import functools
 import threading
 from typing import Callable, Optional
@@ -36,16 +35,13 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import keras_slots
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import trace_context
 
 __all__ = ["WorkerStep", "current_step", "install_optimizer_hooks", "check_optimizer_scope"]
 
-_local = threading.local()
-
-
 def current_step() -> Optional["WorkerStep"]:
     """The WorkerStep being traced on this thread, or None."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
+    return trace_context.STEP.get()
 
 
 class WorkerStep:
@@ -73,16 +69,10 @@ class WorkerStep:
         """Whether the step's update (policy, optimizer) is being traced."""
         return self._applying
 
-    @contextlib.contextmanager
     def active(self):
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
+        """Context in which this is :func:`current_step`; the step around it
+        is current again on exit."""
+        return trace_context.entered(trace_context.STEP, self)
 
     def apply(self, optimizer, grads_and_vars, apply_fn: Callable):
         """Applies one step's gradients through the policy.
