@@ -247,3 +247,30 @@ def test_the_strategys_row_read_reads_the_one_table_once():
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
     ops = [op.type for op in run_d.get_concrete_function(ids).graph.get_operations()]
     assert ops.count("ResourceGather") == 1 and ops.count("Unique") == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per_shard():
+    """1 worker, 2 ps, the 88-row table of 4 features split in two: fit
+    equals one-process tf_keras training (Adagrad, 8 steps); the traced step
+    reads the table once per shard (2 gathers of distinct int32 ids for 4
+    features), de-duplicates each shard's gradient rows once on the worker
+    and updates each shard once on its ps (Adagrad's sparse update: the
+    accumulator's and the rows' scatter_add). Under route (tables matched by
+    the default sparse_names) with rows crossing as bfloat16 every step
+    updates the sparse part."""
+    r = run_scenario("embedding_collection_fit", timeout=240, shared=(1, 2))
+    plain, routed = r["runs"]
+    for run in (plain, routed):
+        assert run["shards"] == 2 and run["shard_rows"] == [44, 44]
+        assert run["shard_tasks"] == [0, 1] and run["applied"] == 8
+        assert run["moved"] > 0.1
+    assert plain["max_abs_diff"] <= 1e-5
+    ops = plain["step_ops"]
+    assert ops["reads"] == [{"ids_dtype": "int32", "uniques_upstream": 1}] * 2
+    assert ops["grad_uniques"] == 2
+    assert ops["scatter_adds_by_task"] == {"0": 2, "1": 2}
+    assert routed["part_updates"] == {"sparse": 8, "dense": 8}
+    # bfloat16 rows (8 bits of mantissa): near the float32 run, not equal to it.
+    assert 1e-6 < routed["max_abs_diff"] < 1e-2
