@@ -7,8 +7,9 @@ its feature's range is refused naming the feature, its range and the id
 checkpoint, Keras file and SavedModel round trips; ``export`` per feature; the
 strategy's row read (core/lookup) reads the one table once per step.
 Cluster tier (one small test, 1 worker, 2 ps, the table split over both):
-the strategy's fit equals one-process training, with one gather and one
-gradient push per shard per step (tests/scenarios/embedding_collection.py).
+the strategy's fit equals one-process training (tf_keras and Keras 3), with
+one gather and one gradient push per shard per step
+(tests/scenarios/embedding_collection.py).
 """
 
 import numpy as np
@@ -259,7 +260,8 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     and updates each shard once on its ps (Adagrad's sparse update: the
     accumulator's and the rows' scatter_add). Under route (tables matched by
     the default sparse_names) with rows crossing as bfloat16 every step
-    updates the sparse part."""
+    updates the sparse part. The Keras 3 layer, split the same way, trains
+    under the strategy's Keras 3 fit as Keras 3 does in one process."""
     r = run_scenario("embedding_collection_fit", timeout=240, shared=(1, 2))
     plain, routed = r["runs"]
     for run in (plain, routed):
@@ -274,3 +276,6 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     assert routed["part_updates"] == {"sparse": 8, "dense": 8}
     # bfloat16 rows (8 bits of mantissa): near the float32 run, not equal to it.
     assert 1e-6 < routed["max_abs_diff"] < 1e-2
+    # The Keras 3 layer under the strategy's Keras 3 fit, split in two as well.
+    k3 = r["keras3"]
+    assert k3["shards"] == 2 and k3["moved"] > 0.1 and k3["max_abs_diff"] <= 1e-5

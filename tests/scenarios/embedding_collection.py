@@ -109,17 +109,48 @@ def _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, policy, wire_dtype, 
     return out
 
 
+def _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr):
+    """The Keras 3 layer under the strategy's Keras 3 fit, against Keras 3
+    in one process: (max abs difference, shards, moved)."""
+    import keras
+
+    def make():
+        const = keras.initializers.Constant
+        inp = keras.Input((len(DIMS),), dtype="int64")
+        rows = ec_lib.keras3_layer()(DIMS, DIM, embeddings_initializer=const(table0),
+                                     name="tables")(inp)
+        model = keras.Model(inp, keras.layers.Dense(
+            1, use_bias=False, kernel_initializer=const(kernel0))(keras.layers.Flatten()(rows)))
+        model.compile(make_optimizer(optimizer, lr, "keras3"), "mse")
+        return model
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+        .MinSizePartitioner(min_shard_bytes=64, max_shards=2))
+    with strategy.scope():
+        model = make()
+    data = tf.data.Dataset.from_tensor_slices((ids, ys)).batch(BATCH).repeat()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    ref = make()
+    ref.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    got, want = model.get_weights(), ref.get_weights()
+    return {"max_abs_diff": float(max(np.max(np.abs(a - b)) for a, b in zip(got, want))),
+            "shards": len(tf_asyncps.keras3.trainable_shards(model)) - 1,
+            "moved": float(np.max(np.abs(got[0] - table0)))}
+
+
 @scenario(shares_cluster=True)
 def embedding_collection_fit(steps=8, optimizer="adagrad", lr=0.3):
     """fit with the table split over 2 ps tasks (MinSizePartitioner) against
     one-process tf_keras training on the same batches: ``async`` (and the
     ops of its traced step), then ``route`` (tables async, the rest async)
-    with rows crossing as bfloat16."""
+    with rows crossing as bfloat16; then the Keras 3 layer against Keras 3."""
     ids, ys, table0, kernel0 = _problem(steps)
     with cluster(num_workers=1, num_ps=2) as c:
         runs = [_run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "async", None, True),
                 _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "route", "bfloat16",
                      False)]
+        keras3 = _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr)
     ref = _model(table0, kernel0)
     ref.compile(make_optimizer(optimizer, lr), "mse")
     ref.fit(ids, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -129,4 +160,4 @@ def embedding_collection_fit(steps=8, optimizer="adagrad", lr=0.3):
         run["max_abs_diff"] = float(max(np.max(np.abs(table - ref_table)),
                                         np.max(np.abs(kernel - ref_kernel))))
         run["moved"] = float(np.max(np.abs(table - table0)))
-    return {"runs": runs}
+    return {"runs": runs, "keras3": keras3}
