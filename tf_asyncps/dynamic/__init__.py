@@ -5,8 +5,9 @@ makes the table variable and hands it here), framework-neutral: it imports
 only :mod:`tf_asyncps.compat` and :mod:`tf_asyncps.core`.
 
 * :mod:`~tf_asyncps.dynamic.table`: ``DynamicTable``, the id -> row map
-  beside each shard, admission (counting filter, ``min_count``) and
-  eviction (LFU/LRU, time-to-live).
+  beside each shard and admission (counting filter, ``min_count``).
+* :mod:`~tf_asyncps.dynamic.eviction`: which rows go, and when (LFU/LRU,
+  time-to-live).
 * :mod:`~tf_asyncps.dynamic.initializers`: fresh values for rows reset at
   run time.
 * :mod:`~tf_asyncps.dynamic.slots`: the optimizer's slots of a table shard.

@@ -33,6 +33,7 @@ import functools
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.dynamic import eviction as eviction_lib
 
 __all__ = ["LocalGuard", "add_generations", "attach", "find_in_training"]
 
@@ -117,9 +118,9 @@ class LocalGuard:
                     period = g // table.evict_every
                     ops.append(tf.cond(
                         period > shard.passes.read_value(),
-                        lambda: shard.evict(g, period, table.eviction, table.evict_every,
-                                            table.ttl_steps,
-                                            [(shard.var, table.initializer)]),
+                        lambda: eviction_lib.evict_shard(
+                            shard, g, period, table.eviction, table.evict_every,
+                            table.ttl_steps, [(shard.var, table.initializer)]),
                         tf.no_op))
                 with tf.control_dependencies(ops):
                     same = tf.equal(shard.gen.read_value(), view)

@@ -34,15 +34,9 @@ to one ps, and the rows come back from the same ps. A lookup in training::
 Not-admitted ids read the default row (zeros, no variable, never trained);
 their positions take no part in the gradient.
 
-Eviction (:meth:`DynamicTable.maybe_evict`) runs after an update, once every
-``evict_every`` global steps per shard, in the shard's critical section (so
-one worker does it per shard and period): rows unseen for ``ttl_steps``
-(if set) go, then as many rows as ids were refused a row since the last
-pass (no free row on their shard), coldest first: lowest count (``"lfu"``;
-counts then halve, so ids that went cold lose their rank) or oldest last
-step (``"lru"``). An evicted row gets fresh initializer values and its
-optimizer slots their initial values (Adagrad's accumulator, Adam's zero
-moments), so the next id starts as a new row would.
+Eviction (:meth:`DynamicTable.maybe_evict`, :mod:`tf_asyncps.dynamic.eviction`)
+frees rows after an update, once every ``evict_every`` global steps per
+shard, for the ids refused a row (and those unseen for ``ttl_steps``).
 
 Sources: TensorFlow Recommenders-Addons ``dynamic_embedding`` (restrict
 policies by frequency and timestamp), DeepRec EmbeddingVariable (counter
@@ -64,23 +58,22 @@ from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
+from tf_asyncps.dynamic import eviction as eviction_lib
 from tf_asyncps.dynamic import generations
 from tf_asyncps.dynamic import reshard as reshard_lib
 from tf_asyncps.dynamic import slots as slots_lib
 
-__all__ = ["DynamicTable", "EVICTIONS", "check_arguments", "optimizer_slots"]
+__all__ = ["DynamicTable", "check_arguments", "optimizer_slots"]
 
 # Re-exported: where the table and its callers have always found it.
 optimizer_slots = slots_lib.optimizer_slots
 
-EVICTIONS = ("lfu", "lru")
 #: Slots of a shard's counting filter at least (as many as its rows above
 #: that): 0.6 MB of int64 counts and bits. Shorter, a small shard's filter
 #: saturates when a period brings more new ids than it has slots (measured:
 #: a 5-row shard's one-off ids outranked its hot ids; 192 of 500 ids seen
 #: twice passed min_count=3 with 500 slots).
 FILTER_MIN_SLOTS = 1 << 16
-_INT64_MAX = tf.int64.max
 
 
 def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_every,
@@ -102,10 +95,10 @@ def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_
     if ttl_steps is not None:
         positive_int("ttl_steps", ttl_steps, "rows unseen this many global steps are "
                      "evicted; None for no time-to-live")
-    if eviction not in EVICTIONS:
+    if eviction not in eviction_lib.EVICTIONS:
         raise ValueError(f"DynamicEmbedding(eviction={eviction!r}): use one of "
-                         f"{', '.join(map(repr, EVICTIONS))} (lowest count or oldest last "
-                         "step goes first), and ttl_steps=N for a time-to-live.")
+                         f"{', '.join(map(repr, eviction_lib.EVICTIONS))} (lowest count or "
+                         "oldest last step goes first), and ttl_steps=N for a time-to-live.")
     try:
         dtype = tf.as_dtype(key_dtype)
     except TypeError:
@@ -259,59 +252,6 @@ class _Shard(tf.Module):
             self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(local), step), local)))
         with tf.control_dependencies([counted]):
             return tf.identity(rows)
-
-    def evict(self, step, period, eviction: str, evict_every: int, ttl_steps, reset_values):
-        """One eviction pass (see the module docstring); returns its op."""
-        live = self.count > 0
-        victims = tf.zeros([self.rows], tf.bool)
-        if ttl_steps is not None:
-            # Lookups record the step they read (s); the pass runs at the step
-            # after an update (s + 1): unseen in the last ttl_steps steps.
-            victims = live & (self.last < step - ttl_steps)
-        remaining = live & ~victims
-        # Ids refused a row since the last pass (their filter slots), hottest
-        # first, against the coldest rows: the j-th coldest row goes if the
-        # j-th hottest waiting id beats it (TorchRec's LFU/LRU merge).
-        waiting = tf.boolean_mask(self.filter, self.waiting)
-        need = tf.minimum(tf.size(waiting, out_type=tf.int64),
-                          tf.reduce_sum(tf.cast(remaining, tf.int64)))
-        score = self.count if eviction == "lfu" else self.last
-        order = tf.argsort(tf.where(remaining, score, _INT64_MAX), stable=True)[:need]
-        if eviction == "lfu":
-            rivals = tf.sort(waiting, direction="DESCENDING")[:need]
-        else:  # waiting ids were seen in this period (lookups at steps
-            # step - evict_every .. step - 1); rows last seen before it lose
-            rivals = tf.fill([need], step - evict_every)
-        beaten = tf.gather(score, order) < rivals
-        cold = tf.scatter_nd(tf.boolean_mask(order, beaten)[:, None],
-                             tf.ones_like(tf.boolean_mask(order, beaten), tf.bool),
-                             [self.rows])
-        gone = tf.where(victims | cold)[:, 0]
-        k = tf.size(gone)
-        updates = [self.index.remove(tf.gather(self.key, gone))]
-        if self.gen is not None:  # local_sgd: the workers' copies are stale now
-            updates.append(self.gen.scatter_add(tf.IndexedSlices(tf.ones_like(gone), gone)))
-        with tf.control_dependencies(updates):
-            updates += [self.count.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone)),
-                        self.last.scatter_update(tf.IndexedSlices(tf.zeros([k], tf.int64), gone))]
-        with tf.control_dependencies(updates):
-            if eviction == "lfu":  # aging: what went cold loses its rank
-                updates.append(self.count.assign(tf.where(
-                    self.count > 0, tf.maximum(self.count // 2, 1), 0)))
-                updates.append(self.filter.assign(self.filter // 2))
-            for var, value in reset_values:
-                shape = tf.concat([[k], tf.shape(var)[1:]], 0)
-                updates.append(var.scatter_update(tf.IndexedSlices(
-                    tf.cast(value(shape), var.dtype), gone)))
-            top = self.free_rows.read_value()
-            updates += [self.free.scatter_update(tf.IndexedSlices(
-                            gone, top + tf.range(tf.cast(k, tf.int64)))),
-                        self.free_rows.assign(top + tf.cast(k, tf.int64)),
-                        self.live.assign_sub(tf.cast(k, tf.int64)),
-                        self.waiting.assign(tf.zeros([self.filter_slots], tf.bool)),
-                        self.passes.assign(period),
-                        self.evicted.assign_add(tf.cast(k, tf.int64))]
-        return tf.group(updates)
 
 
 class DynamicTable(tf.Module):
@@ -514,34 +454,7 @@ class DynamicTable(tf.Module):
         Returns:
           The op (one critical-section run per shard).
         """
-        step = tf.cast(step, tf.int64)  # a Python int too
-        self.prepare()
-        ops = []
-        for shard in self.shards:
-            resets = [(shard.var, self.initializer)]
-            resets += [(slot, lambda shape, v=value: tf.fill(shape, float(v)))
-                       for slot, value in slots_of(shard.var)]
-            # All on the shard's ps (on the worker: ~6 KB per step, measured);
-            # not after the caller's control inputs (a control message each):
-            # g orders `period`, and `passes` is read again under the lock.
-            with tf.device(shard.device):
-                g = tf.identity(step)
-                with tf.control_dependencies(None):
-                    period = g // tf.constant(self.evict_every, tf.int64)
-                    passes = shard.passes.read_value()
-
-                def run_pass(s=shard, r=resets, g=g, period=period):
-                    return s.evict(g, period, self.eviction, self.evict_every,
-                                   self.ttl_steps, r)
-
-                def locked(s=shard, run_pass=run_pass, period=period):
-                    # Checked again under the lock: one worker per period.
-                    return s.lock.execute(
-                        lambda: tf.cond(period > s.passes.read_value(), run_pass, tf.no_op),
-                        exclusive_resource_access=False)
-
-                ops.append(tf.cond(period > passes, locked, tf.no_op))
-        return tf.group(ops)
+        return eviction_lib.maybe_evict(self, step, slots_of)
 
     def drop_free_rows(self, grad, var):
         """``grad`` of ``var`` without the rows that are free now.
