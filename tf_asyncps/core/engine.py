@@ -1,28 +1,28 @@
-"""The policy engine: τ, the policy's decision, apply or drop, the counters.
+"""The policy engine: one per strategy; each variable in one mode, each step by stage.
 
-One :class:`PolicyEngine` per strategy. The strategy's ``extended`` object
-(tf_asyncps/strategy.py) hands it each worker step; the optimizer hook
-(core/step.py) hands it each step's gradients. For one worker step::
+The strategy's ``extended`` object (tf_asyncps/strategy.py) hands it each
+worker step; the optimizer hook (core/step.py) hands it each step's
+gradients. As optax's ``multi_transform`` gives each parameter a label and
+each label a transformation, the engine gives each variable created in the
+strategy's scope a mode, which the policy picks (``variable_mode``):
 
-    worker_step:  before_read(w); r = g.read()                     (on the PS)
+* per step: on the PS; each step's gradient goes through the policy's
+  ``update`` (τ, keep or drop) and the optimizer, on the ps (core/update.py);
+* local copies: each worker trains its own copy and exchanges its delta with
+  the PS when the policy's ``exchange_due`` says so (core/local_copies.py).
+
+``local_sgd`` puts every variable on local copies (a step holds no PS op);
+``route(sparse="async", dense=LocalSteps(k))`` the dense part. For one
+worker step::
+
+    worker_step:  before_read(w); r = g.read()           (on the PS; not under local_sgd)
+                  local-copy variables pointed at the worker's copies
                   forward, backward on the worker
-    apply_step:   gradients copied to the PS (variable's device)
-                  [PS lock]  g_now = g.read();  τ = g_now − r
-                  Decision(grads, keep, accepted) = policy.update(grads, state, info)
-                  keep:      optimizer update; g += 1; histogram[τ] += 1
-                  accepted:  counted applied, g unchanged (aggregator's round)
-                  else:      dropped_histogram[τ] += 1 (loss scale adjusted)
-                  [release]  after_step(w)
+    apply_step:   core/update.py: gradients to the ps -> StepPlan; the
+                  decision applied (gated / cond / locked); update hooks
 
-A kept step under the non-finite check is gated per variable instead, each
-``tf.cond`` on the variable's own ps task (core/nonfinite_guard.py), and counted
-without a cond (``StalenessTracker.record_gated``).
-
-Everything after the copy runs on the PS in the step's PS partition: no extra
-worker<->PS round trip. ``local_copies`` policies take another path
-(core/local_copies.py) and K-replica workers join their replicas first
-(core/gpu_replicas.py). The engine calls the policy's hooks
-(core/protocol.py) and nothing else of it.
+K-replica workers join their replicas first (core/gpu_replicas.py). The
+engine calls the policy's hooks (core/protocol.py) and nothing else of it.
 """
 
 import contextlib
@@ -34,12 +34,11 @@ from absl import logging
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.compat import tensorflow_variables as variables_compat
-from tf_asyncps.core import gpu_replicas, mixed_precision, nonfinite_guard, placement
+from tf_asyncps.core import placement
+from tf_asyncps.core import update as update_lib
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
-from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime, StepInfo, as_decision
+from tf_asyncps.core.protocol import ClusterStates, PolicyRuntime
 from tf_asyncps.core.step import WorkerStep
 
 __all__ = ["PolicyEngine", "worker_index"]
@@ -81,7 +80,8 @@ class PolicyEngine:
         # None or tf.bfloat16: the dtype float32 gradients cross to the ps in
         # (AsyncParameterServerStrategy(wire_dtype=...)).
         self.wire_dtype = None
-        self._is_locking, self._lock_timeout = is_locking, lock_timeout
+        self._is_locking = is_locking
+        self._lock_timeout = lock_timeout
         self.local = LocalCopies(policy, skip_nonfinite) if policy.local_copies else None
         self.lock: Optional[PSLock] = None
         self.strategy = None
@@ -128,8 +128,8 @@ class PolicyEngine:
         """Remembers a variable created in the strategy's scope."""
         if trainable:
             self._trainable.append(var)
-        if self.local is not None:
-            self.local.add_variable(var)
+        if self.local is not None:  # local copies, if its mode says so
+            self.local.add_variable(var, trainable)
 
     def add_after_update(self, fn) -> None:
         """Registers ``fn(optimizer, variables, global_step) -> op or None``,
@@ -156,24 +156,6 @@ class PolicyEngine:
         optimizer's slots exist (tf_asyncps/layers/dynamic_reshard.py)."""
         self._before_update.append(fn)
 
-    def _filtered(self, apply_fn, optimizer):
-        """``apply_fn`` with the before-update hooks and the gradient filters
-        run on its gradients."""
-        if not self._gradient_filters and not self._before_update:
-            return apply_fn
-
-        def apply_filtered(grads_and_vars):
-            variables = [v for g, v in grads_and_vars if g is not None]
-            before = [fn(optimizer, variables) for fn in self._before_update]
-            with tf.control_dependencies([op for op in before if op is not None]):
-                pairs = []
-                for g, v in grads_and_vars:
-                    for fn in self._gradient_filters:
-                        g = g if g is None else fn(g, v)
-                    pairs.append((g, v))
-                return apply_fn(pairs)
-        return apply_filtered
-
     # -- the worker step ------------------------------------------------------
     def worker_step(self, fn, index=worker_index):
         """``fn`` (one replica's step) wrapped as a worker step.
@@ -181,17 +163,25 @@ class PolicyEngine:
         ``index()`` gives the worker's index (int64 scalar tensor); inside a
         scheduled closure the default reads it from the coordinator.
         """
-        if self.local is not None:
-            return self.local.worker_step(self, fn, index)
+        if self.local is not None and not self.policy.updates_on_ps:
+            return self.local.worker_step(self, fn, index)  # local_sgd: no PS op
 
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
             w = index()
             r = self.read_point(w)
-            # Every op of the step, variable reads included, runs after r is read.
             step = WorkerStep(self, r, w)
-            with tf.control_dependencies([r]), step.active():
-                out, ops = run_collecting_ops(lambda: fn(*a, **kw))
+            # A route with a part on local steps: its variables on their copies.
+            traced = None if self.local is None else self.local.trace(step)
+            try:
+                # Every op of the step, variable reads included, runs after r is read.
+                with tf.control_dependencies([r]), step.active():
+                    out, ops = run_collecting_ops(lambda: fn(*a, **kw))
+            finally:
+                if traced is not None:
+                    traced.undo()
+            if traced is not None:
+                self.local.traced()
             if not step.applied:
                 self._warn_unhooked_update(ops)
                 self.no_update(w, out)
@@ -280,155 +270,20 @@ class PolicyEngine:
         """The coordinator drained: push local copies (``local_sgd``), stop
         the watchdogs. Returns the local steps pushed."""
         try:
-            return self.local.flush() if self.local is not None else 0
+            if self.local is None:
+                return 0
+            with self.policy_scope():  # a route counts its local part's pushes
+                return self.local.flush()
         finally:
             self.stop_watchdogs()  # also when the push fails
 
     # -- the update -------------------------------------------------------------
-    def apply_step(self, step: WorkerStep, optimizer, grads_and_vars, apply_fn):
-        """Applies one worker step's gradients under the update policy.
-
-        Args:
-          step: the WorkerStep (holds the read step r and the worker index).
-          optimizer: the optimizer being called; a LockingOptimizer makes the
-            whole step one locked unit.
-          grads_and_vars: list of (gradient or None, variable).
-          apply_fn: runs the optimizer's own update on a grads_and_vars list.
-
-        Returns:
-          int64 scalar tensor: the global step after this step (local copies:
-          the worker's local steps since its last exchange).
-        """
-        keras_compat.make_iterations_atomic(optimizer)
-        if step.group is not None and not tf.distribute.in_cross_replica_context():
-            return gpu_replicas.apply_replicated(self, step, optimizer, grads_and_vars, apply_fn)
-        marked = self._is_locking(optimizer)
-        if step.local_state is not None:
-            mixed_precision.check_local_copies(self.policy, optimizer)
-            return self.local.apply(step, grads_and_vars, apply_fn, marked, optimizer)
-        locking = self.policy.atomic or marked
-        apply_fn = self._filtered(apply_fn, optimizer)
-        pairs = [(grads_lib.rows_on_ps(g), v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            return apply_fn(grads_and_vars)
-        self._warn_dense_table_updates(optimizer, pairs)
-        step.applied = True
-        # Policies and aggregators work in the variables' dtype (float32 under
-        # mixed precision, where tf_keras keeps float32 variables).
-        grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
-        keras3 = keras_compat.optimizer_class()
-        if keras3 is None or not isinstance(optimizer, keras3):
-            # Distinct rows only: tf_keras's optimizers sum the rows of repeated
-            # ids in apply_gradients anyway, so each row crosses to the ps once
-            # (docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb). Keras 3's
-            # Adam and Adagrad square each repeated row on its own: its gradients
-            # keep their rows.
-            grads = [grads_lib.unique_rows(g) for g in grads]
-        variables = [v for _, v in pairs]
-        # A LossScaleOptimizer skips non-finite steps itself: always check, so
-        # such a step is counted as dropped and lowers the loss scale.
-        lso = mixed_precision.loss_scale_optimizer(optimizer)
-        finite = grads_lib.all_finite(grads) if (self.skip_nonfinite or lso is not None) else None
-        # The worker's predicate, for one cond per variable on its ps (see
-        # _gated_apply) where the optimizer and the step allow it.
-        gate = finite if (finite is not None and lso is None and not locking
-                          and self._can_gate(optimizer, variables)) else None
-        # Bring every worker-side input onto the PS first: the locked region
-        # then never waits for a worker that may die, and the decision's
-        # tf.cond runs entirely on the PS (measured faster).
-        device = self.tracker.device
-        # wire_dtype: float32 values cross as bfloat16, float32 again on the
-        # ps (after the finite check above, which sees the worker's values).
-        grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device,
-                                   wire_dtype=self.wire_dtype,
-                                   rows=_static_rows(keras_compat.backing_variable(v)))
-                 for g, v in zip(grads, variables)]
-        w = grads_lib.copy_to(step.worker_index, device)
-        finite = None if finite is None else grads_lib.copy_to(finite, device)
-        inputs = grads_lib.flat_tensors(grads) + [w] + ([finite] if finite is not None else [])
-        read_values = (self._read_values(step, variables) if self.policy.needs_read_values
-                       else None)
-        state = self._state_for(variables)
-
-        def decide_and_apply():
-            # Each gradient's ops on its variable's ps, τ's on the tracker's.
-            with placement.beside_inputs(device):
-                return self._decide_and_apply(step, grads, variables, state, w, finite,
-                                              read_values, lso, apply_fn, inputs, locking,
-                                              gate, optimizer)
-
-        def after_update(g_after):
-            with tf.control_dependencies([g_after]):
-                ops = [fn(optimizer, variables, g_after) for fn in self._after_update]
-            return [op for op in ops if op is not None]
-
-        hooked = []
-        if locking:
-            # Placed on the PS: a worker that dies cannot hold the lock.
-            if self.lock is None:
-                self.lock = PSLock(device, self._lock_timeout(optimizer), name="update_lock",
-                                   anchor=self.tracker.global_step)
-
-            def locked():
-                # The after-update hooks hold the lock too: no locked update
-                # overlaps a dynamic table's eviction pass (Adam's update
-                # rewrites every row's moments, which would undo its resets).
-                g_after = decide_and_apply()
-                with tf.control_dependencies(after_update(g_after)):
-                    return tf.identity(g_after)
-
-            g_after = self.lock.execute(locked, inputs=inputs + [step.read_step])
-        else:
-            # On the PS: a rule that needs τ (read on the PS) and transforms the
-            # gradients would otherwise cost an extra worker<->PS round trip.
-            g_after = decide_and_apply()
-            hooked = after_update(g_after)
-        with self._policy_hook():
-            after = list(self.policy.after_step(w) or [])  # w: the worker index, copied to the ps
-        after += hooked
-        if after:
-            with tf.control_dependencies(after):
-                g_after = tf.identity(g_after)
-        return g_after
+    #: The update's stages (tf_asyncps/core/update.py): gradients to the ps,
+    #: the decision applied, the hooks. Called by the optimizer hook.
+    apply_step = update_lib.apply_step
 
     #: A sparse gradient on a variable with at least this many rows is a table.
-    LARGE_TABLE_ROWS = 100_000
-
-    def _warn_dense_table_updates(self, optimizer, pairs) -> None:
-        """Warns once per optimizer whose update of a large embedding table
-        touches every row each step (tf_keras SGD; Keras 3 optimizers other
-        than SGD without momentum), naming the fix."""
-        if id(optimizer) in self._warned:
-            return
-        tables = [v.name for g, v in pairs if isinstance(g, tf.IndexedSlices)
-                  and v.shape.rank and (v.shape[0] or 0) >= self.LARGE_TABLE_ROWS]
-        why = (tf_keras_compat.dense_on_sparse_gradients(optimizer) or
-               keras_compat.dense_on_sparse_gradients(optimizer)) if tables else None
-        if why:
-            self._warned.add(id(optimizer))
-            logging.warning("%s: %s; each step's cost grows with the table, not the "
-                            "batch.", ", ".join(tables), why)
-
-    def _read_values(self, step, variables):
-        """Per variable of this step, its value when the step read r (None
-        for one not created under the scope). Read on the variable's PS task
-        in r's graph with only r before it, so it runs as soon as r is read,
-        beside the step's own reads, not at apply time; only the step's own
-        variables are read, and nothing is copied."""
-        known = {id(v) for v in self._trainable}
-        r = step.read_step
-        graph = None if tf.executing_eagerly() else getattr(r, "graph", None)
-        out = []
-        with (graph.as_default() if graph is not None else contextlib.nullcontext()), \
-                tf.control_dependencies([r]):
-            for v in variables:
-                b = mixed_precision.base_variable(v)
-                if id(b) not in known:
-                    out.append(None)
-                    continue
-                with tf.device(b.device):
-                    out.append(b.read_value())
-        return out
+    LARGE_TABLE_ROWS = update_lib.LARGE_TABLE_ROWS
 
     def _can_gate(self, optimizer, variables) -> bool:
         """Whether each variable's update of this optimizer can be gated on
@@ -445,128 +300,3 @@ class PolicyEngine:
         if getattr(optimizer, "gradient_accumulation_steps", None):
             return False
         return not any(getattr(v, "overwrite_with_gradient", False) for v in variables)
-
-    def _gated_apply(self, step, decision, variables, gate, finite, tau, tau_from_increment,
-                     apply_fn, optimizer):
-        """Applies a kept step with each variable's update gated by ``gate``
-        (the worker's finite check) on its own ps, the optimizer's counter
-        advanced by it, and the counters recorded without a cond."""
-        pairs = [(decision.grads[i], v) for i, v in enumerate(variables)]
-        with tf.init_scope():  # legacy optimizers create them on first use
-            counter = optimizer.iterations
-            lr = getattr(optimizer, "learning_rate", None)
-        hoisted = [keras_compat.backing_variable(h) for h in (lr, counter)]
-        hoisted = [h for h in hoisted if isinstance(h, tf.Variable)]
-        with nonfinite_guard.guarded_by(gate, hoisted) as gated, \
-                variables_compat.adding_only_if(counter, finite):
-            _, update_ops = run_collecting_ops(apply_fn, pairs)
-        missed = [v.name for v in variables
-                  if id(v) not in gated and id(keras_compat.backing_variable(v)) not in gated]
-        if missed:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} updated {missed} without the strategy's "
-                "extended.update, so a step with NaN/Inf gradients could not be dropped "
-                "there; pass skip_nonfinite=False to AsyncParameterServerStrategy or "
-                "update through extended.update.")
-        with tf.control_dependencies(placement.one_per_device(update_ops)):
-            return self.tracker.record_gated(step.read_step, finite,
-                                             None if tau_from_increment else tau)
-
-    def _decide_and_apply(self, step, grads, variables, state, w, finite, read_values,
-                          lso, apply_fn, inputs, locking, gate=None, optimizer=None):
-        tracker, policy = self.tracker, self.policy
-        # g is read once the gradients exist: τ covers the whole step.
-        # Without the lock and with a rule that ignores τ, τ comes from the
-        # atomic increment itself (every update gets its own g), and this
-        # read waits for nothing (each wait on a gradient was a message from
-        # its ps task).
-        tau_from_increment = not locking and not policy.uses_tau
-        with tf.control_dependencies([] if tau_from_increment else inputs):
-            g_now = tracker.read_step()
-        tau = g_now - step.read_step
-        info = StepInfo(tau=tau, read_step=step.read_step, global_step=g_now,
-                        variables=variables, worker_index=w, read_values=read_values,
-                        finite=finite)
-        decision = as_decision(policy.update(list(grads), state, info))
-        groups = _keep_groups(decision.keep, len(variables), finite)
-
-        def applied(indices):
-            # The counters move only after every op of the optimizer's update:
-            # optimizers leave their variable updates unordered with respect
-            # to each other and to their return value.
-            pairs = [(decision.grads[i], variables[i]) for i in indices]
-            _, update_ops = run_collecting_ops(apply_fn, pairs)
-            with tf.control_dependencies(placement.one_per_device(update_ops)):
-                if tau_from_increment:
-                    g_after = tracker.record_increment(step.read_step)
-                else:
-                    g_after = tracker.record(tau, applied=True)
-            if decision.after_apply is None:
-                return g_after
-            with tf.control_dependencies([g_after]):  # e.g. wake a round's workers
-                woken = decision.after_apply()
-            with tf.control_dependencies(woken):
-                return tf.identity(g_after)
-
-        def dropped():
-            # The LossScaleOptimizer is not called: adjust its scale here, from
-            # the step's own gradients (lowered if they are not finite).
-            scale_ops = [] if lso is None else mixed_precision.update_loss_scale(lso, grads)
-            with tf.control_dependencies(scale_ops):
-                return tracker.record(
-                    tau, applied=False,
-                    nonfinite=None if finite is None else tf.logical_not(finite))
-
-        nothing_applied = dropped
-        if decision.accepted is not None:  # an aggregator: accepted, update pending
-            def nothing_applied():
-                return tf.cond(decision.accepted,
-                               lambda: tracker.record(tau, applied=True, increment=0),
-                               dropped)
-
-        if gate is not None and decision.accepted is None and decision.after_apply is None \
-                and all(k is True for k in (decision.keep if isinstance(decision.keep, (list, tuple))
-                                            else [decision.keep])):
-            return self._gated_apply(step, decision, variables, gate, finite, tau,
-                                     tau_from_increment, apply_fn, optimizer)
-
-        def choose(j, chosen):
-            # One optimizer call for the kept parts together (route: one keep
-            # per part), so the step advances optimizer.iterations once. The
-            # branch keeping every part is traced first: the optimizer builds
-            # its slots for all the variables.
-            if j == len(groups):
-                return applied(chosen) if chosen else nothing_applied()
-            keep, indices = groups[j]
-            if keep is True:
-                return choose(j + 1, chosen + indices)
-            return tf.cond(keep, lambda: choose(j + 1, chosen + indices),
-                           lambda: choose(j + 1, chosen))
-
-        return choose(0, [])
-
-
-def _static_rows(var):
-    """A variable's static number of rows, or None (a scalar, an unknown shape)."""
-    shape = var.shape
-    return shape[0] if shape.rank and shape[0] is not None else None
-
-
-def _keep_groups(keep, n, finite):
-    """``[(keep, variable indices)]``: one group for a step-wide keep, one per
-    distinct keep for a per-variable list (route). Each keep is ANDed with
-    ``finite``: a non-finite step is never applied."""
-    if not isinstance(keep, (list, tuple)):
-        keep = [keep] * n
-    elif len(keep) != n:
-        raise ValueError(f"Decision.keep has {len(keep)} entries for {n} variables; give "
-                         "one keep for the step or one per variable.")
-    groups = {}
-    for i, k in enumerate(keep):
-        groups.setdefault(id(k) if k is not True else True, (k, []))[1].append(i)
-    out = []
-    for k, indices in groups.values():
-        if finite is not None:
-            k = finite if k is True else tf.logical_and(k, finite)
-        out.append((k, indices))
-    return out

@@ -131,6 +131,18 @@ class TracedStep:
                 cache[key] = per_worker_var.handle
         return cache[key]
 
+    def split(self, grads_and_vars):
+        """``(per-step pairs, local pairs)`` of a step's (gradient, variable)
+        list: a pair is local when its variable (each part of it) is pointed
+        at its local copy in this step."""
+        local = {id(c.master) for c in self.copies}
+        per_step, pairs = [], []
+        for g, v in grads_and_vars:
+            parts = keras_compat.tf_variables(v)
+            mine = bool(parts) and all(id(p) in local for p in parts)
+            (pairs if mine else per_step).append((g, v))
+        return per_step, pairs
+
     def add(self, copies: List[_Copies]) -> None:
         """Points the copies' model variables at the local copies."""
         handles = [(self._handle(c.local), self._handle(c.anchor)) for c in copies]
@@ -199,8 +211,10 @@ class LocalCopies:
                 "ClusterCoordinator internals that moved; tested with "
                 f"TensorFlow {', '.join(tf_compat.TESTED_VERSIONS)}.")
 
-    def add_variable(self, var) -> None:
-        """Creates the local copy and anchor of a PS variable.
+    def add_variable(self, var, trainable: bool = True) -> None:
+        """Creates the local copy and anchor of a PS variable whose mode is
+        local copies (the policy's ``variable_mode``: ``local_sgd``, every
+        variable; a route, its local part's).
 
         Called for every variable created in the strategy's scope (eagerly:
         Keras lifts the optimizer's and metrics' lazy variables out of the
@@ -211,6 +225,8 @@ class LocalCopies:
         if not (var.dtype.is_floating or var.dtype.is_integer):
             return  # e.g. bool flags: stay shared on the PS
         slot = keras_compat.creating_optimizer_slot()
+        if self.policy.variable_mode(var.name, trainable, slot) != "local_copies":
+            return
         if slot:
             # A slot (momentum, Adam's moments), model-sized. Summing its
             # deltas across workers has no meaning and would move it at every
@@ -269,20 +285,53 @@ class LocalCopies:
         @tf.autograph.experimental.do_not_convert
         def step_fn(*a, **kw):
             step = WorkerStep(engine, tf.constant(0, tf.int64), worker_index())
-            traced = step.local_state = TracedStep(self)
-            traced.add(list(self._copies.values()))
-            _LOCAL_STEP_GRAPHS.add(traced.top)
+            traced = self.trace(step)
             try:
                 with step.active():
                     out = fn(*a, **kw)
             finally:
                 traced.undo()
-            # On the chief's main thread, while the closure is traced
-            # (``schedule``), with every copy this step created.
-            self._build_exchange()
+            self.traced()
             return out
 
         return step_fn
+
+    def trace(self, step) -> TracedStep:
+        """Points every local-copy variable at its copy for the worker step
+        ``step`` being traced (``step.local_state``); the caller undoes it
+        (``TracedStep.undo``) and then calls :meth:`traced`."""
+        traced = step.local_state = TracedStep(self)
+        traced.add(list(self._copies.values()))
+        _LOCAL_STEP_GRAPHS.add(traced.top)
+        return traced
+
+    def traced(self) -> None:
+        """After a worker step was traced: on the chief's main thread, while
+        the closure is traced (``schedule``), the exchange functions for
+        every copy the step created."""
+        self._build_exchange()
+
+    def count_step(self, step, after) -> tf.Tensor:
+        """A step of a route with a part on local steps: one local step
+        counted (a worker-local op) after ``after`` (ops). Returns the int64
+        scalar local steps since the last exchange."""
+        with tf.control_dependencies(after):
+            add = tf_compat.assign_add_handle(step.local_state.since,
+                                              tf.constant(1, tf.int64))
+        with tf.control_dependencies([add]):
+            return tf_compat.read_handle(step.local_state.since, tf.int64)
+
+    def _record_exchange(self, last_g):
+        """The counters of one exchange (after its adds), on the PS: local_sgd
+        advances the global step (τ counted in exchanges); a route with a
+        part on local steps leaves the global step to its per-step parts and
+        counts the exchange as its local part's update. Returns g after."""
+        done = list(self.policy.exchange_done())
+        if not self.policy.updates_on_ps:
+            with tf.control_dependencies(done):
+                return self.tracker.record_increment(last_g)
+        with tf.control_dependencies(done):
+            return self.tracker.read_step()
 
     def _build_exchange(self) -> None:
         """Traces the three functions :meth:`before_closure` runs on a worker,
@@ -371,7 +420,7 @@ class LocalCopies:
                 with tf_compat.colocated_with(delta.op):  # on the worker
                     merged.append(before + delta)
             with tf.control_dependencies(pushes):
-                g_after = tracker.record_increment(tf_compat.read_handle(last_v.handle, tf.int64))
+                g_after = self._record_exchange(tf_compat.read_handle(last_v.handle, tf.int64))
                 counted = tracker.add_local_steps(tf_compat.read_handle(since_v.handle, tf.int64))
             with tf.control_dependencies([counted]):
                 # After the global step moved: an eviction pass due at it runs
@@ -520,7 +569,7 @@ class LocalCopies:
                         pushes.append(anchor.assign(value, read_value=False))
 
                 def record(n=n, last_v=last_v):
-                    g_after = tracker.record_increment(last_v.read_value())
+                    g_after = self._record_exchange(last_v.read_value())
                     counted = tracker.add_local_steps(n)
                     with tf.control_dependencies([counted]):
                         return last_v.assign(g_after, read_value=True)

@@ -40,7 +40,9 @@ hook                        called
                             ``atomic``)
 ``after_step(w)``           after the step's update was applied or dropped
 ``step_without_update(w)``  after a step that applied no gradient (evaluate)
+``variable_mode(name, ..)`` each variable created in the strategy's scope
 ``exchange_due(n)``         ``local_copies`` policies: at each closure start
+``exchange_done()``         ``local_copies`` policies: traced into each exchange
 ``watchdogs()``             the strategy starts them while closures run and
                             stops them when the coordinator drains
 ==========================  ===============================================
@@ -241,9 +243,13 @@ class UpdatePolicy:
       aggregates: True for rules that sum several workers' gradients into one
         update (``sync_replicas``); they cannot be chained.
       local_copies: True for rules whose workers train per-worker copies of
-        the variables (``local_sgd``, see ``tf_asyncps/core/local_copies.py``);
-        :meth:`update` is then never called, and :meth:`exchange_due` decides
-        when a worker exchanges with the PS.
+        some variables (``local_sgd``: all of them; a ``route`` with a part on
+        local steps: that part's), see ``tf_asyncps/core/local_copies.py``:
+        :meth:`variable_mode` says which, :meth:`exchange_due` decides when a
+        worker exchanges with the PS, and :meth:`update` never sees them.
+      updates_on_ps: False for rules under which no variable is updated on
+        the PS per step (``local_sgd``): a worker step then reads nothing on
+        the PS, not even the global step.
     """
 
     name: str = "UpdatePolicy"
@@ -252,6 +258,7 @@ class UpdatePolicy:
     uses_tau: bool = True
     aggregates: bool = False
     local_copies: bool = False
+    updates_on_ps: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -355,6 +362,33 @@ class UpdatePolicy:
         has trained ``local_steps`` (int64 scalar) steps on its copy since its
         last exchange exchanges now. Default: every step."""
         return local_steps >= 1
+
+    def variable_mode(self, name: str, trainable: bool, slot: bool) -> str:
+        """The engine's mode for a variable created in the strategy's scope:
+        ``"per_step"`` (on the PS, each step's gradient through :meth:`update`)
+        or ``"local_copies"`` (per-worker copies, exchanged with the PS when
+        :meth:`exchange_due`). As optax's ``multi_transform`` labels each
+        parameter and gives each label a transformation.
+
+        Args:
+          name: the variable's name (str; a shard's, for a partitioned one).
+          trainable: whether it is trainable.
+          slot: whether an optimizer is creating it as a slot of a model
+            variable (momentum, Adam's moments; their names contain the model
+            variable's).
+
+        Default: ``"local_copies"`` for every variable of a ``local_copies``
+        policy, else ``"per_step"``.
+        """
+        del name, trainable, slot
+        return "local_copies" if self.local_copies else "per_step"
+
+    def exchange_done(self) -> List[Any]:
+        """``local_copies`` policies: ops traced into each exchange (and
+        each push when the coordinator drains), after its deltas are added on
+        the PS, such as route's count of its local part's updates. Default:
+        none."""
+        return []
 
     # -- chief side --------------------------------------------------------------
     def watchdogs(self) -> Sequence[Any]:

@@ -59,6 +59,7 @@ class Chain(Composite):
         self._take_member_flags()
         self.uses_tau = any(p.uses_tau for p in self.policies)
         self.local_copies = any(p.local_copies for p in self.policies)
+        self.updates_on_ps = all(p.updates_on_ps for p in self.policies)
 
     def members(self):
         return self.policies
@@ -84,9 +85,20 @@ class Chain(Composite):
                 keep = d.keep if keep is True else tf.logical_and(keep, d.keep)
         return Decision(grads, keep, accepted, after_apply_of(decisions))
 
-    def exchange_due(self, local_steps):
+    def _local_member(self):
         (local,) = [p for p in self.policies if p.local_copies]
-        return local.exchange_due(local_steps)
+        return local
+
+    def exchange_due(self, local_steps):
+        return self._local_member().exchange_due(local_steps)
+
+    def variable_mode(self, name, trainable, slot):
+        if not self.local_copies:
+            return super().variable_mode(name, trainable, slot)
+        return self._local_member().variable_mode(name, trainable, slot)
+
+    def exchange_done(self):
+        return self._local_member().exchange_done() if self.local_copies else []
 
     def get_config(self):
         return {"policies": [repr(p) for p in self.policies]}

@@ -46,6 +46,7 @@ class LocalSGD(UpdatePolicy):
     name = "local_sgd"
     uses_tau = False
     local_copies = True
+    updates_on_ps = False
 
     def __init__(self, sync_every: int = 16):
         self.sync_every = check_count("local_sgd", "sync_every", sync_every, 1, "worker steps")

@@ -1,18 +1,32 @@
-"""``route(sparse=..., dense=...)``: one policy for embedding tables, another for the rest.
+"""``route``: a policy per label of variables (tables, dense layers, ...).
 
 A recommender's embedding tables get sparse, rarely colliding updates that
 tolerate staleness; its dense layers get a gradient from every example and
-train best synchronously. PERSIA (Lian et al., "PERSIA: An Open, Hybrid
-System Scaling Deep Learning-based Recommenders up to 100 Trillion
-Parameters", 2021) updates the tables asynchronously and the dense network
-synchronously; ``route`` does that (and any other pairing) on TensorFlow's
-parameter servers::
+train best synchronously, or on local steps. PERSIA (Lian et al., "PERSIA:
+An Open, Hybrid System Scaling Deep Learning-based Recommenders up to 100
+Trillion Parameters", 2021) updates the tables asynchronously and the dense
+network synchronously; ``route`` does that, and any other pairing, on
+TensorFlow's parameter servers. As optax's ``multi_transform``, it gives each
+variable a label and each label a policy::
 
     tf_asyncps.policies.route(
         sparse="async",
         dense=tf_asyncps.policies.get("sync_replicas", replicas_to_aggregate=2))
+    # the same, written as a mapping of labels:
+    tf_asyncps.policies.route(
+        {"sparse": "async", "dense": "sync_replicas"}, labels={"sparse": "embeddings"})
+    # tables every step, dense layers on local steps exchanged every 16:
+    tf_asyncps.policies.route(sparse="async", dense=tf_asyncps.policies.LocalSteps(16))
 
-How one worker step reads when two policies decide on it:
+Labels. ``labels`` maps each label but one to a regular expression searched
+in a variable's name, tried in the order of ``parts``; the one label without
+a pattern takes every other variable. Or ``labels`` is a callable
+``name -> label``. ``route(sparse=..., dense=..., sparse_names=...)`` is the
+two-label case ``labels={"sparse": sparse_names}`` (default ``embeddings``:
+the table of a Keras ``Embedding`` layer and each of its shards).
+
+How one worker step reads when several policies decide on it (parts updated
+per step):
 
 * Each part's policy sees only its own variables and gradients, and its own
   τ: the updates *of its part* since the worker read the model (one counter
@@ -28,15 +42,41 @@ How one worker step reads when two policies decide on it:
   refused it. So ``applied + dropped`` = worker steps still holds. The τ
   histograms hold the step's global τ (global step now - at read), as for
   any policy; :meth:`Route.part_updates` gives each part's update count.
+  A part with no variables in a step takes no decision.
 
-Which variables are "sparse": those whose name matches ``sparse_names`` (a
-regular expression; default ``embeddings``, the table of a Keras
-``Embedding`` layer and each of its shards). Every other trainable variable
-is "dense". A part with no variables in a step takes no decision.
+A part on local steps (``LocalSteps``, the policy ``local_sgd``): its
+trainable variables and the optimizer's slots of them (named after them,
+so labelled alike) train on per-worker copies, exchanged through the PS
+when the part's rule says so (``sync_every`` local steps, at the start of a
+closure) and when the coordinator drains (``join``), exactly as
+``local_sgd`` exchanges a whole model (tf_asyncps/core/local_copies.py).
+Every other variable (the other parts', the optimizer's step counter,
+metrics, non-trainable state) stays on the PS. Each worker step then:
+
+* reads the global step r and the per-step parts' variables on the PS, its
+  own copies of the local part's;
+* applies, in one optimizer call, the per-step parts' gradients on the PS
+  under their policies and the local part's to its copies (only the
+  non-finite check can skip those: a step whose gradients hold NaN/Inf
+  updates nothing);
+* counts: the global step and ``applied``/``dropped`` as above, over the
+  per-step parts only; ``StalenessStats.local_steps`` the steps the local
+  part trained, pushed with each exchange; ``part_updates()[label]`` of the
+  local part, its exchanges. With ``steps_per_execution=1`` a worker that
+  ran c steps before a drain made ``ceil(c / sync_every)`` exchanges: one at
+  the start of each closure after ``sync_every`` steps since its last, and
+  the drain's push of the rest.
+
+Refused: two parts on local steps; a part on local steps beside an atomic
+part (``sync_replicas``, locked rules: the locked update would hold the
+workers' local updates) or with a ``LockingOptimizer``; the sparse part of
+``route(sparse=..., dense=...)`` on local steps (every worker would hold
+each table whole).
 """
 
 import dataclasses
 import re
+from typing import Callable, Dict, Mapping, Optional, Union
 
 import tensorflow as tf
 
@@ -46,6 +86,7 @@ from tf_asyncps.policies.composite import Composite
 
 __all__ = ["route", "Route", "PartCounts"]
 
+#: The labels of ``route(sparse=..., dense=...)``.
 PARTS = ("sparse", "dense")
 
 
@@ -54,10 +95,11 @@ class PartCounts:
     """route's per-cluster state (what ``build`` returns), on the PS.
 
     Attributes:
-      parts: the cluster states of the sparse and dense policies.
-      counts: int64 variable, shape (2,): updates of each part.
-      read_at: int64 variable, shape (num_workers, 2): each worker's copy of
-        ``counts`` at its read.
+      parts: the cluster states of the parts' policies, in label order.
+      counts: int64 variable, shape (labels,): updates of each part (a part
+        on local steps: its exchanges).
+      read_at: int64 variable, shape (num_workers, labels): each worker's
+        copy of ``counts`` at its read.
     """
 
     parts: list
@@ -65,83 +107,208 @@ class PartCounts:
     read_at: tf.Variable
 
 
+def _labeller(labels, names, where):
+    """``labels`` (a mapping label -> pattern for all labels but one, or a
+    callable) as ``name -> label``; ValueError naming the fix."""
+    if callable(labels):
+        def label_of(name):
+            label = labels(name)
+            if label not in names:
+                raise ValueError(f"{where}: labels({name!r}) returned {label!r}, not one "
+                                 f"of the parts' labels {list(names)}.")
+            return label
+        return label_of
+    if not isinstance(labels, Mapping):
+        raise ValueError(f"{where}: labels must be a mapping label -> regular expression "
+                         f"or a callable name -> label, got {labels!r}.")
+    unknown = [k for k in labels if k not in names]
+    if unknown:
+        raise ValueError(f"{where}: labels names {unknown}, which have no policy; the "
+                         f"parts' labels are {list(names)}.")
+    rest = [k for k in names if k not in labels]
+    if len(rest) != 1:
+        raise ValueError(
+            f"{where}: labels must give a pattern to every label but one (that one takes "
+            f"the other variables); labels without a pattern: {rest}.")
+    patterns = []
+    for label in names:
+        if label not in labels:
+            continue
+        pattern = labels[label]
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{where}: the pattern of {label!r} must be a non-empty "
+                             f"regular expression, got {pattern!r}.")
+        try:
+            patterns.append((label, re.compile(pattern)))
+        except re.error as e:
+            raise ValueError(f"{where}: {pattern!r} (label {label!r}) is not a regular "
+                             f"expression: {e}.") from None
+    default = rest[0]
+
+    def label_of(name):
+        return next((label for label, p in patterns if p.search(name)), default)
+    return label_of
+
+
 class Route(Composite):
-    """Decides each worker step's sparse and dense parts with two policies.
+    """Decides each worker step's parts with a policy per label.
 
     Args:
       sparse: policy (registered name or UpdatePolicy) for the variables
-        whose name matches ``sparse_names``.
-      dense: policy for every other trainable variable.
+        whose name matches ``sparse_names`` (two-label form).
+      dense: policy for every other variable (two-label form).
       sparse_names: regular expression searched in each variable's name (str).
+      parts: instead of ``sparse``/``dense``: a mapping label (str) -> policy,
+        with ``labels``.
+      labels: with ``parts``: a mapping label -> regular expression for
+        every label but one, or a callable ``name -> label`` (see the module
+        docstring).
 
     Raises:
-      ValueError: a local-copy policy (``local_sgd``: its steps never reach a
-        per-step rule), another route, the same policy object for both
-        parts, or a bad ``sparse_names``.
+      ValueError: another route as a part, the same policy object for two
+        parts, two parts on local steps, a part on local steps beside an
+        atomic one, the sparse part on local steps, ``parts`` mixed with
+        ``sparse``/``dense``/``sparse_names``, or bad labels.
     """
 
     name = "route"
 
-    def __init__(self, sparse="async", dense="async", sparse_names: str = "embeddings"):
+    def __init__(self, sparse=None, dense=None, sparse_names: Optional[str] = None, *,
+                 parts: Optional[Mapping[str, object]] = None,
+                 labels: Union[Mapping[str, str], Callable[[str], str], None] = None):
         from tf_asyncps.policies.registry import get
+        where = "route()"
+        if parts is None:
+            if labels is not None:
+                raise ValueError(f"{where}: labels= goes with parts= (a mapping label -> "
+                                 "policy); with sparse=/dense= use sparse_names=.")
+            sparse_names = "embeddings" if sparse_names is None else sparse_names
+            if not isinstance(sparse_names, str) or not sparse_names:
+                raise ValueError(f"route(): sparse_names must be a non-empty regular "
+                                 f"expression, got {sparse_names!r}.")
+            parts = {"sparse": "async" if sparse is None else sparse,
+                     "dense": "async" if dense is None else dense}
+            labels = {"sparse": sparse_names}
+        elif sparse is not None or dense is not None or sparse_names is not None:
+            raise ValueError(f"{where}: give parts= (with labels=) or sparse=/dense=/"
+                             "sparse_names=, not both.")
+        if not isinstance(parts, Mapping) or not parts or not all(
+                isinstance(k, str) and k for k in parts):
+            raise ValueError(f"{where}: parts must be a non-empty mapping label (str) -> "
+                             f"policy, got {parts!r}.")
+        if labels is None:
+            raise ValueError(f"{where}: parts= needs labels= (label -> regular expression "
+                             "for every label but one, or a callable name -> label).")
+        self.labels = tuple(parts)
         self.parts = []
-        for part, p in zip(PARTS, (sparse, dense)):
+        for label, p in parts.items():
             try:
                 self.parts.append(get(p))
             except ValueError as e:
-                raise ValueError(f"route(): {part}={p!r}: {e}") from None
-        if self.parts[0] is self.parts[1]:
+                raise ValueError(f"route(): {label}={p!r}: {e}") from None
+        if len({id(p) for p in self.parts}) < len(self.parts):
             raise ValueError("route(): sparse and dense got the same policy object; give "
-                             "each part its own (policy state is per object).")
-        for part, p in zip(PARTS, self.parts):
-            if p.local_copies:
-                raise ValueError(
-                    f"route(): {part}={p!r} trains per-worker copies, so its steps never "
-                    "reach a per-step rule; use it as the strategy's update_policy alone.")
+                             "each part its own (policy state is per object)."
+                             if self.labels == PARTS else
+                             "route(): two parts got the same policy object; give each "
+                             "part its own (policy state is per object).")
+        for label, p in zip(self.labels, self.parts):
             if isinstance(p, Route):
-                raise ValueError(f"route(): {part}= is itself a route; give a policy.")
-        if not isinstance(sparse_names, str) or not sparse_names:
-            raise ValueError(f"route(): sparse_names must be a non-empty regular "
-                             f"expression, got {sparse_names!r}.")
-        try:
-            self._pattern = re.compile(sparse_names)
-        except re.error as e:
-            raise ValueError(f"route(): sparse_names={sparse_names!r} is not a regular "
-                             f"expression: {e}.") from None
-        self.sparse_names = sparse_names
+                raise ValueError(f"route(): {label}= is itself a route; give a policy.")
+            if p.local_copies and (p.updates_on_ps or p.aggregates):
+                raise ValueError(f"route(): {label}={p!r} mixes local steps with other "
+                                 "rules; give local steps alone as a part.")
+        local = [label for label, p in zip(self.labels, self.parts) if p.local_copies]
+        if local and self.labels == PARTS and local[0] == "sparse":
+            raise ValueError(
+                f"route(): sparse={self.parts[0]!r} trains per-worker copies: every "
+                "worker would hold each table whole. Put the tables on a per-step policy "
+                "and the dense part on local steps (dense=LocalSteps(sync_every=k)).")
+        if len(local) > 1:
+            raise ValueError(f"route(): parts {local} are on local steps; at most one part "
+                             "may be (one exchange rule per worker).")
+        atomic = [label for label, p in zip(self.labels, self.parts) if p.atomic]
+        if local and atomic:
+            raise ValueError(
+                f"route(): {local[0]} is on local steps and {atomic} is atomic (its update "
+                "runs under a lock on the PS, which would hold the workers' local updates); "
+                "pair local steps with a rule that is not atomic (async, staleness_aware, "
+                "ssp, dc_asgd).")
+        self._local = self.labels.index(local[0]) if local else None
+        self._label_of = _labeller(labels, self.labels, where)
+        self._labels_arg = labels
+        self.sparse_names = labels.get("sparse") if self.labels == PARTS else None
         self._take_member_flags()
         self.uses_tau = True  # each part's τ comes from its own counter
+        self.local_copies = bool(local)
+        self.updates_on_ps = any(p.updates_on_ps for p in self.parts)
 
     def get_config(self):
-        return {"sparse": repr(self.parts[0]), "dense": repr(self.parts[1]),
-                "sparse_names": self.sparse_names}
+        if self.labels == PARTS and self.sparse_names is not None:
+            return {"sparse": repr(self.parts[0]), "dense": repr(self.parts[1]),
+                    "sparse_names": self.sparse_names}
+        return {"parts": {k: repr(p) for k, p in zip(self.labels, self.parts)},
+                "labels": self._labels_arg if isinstance(self._labels_arg, Mapping)
+                else repr(self._labels_arg)}
 
     def __repr__(self):
-        return (f"route(sparse={self.parts[0]!r}, dense={self.parts[1]!r}, "
-                f"sparse_names={self.sparse_names!r})")
+        if self.labels == PARTS and self.sparse_names is not None:
+            return (f"route(sparse={self.parts[0]!r}, dense={self.parts[1]!r}, "
+                    f"sparse_names={self.sparse_names!r})")
+        parts = ", ".join(f"{k!r}: {p!r}" for k, p in zip(self.labels, self.parts))
+        return f"route({{{parts}}}, labels={self._labels_arg!r})"
 
     def members(self):
         return self.parts
 
+    # -- labels -----------------------------------------------------------------
+    def label_of(self, name: str) -> str:
+        """The label of a variable named ``name`` (str)."""
+        return self._label_of(name)
+
+    def variable_mode(self, name, trainable, slot):
+        # The local part's trainable variables and their optimizer slots
+        # train on local copies; all else (the optimizer's counter, metrics,
+        # non-trainable state) stays on the PS.
+        if self._local is not None and (trainable or slot) and \
+                self.label_of(name) == self.labels[self._local]:
+            return "local_copies"
+        return "per_step"
+
+    def exchange_due(self, local_steps):
+        if self._local is None:
+            return super().exchange_due(local_steps)
+        return self.parts[self._local].exchange_due(local_steps)
+
+    def exchange_done(self):
+        if self._local is None:
+            return []
+        n = len(self.labels)
+        return [self.cluster.counts.assign_add(
+            tf.one_hot(self._local, n, dtype=tf.int64), read_value=False)]
+
     # -- set-up ---------------------------------------------------------------
     def build(self, num_workers, device):
         parts = super().build(num_workers, device)
+        n = len(self.labels)
         with tf.init_scope(), tf.device(device):
             # Updates of each part; each worker's copy of them at its read.
-            counts = tf.Variable(tf.zeros([2], tf.int64), trainable=False,
+            counts = tf.Variable(tf.zeros([n], tf.int64), trainable=False,
                                  name="route_part_updates")
-            read_at = tf.Variable(tf.zeros([num_workers, 2], tf.int64),
+            read_at = tf.Variable(tf.zeros([num_workers, n], tf.int64),
                                   trainable=False, name="route_part_read_points")
         return PartCounts(parts, counts, read_at)
 
     def split(self, variables):
-        """``(sparse indices, dense indices)`` of ``variables`` (lists of int)."""
-        sparse = [i for i, v in enumerate(variables) if self._pattern.search(v.name)]
-        chosen = set(sparse)
-        return sparse, [i for i in range(len(variables)) if i not in chosen]
+        """Indices of ``variables`` per label, in label order (a tuple of
+        lists of int; two-label form: ``(sparse, dense)``)."""
+        out = tuple([] for _ in self.labels)
+        for i, v in enumerate(variables):
+            out[self.labels.index(self.label_of(v.name))].append(i)
+        return out
 
     def init(self, variables):
-        return [p.init([variables[i] for i in idx]) if idx else ()
+        return [p.init([variables[i] for i in idx]) if idx and not p.local_copies else ()
                 for p, idx in zip(self.parts, self.split(variables))]
 
     # -- graph side -----------------------------------------------------------
@@ -156,12 +323,17 @@ class Route(Composite):
     def update(self, grads, state, info):
         n = len(grads)
         keep, out, accepted, bumps, decisions = [True] * n, list(grads), [], [], []
-        cluster = self.cluster
+        cluster, width = self.cluster, len(self.labels)
         counts = cluster.counts.read_value()
         read = cluster.read_at.sparse_read(tf.cast(info.worker_index, tf.int64))
         for k, (p, s, idx) in enumerate(zip(self.parts, state, self.split(info.variables))):
             if not idx:
                 continue
+            if p.local_copies:  # the engine applies them to the local copies
+                raise ValueError(
+                    f"route(): variables {[info.variables[i].name for i in idx]} reached "
+                    f"the per-step update of {self.labels[k]!r}, a part on local steps; "
+                    "create them in the strategy's scope.")
             part_info = dataclasses.replace(
                 info, tau=counts[k] - read[k], read_step=read[k], global_step=counts[k],
                 variables=[info.variables[i] for i in idx],
@@ -177,7 +349,7 @@ class Route(Composite):
                 keep[i], out[i] = d.keep, d.grads[j]
             if d.accepted is not None:
                 accepted.append(d.accepted)
-            bumps.append(tf.cast(part_keep, tf.int64) * tf.one_hot(k, 2, dtype=tf.int64))
+            bumps.append(tf.cast(part_keep, tf.int64) * tf.one_hot(k, width, dtype=tf.int64))
         if bumps:
             bump = cluster.counts.assign_add(tf.add_n(bumps))
             with tf.control_dependencies([bump]):
@@ -188,16 +360,22 @@ class Route(Composite):
         return Decision(out, keep, any_accepted, after_apply_of(decisions))
 
     # -- chief side -----------------------------------------------------------
-    def part_updates(self):
-        """``{"sparse": n, "dense": n}``: updates applied to each part (read from the PS)."""
-        return dict(zip(PARTS, (int(c) for c in self.cluster.counts.numpy())))
+    def part_updates(self) -> Dict[str, int]:
+        """``{label: n}`` read from the PS: updates applied to each part (a
+        part on local steps: its exchanges with the PS, drains' pushes
+        included); two-label form ``{"sparse": n, "dense": n}``."""
+        return dict(zip(self.labels, (int(c) for c in self.cluster.counts.numpy())))
 
 
-def route(sparse="async", dense="async", sparse_names: str = "embeddings") -> Route:
-    """One policy for the embedding tables, another for the dense layers; see :class:`Route`.
+def route(parts: Optional[Mapping[str, object]] = None, labels=None, *, sparse=None,
+          dense=None, sparse_names: Optional[str] = None) -> Route:
+    """A policy per label of variables; see :class:`Route` and the module docstring.
 
-    Example::
+    Examples::
 
         tf_asyncps.policies.route(sparse="async", dense="sync_replicas")
+        tf_asyncps.policies.route(sparse="async", dense=LocalSteps(sync_every=16))
+        tf_asyncps.policies.route({"user": "async", "item": "drop_stale", "dense": "ssp"},
+                                  labels={"user": "user_ids", "item": "item_ids"})
     """
-    return Route(sparse, dense, sparse_names)
+    return Route(sparse, dense, sparse_names, parts=parts, labels=labels)
