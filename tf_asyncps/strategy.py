@@ -22,13 +22,12 @@ StrategyExtended hooks and hands the work to the policy engine
   and keeps tf_keras's ``steps_per_execution`` counter on the chief, where
   ``fit`` reads it before every closure.
 
-The coordinator subclass starts the engine's watchdogs while closures run,
-stops them and pushes local copies when it drains, and turns a timed-out wait
-into a TimeoutError.
+The strategy's coordinator (``tf_asyncps/coordinator.py``) starts the
+engine's watchdogs while closures run, stops them and pushes local copies
+when it drains, and turns a timed-out wait into a TimeoutError.
 """
 
 import dataclasses
-import threading
 from typing import List, Optional, Union
 
 import tensorflow as tf
@@ -37,11 +36,14 @@ from absl import logging
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.cluster import devices
+from tf_asyncps.compat import call_scopes
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import (faults, gpu_replicas, lookup, mixed_precision, nonfinite_guard,
+from tf_asyncps.core import (gpu_replicas, lookup, mixed_precision, nonfinite_guard,
                              placement, wire_reads)
+from tf_asyncps.coordinator import INPUT_RAN_OUT_MESSAGE
+from tf_asyncps.coordinator import AsyncClusterCoordinator as _AsyncCoordinator
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import check_optimizer_scope, install_optimizer_hooks
@@ -59,15 +61,6 @@ KERAS3_FIT_MESSAGE = (
     "the model inside `with strategy.scope():` so that it gets "
     "AsyncParameterServerStrategy's fit/evaluate/predict (tf_asyncps.keras3), or "
     "use tf_keras (`import tf_keras as keras`).")
-
-
-INPUT_RAN_OUT_MESSAGE = (
-    "tf_asyncps: a worker's input ran out (End of sequence), so TensorFlow cancelled the "
-    "closures scheduled after it. With model.fit(steps_per_epoch=...) the input must "
-    "repeat (`.repeat()` on the dataset, in a DatasetCreator's dataset_fn too): each epoch "
-    "runs steps_per_epoch worker steps from one iterator per worker that lasts the whole "
-    "fit; evaluate a finite dataset with pss_evaluation_shards=\"auto\" (tf_keras) or "
-    "steps=.")
 
 
 class _WorkerInputContext(tf.distribute.InputContext):
@@ -105,11 +98,12 @@ def _wire_dtype(wire_dtype):
 class _AsyncExtended(tf_compat.pss_extended_base()):
     """The strategy's ``extended``: StrategyExtended hooks, the rest in ``engine``."""
 
-    def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine):
+    def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine, *,
+                 deduplicate_lookups: bool = True, wire_dtype=None):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.engine = engine
-        self.deduplicate_lookups = True
-        self.wire_dtype = None  # None or tf.bfloat16 (see the strategy's Args)
+        self.deduplicate_lookups = deduplicate_lookups
+        self.wire_dtype = wire_dtype  # None or tf.bfloat16 (see the strategy's Args)
 
     @property
     def policy(self):
@@ -162,16 +156,12 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
     # -- variables: the engine remembers them (read snapshots, local copies) ---
     def _create_variable(self, next_creator, **kwargs):
         # A Keras 3 model compiling in this scope (its loss tracker's
-        # variables come here) gets fit/evaluate/predict that schedule closures.
+        # variables come here) gets fit/evaluate/predict that schedule closures;
+        # one created here and not compiled here is refused (_attach_hooks).
         model = keras_compat.compiling_model()
         if model is not None:
             from tf_asyncps import keras3
             keras3.attach(model, self._container_strategy())
-        else:  # created here: refused until compiled here (any input form)
-            model = keras_compat.constructing_model()
-            if model is not None:
-                from tf_asyncps.keras3 import trainer as keras3_trainer
-                keras3_trainer.guard(model, self._container_strategy())
         compiling = tf_keras_compat.compiling_model()  # its _steps_per_execution, else None
         if compiling is not None:
             # compile, in the model's scope, after setting model.optimizer: an
@@ -212,9 +202,10 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self.engine.track_variable(part, trainable=trainable)
-                # local_sgd: a step reads the worker's local copy, nothing
-                # crosses; a wire dtype would only round the values.
-                wire = self.wire_dtype if self.engine.local is None else None
+                # On local copies (local_sgd, a route's local part) a step
+                # reads the worker's copy, nothing crosses; a wire dtype
+                # would only round the values.
+                wire = None if self.engine.trains_locally(part) else self.wire_dtype
                 if trainable and (self.deduplicate_lookups or wire is not None):
                     # A table's distinct ids only cross; rows in wire_dtype.
                     lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups,
@@ -244,131 +235,16 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
         return super()._call_for_each_replica(self.engine.worker_step(fn), args, kwargs)
 
 
-class _AsyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
-    """ClusterCoordinator that runs the engine's watchdogs while closures run,
-    tells the engine when it drained, and turns a timed-out wait into a
-    TimeoutError."""
-
-    def __init__(self, strategy):
-        # ClusterCoordinator is one per strategy: tf_keras's later
-        # ClusterCoordinator(strategy) returns this object and re-runs __init__.
-        first = not tf_compat.coordinator_initialized(self)
-        _check_tf_keras_evaluate()  # before evaluate builds its input
-        super().__init__(strategy)
-        if first:
-            # Threads inside join/done/fetch: several user threads may wait
-            # at once while the gates' watchdog threads read the count.
-            self._waiting_callers = 0
-            self._waiting_lock = threading.Lock()
-            self.engine = strategy.extended.engine
-            self.accounting = faults.attach(
-                self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
-            # An input that ran out is raised with INPUT_RAN_OUT_MESSAGE (or
-            # Keras 3's own): not also logged in full once per closure.
-            tf_compat.hide_closure_error_logs(tf.errors.OutOfRangeError)
-
-    def has_queued_closures(self, waiting_workers=()) -> bool:
-        """True unless the caller is draining: inside ``join``/``done``/``fetch``
-        with no closure left in the queue that a worker outside
-        ``waiting_workers`` (indices) could run. Only then may waiting workers
-        be released: while the program is still scheduling, the queue can be
-        empty for a moment between two ``schedule`` calls."""
-        if self._waiting_callers <= 0:
-            return True
-        return tf_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
-
-    def schedule(self, fn, args=None, kwargs=None):
-        try:
-            out = super().schedule(fn, args=args, kwargs=kwargs)
-        except tf.errors.OpError as e:
-            self._explain_input_ran_out(e)
-            raise
-        self.engine.start_watchdogs()  # after the trace: it may create the lock
-        # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
-        # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
-        # one with nothing left to run must be released there too.
-        tf_compat.route_remote_value_get(out, self._translate)
-        return out
-
-    def _translate(self, call, *args, **kwargs):
-        with self._waiting_lock:
-            self._waiting_callers += 1
-        try:
-            return call(*args, **kwargs)
-        except (tf.errors.OpError, RuntimeError) as e:
-            msg = self.engine.timeout_error()
-            if msg:
-                raise TimeoutError(msg) from e
-            self._explain_input_ran_out(e)
-            raise
-        finally:
-            with self._waiting_lock:
-                self._waiting_callers -= 1
-
-    _input_ran_out = False  # a closure's input ran out since the last clean join
-
-    def _explain_input_ran_out(self, e) -> None:
-        """After a closure's OutOfRangeError, TensorFlow cancels the queued
-        closures and the next call raises their CancelledError
-        (``RemoteExecuteNode::RunAsync``), which hides why: that one is
-        raised as the OutOfRangeError it follows, explained."""
-        if isinstance(e, tf.errors.OutOfRangeError):
-            self._input_ran_out = True
-            if not (e.message or "").startswith(INPUT_RAN_OUT_MESSAGE):
-                # Raised itself (before any cancellation): explained too.
-                raise tf.errors.OutOfRangeError(
-                    e.node_def, e.op, f"{INPUT_RAN_OUT_MESSAGE} (TensorFlow: "
-                    f"{(e.message or '').strip().splitlines()[-1][:300]})") from e
-        elif isinstance(e, tf.errors.CancelledError) and self._input_ran_out:
-            self._input_ran_out = False
-            raise tf.errors.OutOfRangeError(
-                None, None, f"{INPUT_RAN_OUT_MESSAGE} (Then: {type(e).__name__}: "
-                f"{e.message.splitlines()[0] if e.message else ''})") from e
-
-    def join(self):
-        try:
-            out = self._translate(super().join)
-        except BaseException:
-            self.engine.stop_watchdogs()  # keep the join's error, not a flush's
-            raise
-        self._input_ran_out = False
-        # local_sgd: push what workers trained since their last exchange;
-        # every policy: no watchdog polls the PS once the schedule drained.
-        self.engine.drained()
-        return out
-
-    def done(self):
-        finished = self._translate(super().done)
-        if finished:
-            self.engine.stop_watchdogs()
-        return finished
-
-    def fetch(self, val):
-        return self._translate(super().fetch, val)
-
-
-def _check_tf_keras_evaluate() -> None:
-    """Refuses tf_keras ``model.evaluate`` of a finite ``tf.data.Dataset``
-    without ``steps`` or ``pss_evaluation_shards``: each closure would take
-    batches from a per-worker iterator until one runs out, then TensorFlow
-    cancels the rest and evaluate fails with CancelledError after hundreds
-    of log lines (vanilla ParameterServerStrategy too)."""
-    call = tf_keras_compat.evaluate_call()
-    if call is None:
-        return
-    model, x, steps = call
-    if steps is not None or tf_keras_compat.pss_evaluation_shards(model) or \
-            not isinstance(x, tf.data.Dataset):
-        return
-    if int(x.cardinality()) < 0:  # infinite (needs steps: tf_keras says so) or unknown
-        return
-    raise ValueError(
-        f"model.evaluate got a finite tf.data.Dataset ({int(x.cardinality())} batches) "
-        "without steps= under a parameter-server strategy: the workers would read it "
-        "until one runs out, and the closures after that would be cancelled "
-        "(CancelledError). Compile with pss_evaluation_shards=\"auto\" (exact: each batch "
-        "evaluated once; also for fit's validation_data), or pass steps= with "
-        "a repeating dataset (`.repeat()`).")
+def _attach_hooks() -> None:
+    """How Keras reaches the strategy, installed once (idempotent): the
+    Keras calls the variable creator and the coordinator ask about
+    (compat/call_scopes.py: compile, tf_keras's evaluate), and the refusal of
+    Keras 3's own loops for a model created in the scope but not compiled in
+    it."""
+    call_scopes.install()
+    if keras_compat.optimizer_class() is not None:
+        from tf_asyncps.keras3 import trainer as keras3_trainer
+        keras3_trainer.refuse_unattached(AsyncParameterServerStrategy)
 
 
 def _describe_source(resolver) -> str:
@@ -463,7 +339,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         and the non-finite check stay float32, and so do the chief's eager
         reads; evaluation and prediction scheduled on the workers read as
         training does (docs/guides/mixed_precision.md, "bfloat16 on the
-        wire"). No effect on local_sgd (whole variables move,
+        wire"). No effect on variables on local copies
+        (``local_sgd``, a route's part on local steps: whole variables move,
         core/local_copies.py) nor on non-float32 values.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
@@ -520,16 +397,18 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         super().__init__(cluster_resolver, variable_partitioner)
         self._tracker = StalenessTracker(max_tracked_staleness)
         engine = PolicyEngine(policy, self._tracker, config.num_workers, skip_nonfinite,
-                              is_locking=is_locking, lock_timeout=lock_timeout)
-        extended = _AsyncExtended(self, cluster_resolver, variable_partitioner, engine)
-        extended.deduplicate_lookups = bool(deduplicate_lookups)
-        extended.wire_dtype = engine.wire_dtype = wire
-        tf_compat.replace_extended(self, extended)
+                              is_locking=is_locking, lock_timeout=lock_timeout, wire_dtype=wire)
+        # Built once with its configuration; TensorFlow's constructor built
+        # its own and takes none, so this one takes its place.
+        tf_compat.replace_extended(self, _AsyncExtended(
+            self, cluster_resolver, variable_partitioner, engine,
+            deduplicate_lookups=deduplicate_lookups, wire_dtype=wire))
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
         engine.build(PS_DEVICE)
         install_optimizer_hooks()
+        _attach_hooks()
         keras_compat.checkpoint_partitioned_whole()
         mixed_precision.allow_loss_scaling(AsyncParameterServerStrategy)
         # Model.fit and user code get this coordinator (one per strategy).
@@ -576,6 +455,6 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._coordinator.accounting.reset()
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        if keras_compat.called_from_keras3(depth=2):
+        if keras_compat.in_keras3_loop():
             raise NotImplementedError(KERAS3_FIT_MESSAGE)
         return super().experimental_distribute_dataset(dataset, options)

@@ -28,14 +28,19 @@ with:
   optimizers' ``apply_gradients`` hook).
 * :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables and
   optimizer counters, the optimizers' ``apply`` hook, TensorBoard's
-  profiling range, frames of Keras 3's own code).
+  profiling range, the refusal hook on Keras 3's own loops).
 * :mod:`tf_asyncps.compat.keras_slots`: Keras 3.15.1 with TensorFlow 2.21.0
   (an optimizer's slots of partitioned weights saved whole in
   ``tf.train.Checkpoint``, restored onto any number of shards; apart from
   ``keras`` for its 600-line limit).
+* :mod:`tf_asyncps.compat.call_scopes`: Keras 3.10.0-3.15.1 and tf_keras
+  2.18.0-2.21.0: which Keras call runs on this thread (a compile, a tf_keras
+  evaluate, an optimizer creating a slot, Keras 3's own loops), known by
+  hooking the call, not by reading the stack.
 * :mod:`tf_asyncps.compat.keras_layers`: Keras 3.15.1, tf_keras 2.21.0 (what
   ``tf_asyncps.layers`` needs: a weight made under Keras 3's symbolic build,
-  whether a ``train_step`` runs, the frames that pick a layer's Keras).
+  whether a ``train_step`` runs, the frames that pick a layer's Keras: the
+  package's only frame walks, listed with why in tests/test_architecture.py).
 
 Each module is importable without the library it wraps being imported
 first: functions import what they need when called.

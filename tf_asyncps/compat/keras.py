@@ -5,18 +5,21 @@ Tested with Keras 3.10.0 (the oldest accepted), 3.12.4 (the oldest TensorFlow
 2.16-2.21); :data:`SUPPORTED_RANGE` is what ``tf_asyncps/keras3`` accepts.
 Importing this module imports nothing; functions import Keras when called.
 
-Used by ``tf_asyncps/keras3/`` (model.fit on parameter servers): the frame of
-``Trainer.compile`` (to find the model being compiled under the strategy),
+Used by ``tf_asyncps/keras3/`` (model.fit on parameter servers): the model
+``Trainer.compile`` runs for (hooked, :mod:`tf_asyncps.compat.call_scopes`),
+the loops of a model created under the strategy but not compiled in it
+(refused, :func:`hook_loops`),
 ``Trainer._symbolic_build`` (to build a model from a dataset's element spec),
 the stateless scope (worker-local metric state for exact evaluation), and
 read-then-write ``assign_add`` of Keras 3 variables (made atomic).
 """
 
 import contextlib
+import functools
 import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
-           "called_from_keras3", "compiling_model", "constructing_model", "backing_variable",
+           "in_keras3_loop", "compiling_model", "hook_loops", "backing_variable",
            "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
            "loss_scale_variable",
            "symbolic_build", "metrics_in_order", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
@@ -64,27 +67,16 @@ def is_keras3_model(obj) -> bool:
     return isinstance(obj, Model)
 
 
-def compiling_model(frames: int = 40):
-    """The Keras 3 model whose ``compile`` is running on this thread, or None.
+def compiling_model():
+    """The Keras 3 model whose ``compile`` is running on this thread, or None
+    (``Trainer.compile`` hooked: :mod:`tf_asyncps.compat.call_scopes`).
 
     ``Trainer.compile`` creates the loss tracker's variables, so the
     strategy's variable creator sees every compile under its scope.
     """
-    trainer = sys.modules.get("keras.src.trainers.trainer")
-    if trainer is None:
-        return None
-    # Trainer.compile is decorated: match its own frame by file and name.
-    filename = trainer.__file__
-    f = sys._getframe(1)
-    for _ in range(frames):
-        if f is None:
-            return None
-        code = f.f_code
-        if code.co_name == "compile" and code.co_filename == filename:
-            model = f.f_locals.get("self")
-            return model if is_keras3_model(model) else None
-        f = f.f_back
-    return None
+    from tf_asyncps.compat import call_scopes
+    model = call_scopes.KERAS3_COMPILE.get()
+    return model if model is not None and is_keras3_model(model) else None
 
 
 def symbolic_build(model, element_spec) -> None:
@@ -111,22 +103,38 @@ def compile_state(model):
                  ("optimizer", "_compile_loss", "_compile_metrics", "_loss_tracker"))
 
 
-def constructing_model(frames: int = 80):
-    """The outermost Keras 3 model on this thread's stack (its ``__init__``
-    or ``build`` creating variables), or None. Tested on Keras 3.15.1: a
-    ``Sequential``/functional model builds its layers in ``__init__``."""
-    if "keras.src.models.model" not in sys.modules:
-        return None
-    found = None
-    f = sys._getframe(1)
-    for _ in range(frames):
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if obj is not None and is_keras3_model(obj):
-            found = obj
-        f = f.f_back
-    return found
+def hook_loops(make_hook) -> bool:
+    """Replaces ``fit``, ``evaluate`` and ``predict`` of Keras 3's
+    ``keras.Model`` (``keras.src.models.model.Model``; Keras 3.10-3.15 define
+    them in the TensorFlow backend's trainer) by ``make_hook(original,
+    name)``, once per method (see :func:`tf_asyncps.compat.tensorflow.hook_method`).
+    A model's own instance attributes of those names (tf_asyncps.keras3's
+    ``attach``) come first.
+
+    Returns:
+      False if Keras 3 is not installed.
+    """
+    if optimizer_class() is None:
+        return False
+    from keras.src.models.model import Model
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import call_scopes
+
+    def make(original, name):
+        checked = make_hook(original, name)
+
+        @functools.wraps(original)
+        def loop(self, *args, **kwargs):
+            token = call_scopes.KERAS3_LOOP.set(self)
+            try:
+                return checked(self, *args, **kwargs)
+            finally:
+                call_scopes.KERAS3_LOOP.reset(token)
+        return loop
+
+    for name in ("fit", "evaluate", "predict"):
+        tf_compat.hook_method(Model, name, lambda original, name=name: make(original, name))
+    return True
 
 
 def model_strategy(model):
@@ -286,34 +294,23 @@ def in_stateless_scope() -> bool:
     return inside()
 
 
-def called_from_keras3(depth: int = 2, frames: int = 6) -> bool:
-    """Whether one of the ``frames`` callers above ``depth`` is Keras 3's own
-    code (a module under ``keras.src``), e.g. its ``fit`` distributing a dataset."""
-    f = sys._getframe(depth)
-    for _ in range(frames):
-        if f is None:
-            return False
-        if f.f_globals.get("__name__", "").startswith("keras.src."):
-            return True
-        f = f.f_back
-    return False
+def in_keras3_loop() -> bool:
+    """Whether Keras 3's own ``fit``/``evaluate``/``predict`` runs on this
+    thread (hooked by :func:`hook_loops`), e.g. its ``fit`` distributing a
+    dataset."""
+    from tf_asyncps.compat import call_scopes
+    return call_scopes.KERAS3_LOOP.get() is not None
 
 
-def creating_optimizer_slot(frames: int = 60) -> bool:
+def creating_optimizer_slot() -> bool:
     """Whether an optimizer is creating a slot variable on this thread: its
     ``add_variable_from_reference`` (Keras 3.15.1's BaseOptimizer and TF
     backend optimizer, tf_keras 2.21's Optimizer) or ``add_slot`` (tf_keras's
-    legacy OptimizerV2) is on the stack, lazily inside a step or eagerly in a
-    build before the first one."""
-    f = sys._getframe(1)
-    for _ in range(frames):
-        if f is None:
-            return False
-        if (f.f_code.co_name in ("add_variable_from_reference", "add_slot")
-                and f.f_globals.get("__name__", "").startswith(("keras.", "tf_keras."))):
-            return True
-        f = f.f_back
-    return False
+    legacy OptimizerV2) is running (hooked:
+    :mod:`tf_asyncps.compat.call_scopes`), lazily inside a step or eagerly in
+    a build before the first one."""
+    from tf_asyncps.compat import call_scopes
+    return call_scopes.CREATING_SLOT.get() is not None
 
 
 def backing_variable(var):

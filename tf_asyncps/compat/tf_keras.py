@@ -7,7 +7,6 @@ called.
 """
 
 import functools
-import sys
 from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
@@ -105,16 +104,16 @@ def dense_on_sparse_gradients(optimizer) -> Optional[str]:
     return None
 
 
-def compiling_model(frames: int = 12):
+def compiling_model():
     """The tf_keras model whose ``compile`` is creating its
     ``_steps_per_execution`` variable on this thread (the ``self`` of
-    ``Model._configure_steps_per_execution``, tf_keras 2.18-2.21; compile has
-    set ``model.optimizer`` by then), else None. ``fit``/``evaluate`` read
-    that variable on the coordinator before every closure
-    (``DataHandler.steps`` and the scheduled call's argument) and never
-    inside a step."""
-    f = _training_frame("_configure_steps_per_execution", frames)
-    return None if f is None else f.f_locals.get("self")
+    ``Model._configure_steps_per_execution``, tf_keras 2.18-2.21, hooked:
+    :mod:`tf_asyncps.compat.call_scopes`; compile has set ``model.optimizer``
+    by then), else None. ``fit``/``evaluate`` read that variable on the
+    coordinator before every closure (``DataHandler.steps`` and the scheduled
+    call's argument) and never inside a step."""
+    from tf_asyncps.compat import call_scopes
+    return call_scopes.TF_KERAS_STEPS_PER_EXECUTION.get()
 
 
 def optimizer_strategy(optimizer):
@@ -131,34 +130,14 @@ def optimizer_strategy(optimizer):
     return getattr(optimizer, "_distribution_strategy", None)
 
 
-def evaluate_call(frames: int = 8):
-    """``(model, x, steps)`` of the tf_keras ``Model.evaluate`` that is
-    creating its ClusterCoordinator on this thread (evaluate does so before it
-    builds any input), else None. tf_keras 2.21.0: the locals ``self``, ``x``
-    and ``steps`` of ``training.Model.evaluate``; ``fit``'s validation calls it
-    too."""
-    f = _training_frame("evaluate", frames)
-    if f is None:
-        return None
-    loc = f.f_locals
-    return loc.get("self"), loc.get("x"), loc.get("steps")
-
-
-def _training_frame(function: str, frames: int):
-    """The nearest of the ``frames`` callers above the caller's caller that
-    runs ``function`` of ``tf_keras/src/engine/training.py`` (tf_keras
-    2.18-2.21), else None."""
-    training = sys.modules.get("tf_keras.src.engine.training")
-    if training is None:
-        return None
-    f = sys._getframe(2)
-    for _ in range(frames):
-        if f is None:
-            return None
-        if f.f_code.co_name == function and f.f_code.co_filename == training.__file__:
-            return f
-        f = f.f_back
-    return None
+def evaluate_call():
+    """``(model, x, steps)`` of the tf_keras ``Model.evaluate`` running on
+    this thread (it creates its ClusterCoordinator before it builds any
+    input), else None: ``self`` and the arguments ``x`` and ``steps`` of
+    ``training.Model.evaluate`` (tf_keras 2.18-2.21, hooked:
+    :mod:`tf_asyncps.compat.call_scopes`); ``fit``'s validation calls it too."""
+    from tf_asyncps.compat import call_scopes
+    return call_scopes.TF_KERAS_EVALUATE.get()
 
 
 def pss_evaluation_shards(model):

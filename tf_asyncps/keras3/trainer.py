@@ -23,6 +23,7 @@ one shard of its batches each and keep metric state worker-local
 ``pss_evaluation_shards`` does. ``predict`` runs on the chief.
 """
 
+import functools
 import numbers
 
 import numpy as np
@@ -36,7 +37,7 @@ from tf_asyncps.core import lookup
 from tf_asyncps.callbacks import keras3 as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
 
-__all__ = ["Keras3Trainer", "attach", "guard", "trainable_shards", "unsupported_version",
+__all__ = ["Keras3Trainer", "attach", "refuse_unattached", "trainable_shards", "unsupported_version",
            "unsupported_version_message",
            "SHARDS_PER_WORKER"]
 
@@ -98,29 +99,26 @@ COMPILED_OUTSIDE_MESSAGE = (
     "workers), or use tf_keras (`import tf_keras as keras`).")
 
 
-def guard(model, strategy) -> None:
-    """Makes a Keras 3 model created under ``strategy.scope()`` refuse
-    ``fit``/``evaluate``/``predict`` with :data:`COMPILED_OUTSIDE_MESSAGE`
-    until :func:`attach` (a compile inside the scope) replaces them.
+def refuse_unattached(strategy_class) -> None:
+    """Makes Keras 3's ``fit``/``evaluate``/``predict`` of a model created
+    under the scope of a ``strategy_class`` strategy (Keras 3 records it as
+    the model's strategy) refuse with :data:`COMPILED_OUTSIDE_MESSAGE`, until
+    :func:`attach` (a compile inside the scope) gives the model its own.
+    Every other model calls Keras 3's methods as before. Once; idempotent."""
 
-    Instance attributes only, as ``attach``; the model's class is untouched.
-    """
-    if tf_compat.untracked_attribute(model, "_asyncps_trainer") is not None or \
-            tf_compat.untracked_attribute(model, "_asyncps_guarded"):
-        return
-
-    def refuse(method):
-        def call(*args, **kwargs):
-            how = ("compiled outside it" if getattr(model, "compiled", False)
-                   else "not compiled")
-            raise ValueError(COMPILED_OUTSIDE_MESSAGE.format(name=model.name, how=how,
-                                                             method=method))
-        call.__name__ = method
+    def make_hook(original, method):
+        @functools.wraps(original)
+        def call(model, *args, **kwargs):
+            if isinstance(keras_compat.model_strategy(model), strategy_class) and \
+                    tf_compat.untracked_attribute(model, "_asyncps_trainer") is None:
+                how = ("compiled outside it" if getattr(model, "compiled", False)
+                       else "not compiled")
+                raise ValueError(COMPILED_OUTSIDE_MESSAGE.format(name=model.name, how=how,
+                                                                 method=method))
+            return original(model, *args, **kwargs)
         return call
 
-    tf_compat.set_untracked_attribute(model, "_asyncps_guarded", True)
-    for name in ("fit", "evaluate", "predict"):
-        tf_compat.set_untracked_attribute(model, name, refuse(name))
+    keras_compat.hook_loops(make_hook)
 
 
 def _lookup_every_id(value, ids):
