@@ -3,8 +3,10 @@
 Everything a worker step runs through between ``strategy.run`` and the PS,
 one concept per module:
 
-* ``engine.py``: the policy engine: τ, the policy's decision, apply or drop,
-  the counters (start here);
+* ``engine.py``: the policy engine: each variable's mode (per step or local
+  copies), the worker step (start here);
+* ``update.py``: a step's update by stage: gradients to the ps (a
+  ``StepPlan``), τ and the policy's decision applied, the hooks;
 * ``protocol.py``: the update-policy protocol the engine calls (``UpdatePolicy``,
   ``StepInfo``, ``Decision``);
 * ``step.py``: the worker step's trace-time context and the optimizer hooks;
@@ -17,7 +19,8 @@ one concept per module:
 * ``worker_gate.py``: per-worker token gates on the PS (``ssp``, ``sync_replicas``);
 * ``watchdog.py``: the chief-side threads that bound every wait;
 * ``gpu_replicas.py``: K GPUs per worker: K replicas, one update;
-* ``local_copies.py``: per-worker copies and delta exchange (``local_sgd``);
+* ``local_copies.py``: per-worker copies and delta exchange (``local_sgd``,
+  a route's part on local steps);
 * ``grads.py``: dense/IndexedSlices gradient helpers (``unique_rows``: one
   gradient row per distinct id);
 * ``lookup.py``: row reads of the tables: each distinct id crosses once;

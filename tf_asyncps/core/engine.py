@@ -69,17 +69,17 @@ class PolicyEngine:
       skip_nonfinite: drop steps whose gradients hold NaN/Inf.
       is_locking: ``optimizer -> bool``, whether an optimizer asks for the lock;
         ``lock_timeout``: ``optimizer -> seconds``.
+      wire_dtype: None or tf.bfloat16, the dtype float32 gradients cross to
+        the ps in (``AsyncParameterServerStrategy(wire_dtype=...)``).
     """
 
     def __init__(self, policy, tracker, num_workers: int, skip_nonfinite: bool,
-                 is_locking, lock_timeout):
+                 is_locking, lock_timeout, wire_dtype=None):
         self.policy = policy
         self.tracker = tracker
         self.num_workers = num_workers
         self.skip_nonfinite = bool(skip_nonfinite)
-        # None or tf.bfloat16: the dtype float32 gradients cross to the ps in
-        # (AsyncParameterServerStrategy(wire_dtype=...)).
-        self.wire_dtype = None
+        self.wire_dtype = wire_dtype
         self._is_locking = is_locking
         self._lock_timeout = lock_timeout
         self.local = LocalCopies(policy, skip_nonfinite) if policy.local_copies else None
@@ -130,6 +130,11 @@ class PolicyEngine:
             self._trainable.append(var)
         if self.local is not None:  # local copies, if its mode says so
             self.local.add_variable(var, trainable)
+
+    def trains_locally(self, var) -> bool:
+        """Whether ``var`` (a variable created in the scope, or a shard of
+        one) is in the local-copies mode: each worker trains its own copy."""
+        return self.local is not None and self.local.holds(var)
 
     def add_after_update(self, fn) -> None:
         """Registers ``fn(optimizer, variables, global_step) -> op or None``,

@@ -1,10 +1,13 @@
 """Local copies: workers train per-worker copies and exchange deltas with the PS.
 
-The machinery behind ``local_sgd`` (the rule, when to exchange, is the
-policy's ``exchange_due``; see tf_asyncps/policies/local_sgd.py). Each worker
-keeps its own copy x_w of the model (and of the optimizer's and metrics'
-variables) on its own device and trains it with no parameter-server traffic
-per step. When the policy says an exchange is due, the worker exchanges:
+The engine's "local copies" mode (core/engine.py): the variables whose mode
+the policy's ``variable_mode`` says is local copies (``local_sgd``: every
+numeric variable; a ``route`` with a part on local steps: that part's
+trainable variables and their optimizer slots; the rest stays per step on
+the PS). The rule, when to exchange, is the policy's ``exchange_due`` (see
+tf_asyncps/policies/local_sgd.py). Each worker keeps its own copy x_w of
+those variables on its own device and trains it with no parameter-server
+traffic for them per step. When the policy says an exchange is due, the worker exchanges:
 
     Δ_w = x_w − a_w          (a_w: the copy it last received from the PS)
     y ← x_ps; x_ps ← y + Δ_w (per variable on the PS: a read, then assign_add)
@@ -25,10 +28,13 @@ nothing, and a model-sized slot (tf_keras SGD makes one even at momentum 0)
 would double the bytes of each window. Their PS copies keep their initial
 values.
 
-Staleness is counted in exchanges: the global step g advances once per
-exchange, τ = g just before the exchange − g at the worker's previous
-exchange. ``StalenessStats.applied`` counts exchanges and
+Under ``local_sgd`` staleness is counted in exchanges: the global step g
+advances once per exchange, τ = g just before the exchange − g at the
+worker's previous exchange. ``StalenessStats.applied`` counts exchanges and
 ``StalenessStats.local_steps`` the worker steps trained on local copies.
+Under a route the global step belongs to its per-step parts; an exchange
+counts as its local part's update (``exchange_done``) and pushes its local
+steps.
 
 Data flow. For every numeric variable created in the strategy's scope the
 engine makes two TF per-worker variables (``per_worker_variable``: each
@@ -238,6 +244,10 @@ class LocalCopies:
         step = current_step()
         if step is not None and step.local_state is not None:
             step.local_state.add([copies])
+
+    def holds(self, var) -> bool:
+        """Whether ``var`` has local copies (its mode is local copies)."""
+        return id(var) in self._copies
 
     def exchanged(self, copies):
         """The copies an exchange moves: all but the optimizer slots."""
