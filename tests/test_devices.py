@@ -62,7 +62,7 @@ def test_too_few_gpus_fails_naming_flags_and_fix():
         assert words in msg
     with pytest.raises(ValueError, match="0 are available"):
         devices.plan_gpus(1, 1, 0)
-    with pytest.raises(ValueError, match="--gpus_per_worker must be an integer >= 0"):
+    with pytest.raises(ValueError, match="--gpus_per_worker must be an int >= 0, got -1"):
         devices.plan_gpus(1, -1, 4)
 
 

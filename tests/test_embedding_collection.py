@@ -121,7 +121,7 @@ def test_rows_are_the_features_rows_of_one_table_and_export_splits_it(keras_name
     for f, o in enumerate(_offsets()):
         np.testing.assert_array_equal(tables[f], table[o:o + DIMS[f]])
         np.testing.assert_array_equal(layer.feature_table(f), tables[f])
-    with pytest.raises(ValueError, match=r"feature=3 is not a feature index in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r": feature must be an int >= 0 and < 3 \(a feature index\), got 3\."):
         layer.feature_table(3)
     # Mixed precision: the table stays float32, rows come in the compute dtype.
     mixed = _layer(keras_name, dtype="mixed_float16")
@@ -152,12 +152,12 @@ def test_an_id_out_of_its_features_range_is_refused_naming_the_feature(keras_nam
 @pytest.mark.parametrize("args, match", [
     (([], 4), r"input_dims must be a non-empty list"),
     ((5, 4), r"input_dims must be a non-empty list"),
-    (([5, 0, 3], 4), r"input_dims\[1\] is 0"),
-    (([5, -2], 4), r"input_dims\[1\] is -2"),
-    (([5, True], 4), r"input_dims\[1\] is True"),
-    (([5, 2.0], 4), r"input_dims\[1\] is 2.0"),
-    (([5, 3], 0), r"output_dim must be an int >= 1"),
-    (([5, 3], False), r"output_dim=False"),
+    (([5, 0, 3], 4), r"input_dims\[1\] must be an int >= 1 \(feature 1's number of ids\), got 0\."),
+    (([5, -2], 4), r"input_dims\[1\] must be an int >= 1 .*, got -2\."),
+    (([5, True], 4), r"input_dims\[1\] must be an int >= 1 .*, got True\."),
+    (([5, 2.0], 4), r"input_dims\[1\] must be an int >= 1 .*, got 2\.0\."),
+    (([5, 3], 0), r"output_dim must be an int >= 1 \(the width of each row\), got 0\."),
+    (([5, 3], False), r"output_dim must be an int >= 1 .*, got False\."),
 ])
 @pytest.mark.parametrize("keras_name", list(KERASES))
 def test_bad_arguments_are_refused_naming_the_argument(keras_name, args, match):

@@ -25,6 +25,7 @@ replaces the read-then-write increment with an atomic one
 """
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.validate import check_number
 
 __all__ = ["LockingOptimizer", "make_locking", "is_locking", "lock_timeout"]
 
@@ -62,8 +63,7 @@ def make_locking(optimizer, timeout_s: float = 60.0):
         raise TypeError(
             f"LockingOptimizer needs an optimizer instance (e.g. tf_keras.optimizers.SGD(0.1)), "
             f"got {optimizer!r}.")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"LockingOptimizer: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+    check_number(timeout_s, "LockingOptimizer: timeout_s", above=0, hint="seconds")
     tf_compat.set_untracked_attribute(optimizer, _ATTR, float(timeout_s))
     return optimizer
 

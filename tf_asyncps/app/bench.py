@@ -39,6 +39,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from tf_asyncps.validate import check_int
+
 __all__ = ["default_configs", "hosts_configs", "scaling_configs", "run_one", "run_all",
            "aggregate_repeats", "spread", "peak_rss_mb", "MODELS", "SPREAD_KEYS",
            "SCALING_SHAPES"]
@@ -374,8 +376,7 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
       One dict per run (:func:`aggregate_repeats`): the run's settings, the
       medians and ranges, and ``repeats``: each repeat's :func:`run_one` result.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"--bench_repeats must be an integer >= 1, got {repeats!r}.")
+    repeats = check_int(repeats, "--bench_repeats", min=1)
     per_run = {i: [] for i in range(len(runs))}
     clusters = {}
     t_start = time.perf_counter()

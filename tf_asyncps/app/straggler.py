@@ -15,6 +15,8 @@ import signal
 import threading
 from typing import Callable
 
+from tf_asyncps.validate import check_int, check_number
+
 __all__ = ["slow_dataset_fn", "StopContCycler"]
 
 _MAX_DELAY_MS = 3600e3
@@ -41,15 +43,9 @@ def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> 
     if not callable(dataset_fn):
         raise ValueError(f"dataset_fn must be a function of the input context, got "
                          f"{dataset_fn!r}.")
-    if isinstance(slow_worker, bool) or not isinstance(slow_worker, numbers.Integral) \
-            or slow_worker < 0:
-        raise ValueError(f"slow_worker must be an integer worker index >= 0, got "
-                         f"{slow_worker!r}.")
-    if isinstance(delay_ms, bool) or not isinstance(delay_ms, numbers.Real) \
-            or not 0 <= delay_ms <= _MAX_DELAY_MS:
-        raise ValueError(f"delay_ms must be a number of milliseconds in 0..{_MAX_DELAY_MS:g} "
-                         f"(one hour), got {delay_ms!r}.")
-    slow_worker, delay_ms = int(slow_worker), float(delay_ms)
+    slow_worker = check_int(slow_worker, "slow_worker", min=0, hint="a worker index")
+    delay_ms = check_number(delay_ms, "delay_ms", min=0, max=_MAX_DELAY_MS,
+                            hint="milliseconds; one hour at most")
 
     def wrapped(input_context):
         import tensorflow as tf
@@ -82,9 +78,8 @@ class StopContCycler:
     """
 
     def __init__(self, pid: int, stop_s: float, period_s: float):
-        if isinstance(pid, bool) or not isinstance(pid, numbers.Integral) or pid <= 0:
-            raise ValueError(f"pid must be a process id > 0, got {pid!r} (0 and negative "
-                             "values would signal whole process groups).")
+        check_int(pid, "pid", min=1, hint="a process id; 0 and negative values would "
+                  "signal whole process groups")
         if pid == os.getpid():
             raise ValueError("pid is this process: it would stop itself and never resume.")
         try:

@@ -15,6 +15,7 @@ import tf_keras
 from absl import logging
 
 from tf_asyncps.callbacks.common import format_value, plain_value, strategy_of
+from tf_asyncps.validate import check_number
 
 __all__ = ["StalenessLogger", "ProgressLine"]
 
@@ -56,9 +57,8 @@ class StalenessLogger(tf_keras.callbacks.Callback):
         super().__init__()
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise ValueError(f"log_dir must be a directory path or None, got {log_dir!r}.")
-        if every_n_seconds is not None and not every_n_seconds > 0:
-            raise ValueError(
-                f"every_n_seconds must be > 0 seconds or None, got {every_n_seconds!r}.")
+        if every_n_seconds is not None:
+            check_number(every_n_seconds, "every_n_seconds", above=0, hint="seconds, or None")
         self.log_dir = log_dir
         self.every_n_seconds = every_n_seconds
         self.batch_size = batch_size

@@ -15,6 +15,8 @@ from typing import Dict, List, Union
 
 from absl import logging
 
+from tf_asyncps.validate import is_int
+
 __all__ = ["ROLES", "ClusterConfig", "validate_tf_config", "tf_config_from_env",
            "warn_evaluators", "cluster_resolver"]
 
@@ -246,7 +248,7 @@ def _validate(tf_config, require_task: bool, require_chief: bool) -> ClusterConf
             hint = _HINTS.get(str(task_type).lower(), "")
             _fail(f'task "type" is {task_type!r}; it must be one of {list(ROLES)}. '
                   f"{hint}", cluster)
-        if isinstance(task_id, bool) or not isinstance(task_id, int):
+        if not is_int(task_id):
             _fail(f'task "index" is {task_id!r} ({type(task_id).__name__}); it must be '
                   f'an integer such as 0.', cluster)
         if task_type not in cluster:  # only "chief", with require_chief=False

@@ -23,6 +23,8 @@ import shutil
 import subprocess
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
+from tf_asyncps.validate import check_int
+
 __all__ = [
     "TASK_MEMORY_MB", "available_memory_mb", "check_memory",
     "VISIBLE_DEVICES", "ALLOW_GROWTH", "LOGICAL_GPUS", "LOGICAL_GPU_MEMORY_MB",
@@ -180,8 +182,7 @@ def plan_gpus(num_workers: int, gpus_per_worker: int,
         message names the flags and the fix.
     """
     for name, v, low in (("num_workers", num_workers, 1), ("gpus_per_worker", gpus_per_worker, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"--{name} must be an integer >= {low}, got {v!r}.")
+        check_int(v, f"--{name}", min=low)
     ids = tuple(str(i) for i in range(available)) if isinstance(available, int) else tuple(available)
     k = gpus_per_worker
     need = num_workers * k

@@ -15,6 +15,7 @@ from tf_asyncps.cluster.config import ROLES, ClusterConfig, cluster_resolver
 from tf_asyncps.cluster.probe import wait_for_tasks
 from tf_asyncps.cluster.spawn import spawn
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.validate import check_int, check_number
 
 __all__ = ["LocalCluster"]
 
@@ -67,8 +68,7 @@ class LocalCluster:
                  worker_env: Optional[Dict[int, Dict[str, str]]] = None,
                  host: str = "127.0.0.1", hosts=None, keep_logs: bool = False):
         for name, v in (("num_workers", num_workers), ("num_ps", num_ps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LocalCluster: {name} must be an int >= 1, got {v!r}.")
+            check_int(v, f"LocalCluster: {name}", min=1)
         import portpicker
         import tempfile
         self.num_workers, self.num_ps = num_workers, num_ps
@@ -276,11 +276,9 @@ class LocalCluster:
         Raises:
           ValueError: bad arguments.
         """
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) \
-                or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}.")
-        if not (isinstance(poll_s, (int, float)) and poll_s > 0):
-            raise ValueError(f"poll_s must be seconds > 0, got {poll_s!r}.")
+        max_restarts = check_int(max_restarts, "max_restarts", min=0,
+                                 hint="restarts per task")
+        check_number(poll_s, "poll_s", above=0, hint="seconds")
         if self._supervisor is not None:
             raise ValueError("this LocalCluster is already supervised.")
         self._supervisor_stop.clear()

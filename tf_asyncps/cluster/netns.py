@@ -34,6 +34,8 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence
 
+from tf_asyncps.validate import check_number
+
 __all__ = ["NetnsHosts", "unavailable", "remove_namespaces_of", "SUBNET"]
 
 #: The hosts' subnet: the start of the benchmarking range 198.18.0.0/15.
@@ -197,10 +199,8 @@ class NetnsHosts:
         names = list(names)
         if not names or len(set(names)) != len(names) or len(names) > 250:
             raise ValueError(f"NetnsHosts: names must be 1-250 unique host names, got {names!r}.")
-        if rate_mbit is not None and (isinstance(rate_mbit, bool) or
-                                      not isinstance(rate_mbit, (int, float)) or rate_mbit <= 0):
-            raise ValueError(f"NetnsHosts: rate_mbit must be Mbit/s > 0 or None, got "
-                             f"{rate_mbit!r}.")
+        if rate_mbit is not None:
+            check_number(rate_mbit, "NetnsHosts: rate_mbit", above=0, hint="Mbit/s, or None")
         why = unavailable(rate=rate_mbit is not None)
         if why:
             raise RuntimeError(f"NetnsHosts: {why}.")

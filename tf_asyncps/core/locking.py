@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_asyncps.core import placement
 from tf_asyncps.core.watchdog import Watchdog
+from tf_asyncps.validate import check_number
 
 __all__ = ["PSLock", "run_collecting_ops"]
 
@@ -50,8 +51,7 @@ class PSLock(Watchdog):
 
     def __init__(self, device: str, timeout_s: float = 60.0, name: str = "update_lock",
                  anchor=None):
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"{name}: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        check_number(timeout_s, f"{name}: timeout_s", above=0, hint="seconds")
         super().__init__(f"asyncps-{name}")
         self.device = device
         self.timeout_s = float(timeout_s)

@@ -46,7 +46,6 @@ filter admission, global-step eviction), TorchRec managed-collision modules
 """
 
 import functools
-import numbers
 import types
 from typing import List, Optional, Tuple
 
@@ -62,6 +61,7 @@ from tf_asyncps.dynamic import eviction as eviction_lib
 from tf_asyncps.dynamic import generations
 from tf_asyncps.dynamic import reshard as reshard_lib
 from tf_asyncps.dynamic import slots as slots_lib
+from tf_asyncps.validate import check_int
 
 __all__ = ["DynamicTable", "check_arguments", "optimizer_slots"]
 
@@ -84,8 +84,7 @@ def check_arguments(output_dim, capacity, key_dtype, min_count, eviction, evict_
       ValueError / TypeError: naming the field and the fix.
     """
     def positive_int(name, value, hint):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"DynamicEmbedding({name}={value!r}): must be an int >= 1 ({hint}).")
+        check_int(value, f"DynamicEmbedding: {name}", min=1, hint=hint)
 
     positive_int("output_dim", output_dim, "the width of each row")
     positive_int("capacity", capacity, "the most rows the table holds, e.g. capacity=1_000_000")

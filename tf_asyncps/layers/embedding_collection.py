@@ -24,7 +24,6 @@ is the Keras 3 one (:func:`keras3_layer`); ``tf_asyncps.layers.EmbeddingCollecti
 makes either (``tf_asyncps.layers.keras_choice``).
 """
 
-import numbers
 from typing import Optional
 
 import numpy as np
@@ -32,6 +31,7 @@ import tensorflow as tf
 
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.layers import keras_choice
+from tf_asyncps.validate import check_int
 
 __all__ = ["EmbeddingCollection", "PICKED", "check_arguments", "keras3_layer"]
 
@@ -41,11 +41,6 @@ _NAME = "EmbeddingCollection"
 def _tf_keras():
     import tf_keras
     return tf_keras
-
-
-def _positive_int(value) -> bool:
-    return (isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
-        value, (bool, np.bool_)) and int(value) >= 1)
 
 
 def check_arguments(input_dims, output_dim):
@@ -66,15 +61,11 @@ def check_arguments(input_dims, output_dim):
         raise ValueError(f"{_NAME}(input_dims={input_dims!r}): input_dims must be a non-empty "
                          f"list of ints >= 1, one per feature (its number of ids), e.g. "
                          f"input_dims=[1000, 24, 3].")
-    bad = [(f, d) for f, d in enumerate(input_dims) if not _positive_int(d)]
-    if bad:
-        f, d = bad[0]
-        raise ValueError(f"{_NAME}: input_dims[{f}] is {d!r}; every entry of input_dims must be "
-                         f"an int >= 1 (feature {f}'s number of ids; bools are refused).")
-    if not _positive_int(output_dim):
-        raise ValueError(f"{_NAME}(output_dim={output_dim!r}): output_dim must be an int >= 1 "
-                         f"(the width of each row).")
-    return tuple(int(d) for d in input_dims), int(output_dim)
+    dims = tuple(check_int(d, f"{_NAME}: input_dims[{f}]", min=1,
+                           hint=f"feature {f}'s number of ids")
+                 for f, d in enumerate(input_dims))
+    return dims, check_int(output_dim, f"{_NAME}: output_dim", min=1,
+                           hint="the width of each row")
 
 
 def _check_keras_input(x, keras: str, layer) -> None:
@@ -176,10 +167,8 @@ class _Mixin:
           ValueError: the layer is not built, or ``feature`` is not in
             ``[0, len(input_dims))``.
         """
-        if isinstance(feature, (bool, np.bool_)) or not isinstance(
-                feature, (numbers.Integral, np.integer)) or not 0 <= feature < len(self.input_dims):
-            raise ValueError(f"{_NAME} {self.name!r}: feature={feature!r} is not a feature "
-                             f"index in [0, {len(self.input_dims)}).")
+        feature = check_int(feature, f"{_NAME} {self.name!r}: feature", min=0,
+                            below=len(self.input_dims), hint="a feature index")
         if getattr(self, "embeddings", None) is None:
             raise ValueError(f"{_NAME} {self.name!r} is not built: call it on a batch (or "
                              f"build the model) before reading its tables.")

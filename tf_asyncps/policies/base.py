@@ -1,10 +1,9 @@
 """The policy base class and its types (defined in ``tf_asyncps/core/protocol.py``,
 the contract between the engine and the rules; re-exported here)."""
 
-import numbers
-
 from tf_asyncps.core.protocol import (Decision, Keep, PolicyRuntime, StepInfo,
                                       UpdatePolicy, after_apply_of, as_decision)
+from tf_asyncps.validate import check_int
 
 __all__ = ["UpdatePolicy", "StepInfo", "Decision", "Keep", "PolicyRuntime", "as_decision",
            "after_apply_of", "check_count"]
@@ -19,8 +18,4 @@ def check_count(policy: str, name: str, value, minimum: int, unit: str) -> int:
     Raises:
       ValueError: naming ``policy``, ``name``, the range and ``unit``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or not minimum <= value < _INT64_LIMIT:
-        raise ValueError(f"{policy}: {name} must be an int >= {minimum} and < 2**63 "
-                         f"({unit}), got {value!r}.")
-    return int(value)
+    return check_int(value, f"{policy}: {name}", min=minimum, below=_INT64_LIMIT, hint=unit)

@@ -22,6 +22,7 @@ from tf_asyncps.policies import registry
 from tf_asyncps.core import placement
 from tf_asyncps.core.grads import map_values
 from tf_asyncps.policies.base import UpdatePolicy
+from tf_asyncps.validate import check_number
 
 __all__ = ["DCASGD", "delay_compensate"]
 
@@ -59,12 +60,9 @@ class DCASGD(UpdatePolicy):
 
     def __init__(self, lambda_: float = 0.04, adaptive: bool = False,
                  momentum: float = 0.95, epsilon: float = 1e-7):
-        if not (isinstance(lambda_, (int, float)) and lambda_ >= 0):
-            raise ValueError(f"dc_asgd: lambda_ must be a number >= 0, got {lambda_!r}.")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"dc_asgd: momentum must be in [0, 1), got {momentum!r}.")
-        if not epsilon > 0:
-            raise ValueError(f"dc_asgd: epsilon must be > 0, got {epsilon!r}.")
+        check_number(lambda_, "dc_asgd: lambda_", min=0, hint="the delay-compensation strength")
+        check_number(momentum, "dc_asgd: momentum", min=0, below=1)
+        check_number(epsilon, "dc_asgd: epsilon", above=0)
         self.lambda_ = float(lambda_)
         self.adaptive = bool(adaptive)
         self.momentum = float(momentum)

@@ -33,6 +33,7 @@ from tf_asyncps.core import placement
 from tf_asyncps.core.worker_gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import UpdatePolicy, check_count
+from tf_asyncps.validate import check_number
 
 __all__ = ["SSP", "Clocks"]
 
@@ -71,8 +72,7 @@ class SSP(GatedPolicy, UpdatePolicy):
 
     def __init__(self, max_staleness: int = 2, timeout_s: float = 120.0):
         max_staleness = check_count("ssp", "max_staleness", max_staleness, 0, "clocks")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"ssp: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        timeout_s = check_number(timeout_s, "ssp: timeout_s", above=0, hint="seconds")
         self.max_staleness = max_staleness
         self.timeout_s = float(timeout_s)
 

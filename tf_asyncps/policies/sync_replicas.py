@@ -54,6 +54,7 @@ from tf_asyncps.core import placement
 from tf_asyncps.core.worker_gate import GatedPolicy, WorkerGate
 from tf_asyncps.policies import registry
 from tf_asyncps.policies.base import Decision, UpdatePolicy, check_count
+from tf_asyncps.validate import check_number
 
 __all__ = ["SyncReplicas", "SyncReplicasAggregator", "Rounds"]
 
@@ -118,8 +119,7 @@ class SyncReplicas(GatedPolicy, UpdatePolicy):
                     "and must be >= N (M - N are backup workers).")
         max_staleness = check_count("sync_replicas", "max_staleness", max_staleness, 0,
                                     "global steps")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"sync_replicas: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        timeout_s = check_number(timeout_s, "sync_replicas: timeout_s", above=0, hint="seconds")
         self.replicas_to_aggregate = replicas_to_aggregate
         self.total_num_replicas = total_num_replicas
         self.max_staleness = max_staleness
