@@ -48,6 +48,7 @@ from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import check_optimizer_scope, install_optimizer_hooks
 from tf_asyncps.optimizers import is_locking, lock_timeout
+from tf_asyncps.validate import check_number
 
 __all__ = ["AsyncParameterServerStrategy", "INPUT_RAN_OUT_MESSAGE", "KERAS3_FIT_MESSAGE"]
 
@@ -365,9 +366,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                                                                       variable_partitioner)
         policy = policies_lib.get(update_policy)
         wire = _wire_dtype(wire_dtype)
-        if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
-            raise ValueError(
-                f"connect_timeout_s must be a number of seconds > 0, got {connect_timeout_s!r}.")
+        check_number(connect_timeout_s, "connect_timeout_s", above=0, hint="seconds")
         if not isinstance(deduplicate_lookups, bool):
             raise TypeError(f"deduplicate_lookups must be True or False, got "
                             f"{deduplicate_lookups!r}.")
