@@ -275,6 +275,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "soak: a long fault-injection run (about 5 min); outside the README's "
         "test command (20 min budget), run it with `python -m pytest -q -m soak`")
+    config.addinivalue_line(
+        "markers", "long: a costly variant of a behaviour that a test in the README's "
+        "command already checks (another policy, optimizer or Keras on the same path); "
+        "outside that command (20 min budget), run it with `python -m pytest -q -m long`")
     # The suite has a time budget (20 min on 2 cores): always list the slowest tests.
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 20

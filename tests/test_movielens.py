@@ -78,7 +78,10 @@ def test_partitioner_splits_tables_and_keeps_small_kernels_whole():
     assert rows([85, 64]) == [1, 1]     # 22 KB Dense kernel: whole
 
 
-@pytest.mark.parametrize("keras", ["tf_keras", "3"])
+@pytest.mark.parametrize("keras", [
+    "tf_keras",
+    # Keras 3's fit on sharded tables: test_keras3.py (three ps, equal to one process).
+    pytest.param("3", marks=pytest.mark.long)])
 @pytest.mark.cluster
 @pytest.mark.timeout(400)
 def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(keras,
@@ -118,6 +121,7 @@ def test_short_movielens_job_trains_sharded_tables_and_exports_a_loadable_model(
 
 
 @pytest.mark.cluster
+@pytest.mark.long  # raw ids in fit: test_dynamic_cluster.py; this is the job's flag on top
 @pytest.mark.timeout(400)
 def test_short_movielens_job_on_raw_ids_keeps_tables_within_capacity_and_evicts(tmp_path):
     out = tmp_path / "run"

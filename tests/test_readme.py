@@ -17,7 +17,7 @@ from conftest import ROOT, run_command
 README = os.path.join(ROOT, "README.md")
 INSTALL_AND_RUN = ('pip install -e ".[examples]" && '
                    "tf-asyncps launch --flagfile=configs/digits_async.flags")
-TEST_COMMAND = ('python -m pytest -q -n 2 --dist loadfile -m "not solo and not soak" && '
+TEST_COMMAND = ('python -m pytest -q -n 2 --dist loadfile -m "not solo and not soak and not long" && '
                 "python -m pytest -q -m solo")
 
 
