@@ -38,25 +38,37 @@ import functools
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import tensorflow_tape as tape_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import trace_context
 
-__all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id"]
+__all__ = ["read_distinct_rows", "distinct_rows_gather", "every_id", "per_id_gradients"]
 
 
 def every_id():
-    """Row reads traced in this context read every id, as TensorFlow's gather.
-
-    For Keras 3 models: Keras 3.15's Adam and Adagrad square each gradient row
-    of a repeated id on its own (``ops.square`` of an IndexedSlices), where
-    tf_keras and TensorFlow 1 sum the rows first; the gradient of a distinct-id
-    read sums them, which would change those updates.
-    """
+    """Row reads traced in this context read every id, as TensorFlow's gather
+    (ids already distinct: a dynamic table's rows)."""
     return trace_context.entered(trace_context.EVERY_ID, True)
 
 
+def per_id_gradients():
+    """Row reads traced in this context read each distinct id once and give
+    the variable a gradient row per id occurrence, as TensorFlow's gather.
+
+    For Keras 3 models: Keras 3.15's Adam and Adagrad square each gradient row
+    of a repeated id on its own (``ops.square`` of an IndexedSlices), where
+    tf_keras and TensorFlow 1 sum the rows first; the gradient of a plain
+    distinct-id read sums them, which would change those updates. Here the
+    forward pass is the distinct-id read and the backward pass is recorded
+    as one operation on the variable (compat/tensorflow_tape.py), so the
+    optimizer gets what an every-id read gives; core/rowwise.py then sends
+    each distinct id once with what the rule needs of its repeated rows.
+    """
+    return trace_context.entered(trace_context.PER_ID_GRADIENTS, True)
+
+
 def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
-                         wire_dtype=None, num_rows=None):
+                         wire_dtype=None, num_rows=None, variable=None):
     """``sparse_read(indices)`` with each distinct index read once.
 
     Args:
@@ -69,6 +81,8 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
         on the ps, float32 again on the worker (inside functions only).
       num_rows: the variable's number of rows, or None; under 2**31 the distinct
         int64 ids cross as int32.
+      variable: the variable read, for :func:`per_id_gradients` (None: the
+        gradient is that of the distinct-id read).
 
     Returns:
       The rows, shape ``indices.shape + var.shape[1:]``, dtype of the variable,
@@ -81,6 +95,33 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     if trace_context.EVERY_ID.get() or not distinct:
         return grads_lib.read_over_wire(sparse_read(indices, name=name), wire_dtype,
                                         back_with=op)
+    if trace_context.PER_ID_GRADIENTS.get() and variable is not None:
+        return _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype,
+                                     num_rows, op)
+    return _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op)
+
+
+def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_rows, op):
+    """The distinct-id read, whose gradient to ``variable`` is one row per id."""
+    shape = variable.shape
+
+    def backward(dy):
+        with tf_compat.colocate_only_with(op):  # on the worker, beside the ids
+            if shape[1:].is_fully_defined():
+                rows = tf.reshape(dy, [-1] + shape[1:].as_list())
+            else:
+                rows = tf.reshape(dy, tf.concat([[-1], tf.shape(dy)[tf.rank(indices):]], 0))
+            dense_shape = (tf.constant(shape.as_list(), tf.int64) if shape.is_fully_defined()
+                           else tf.shape(variable, out_type=tf.int64))
+            return tf.IndexedSlices(tf.cast(rows, variable.dtype), tf.reshape(indices, [-1]),
+                                    dense_shape)
+
+    return tape_compat.recorded_on_variable(
+        variable, lambda: _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op),
+        backward)
+
+
+def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
     with tf_compat.colocate_only_with(op):
@@ -115,4 +156,4 @@ def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
         return False
     return tf_compat.replace_sparse_read(var, functools.partial(
         distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype,
-        num_rows=var.shape[0]))
+        num_rows=var.shape[0], variable=var))

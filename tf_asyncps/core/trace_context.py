@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 
 __all__ = ["entered", "STEP", "CLUSTER_STATES", "RECORDING_STATES", "SINGLE_UPDATE",
-           "EVERY_ID", "NONFINITE_GATE", "BESIDE_DEPTH"]
+           "EVERY_ID", "PER_ID_GRADIENTS", "NONFINITE_GATE", "BESIDE_DEPTH"]
 
 #: The ``core.step.WorkerStep`` being traced, or None.
 STEP = contextvars.ContextVar("tf_asyncps.step", default=None)
@@ -35,6 +35,8 @@ RECORDING_STATES = contextvars.ContextVar("tf_asyncps.recording_states", default
 SINGLE_UPDATE = contextvars.ContextVar("tf_asyncps.single_update", default=False)
 #: Whether row reads gather every id, not each distinct id once (core/lookup.py).
 EVERY_ID = contextvars.ContextVar("tf_asyncps.every_id", default=False)
+#: Whether distinct-id row reads give a gradient row per id occurrence (core/lookup.py).
+PER_ID_GRADIENTS = contextvars.ContextVar("tf_asyncps.per_id_gradients", default=False)
 #: The non-finite check gating variable updates (core/nonfinite_guard.py), or None.
 NONFINITE_GATE = contextvars.ContextVar("tf_asyncps.nonfinite_gate", default=None)
 #: How many ``placement.beside`` scopes are open: variables created inside are

@@ -34,6 +34,7 @@ from tf_asyncps.compat import tensorflow_variables as variables_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import gpu_replicas, mixed_precision, nonfinite_guard, placement
+from tf_asyncps.core import rowwise
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
 from tf_asyncps.core.protocol import StepInfo, as_decision
 
@@ -142,24 +143,28 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     ps tasks, as a :class:`StepPlan`; None when the step has none."""
     policy, tracker = engine.policy, engine.tracker
     locking = policy.atomic or marked
-    apply_fn = filtered(engine, apply_fn, optimizer)
     pairs = [(grads_lib.rows_on_ps(g), v) for g, v in grads_and_vars if g is not None]
     if not pairs:
         return None
-    _warn_dense_table_updates(engine, optimizer, pairs)
+    if rowwise.rule_for(optimizer) is None:
+        _warn_dense_table_updates(engine, optimizer, pairs)
     step.applied = True
     # Policies and aggregators work in the variables' dtype (float32 under
     # mixed precision, where tf_keras keeps float32 variables).
     grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
+    variables = [v for _, v in pairs]
     keras3 = keras_compat.optimizer_class()
+    squares = [None] * len(grads)
     if keras3 is None or not isinstance(optimizer, keras3):
         # Distinct rows only: tf_keras's optimizers sum the rows of repeated
         # ids in apply_gradients anyway, so each row crosses to the ps once
-        # (docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb). Keras 3's
-        # Adam and Adagrad square each repeated row on its own: its gradients
-        # keep their rows.
+        # (docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb).
         grads = [grads_lib.unique_rows(g) for g in grads]
-    variables = [v for _, v in pairs]
+    else:
+        # Keras 3 squares each repeated row on its own: a row-wise rule's
+        # tables cross as distinct rows with the squares it needs
+        # (core/rowwise.py); other Keras 3 rules keep every row.
+        grads, squares = rowwise.distinct_rows(optimizer, grads, variables)
     # A LossScaleOptimizer skips non-finite steps itself: always check, so
     # such a step is counted as dropped and lowers the loss scale.
     lso = mixed_precision.loss_scale_optimizer(optimizer)
@@ -180,9 +185,17 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
                                wire_dtype=engine.wire_dtype,
                                rows=_static_rows(keras_compat.backing_variable(v)))
              for g, v in zip(grads, variables)]
+    squares = [None if s is None else grads_lib.copy_to(
+        s, keras_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype)
+        for s, v in zip(squares, variables)]
+    # The row-wise update inside the gradient filters: a filtered gradient
+    # is applied with its own rows as the occurrences.
+    apply_fn = filtered(engine, rowwise.applying(optimizer, apply_fn, variables, grads, squares),
+                        optimizer)
     w = grads_lib.copy_to(step.worker_index, device)
     finite = None if finite is None else grads_lib.copy_to(finite, device)
-    inputs = grads_lib.flat_tensors(grads) + [w] + ([finite] if finite is not None else [])
+    inputs = (grads_lib.flat_tensors(grads) + [s for s in squares if s is not None] + [w]
+              + ([finite] if finite is not None else []))
     read_values = (_read_values(engine, step, variables) if policy.needs_read_values
                    else None)
 

@@ -18,6 +18,7 @@ internals it needs are in ``tf_asyncps/compat/keras.py``.
 """
 
 from tf_asyncps.keras3.data import DatasetFn
+from tf_asyncps.keras3.optimizers import LazyAdam
 from tf_asyncps.keras3.trainer import Keras3Trainer, attach, trainable_shards
 
 from tf_asyncps.layers.dynamic_embedding import keras3_layer as _keras3_layer
@@ -29,4 +30,4 @@ from tf_asyncps.layers.embedding_collection import keras3_layer as _keras3_colle
 DynamicEmbedding = _keras3_layer()
 EmbeddingCollection = _keras3_collection()
 
-__all__ = ["DatasetFn", "Keras3Trainer", "attach", "trainable_shards"]
+__all__ = ["DatasetFn", "Keras3Trainer", "LazyAdam", "attach", "trainable_shards"]

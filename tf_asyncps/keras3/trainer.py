@@ -121,8 +121,8 @@ def refuse_unattached(strategy_class) -> None:
     keras_compat.hook_loops(make_hook)
 
 
-def _lookup_every_id(value, ids):
-    with lookup.every_id():
+def _lookup_per_id(value, ids):
+    with lookup.per_id_gradients():
         return tf.nn.embedding_lookup(value, ids)
 
 
@@ -225,12 +225,13 @@ class Keras3Trainer:
         them). Either way each Embedding looks up only its rows."""
         model = self.model
         # Each Embedding reads only its rows (Keras 3 reads the whole table),
-        # every id (core/lookup.every_id: Keras 3's own sparse update rules).
+        # each distinct id read once, a gradient row per id (core/lookup.per_id_gradients:
+        # Keras 3's own sparse update rules see what they see in one process).
         for layer in keras_compat.layers_of(model):
             table = getattr(layer, "embeddings", None) if isinstance(
                 layer, keras.layers.Embedding) else None
             if table is not None:
-                keras_compat.lookup_rows_in_call(layer, table, _lookup_every_id)
+                keras_compat.lookup_rows_in_call(layer, table, _lookup_per_id)
         if not any(keras_compat.sharded_value(v) for v in model.trainable_variables):
             return model.train_step
         sources = trainable_shards(model)

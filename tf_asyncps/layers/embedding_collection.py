@@ -147,8 +147,8 @@ class _Mixin:
 
     def _lookup(self, ids, compute_dtype, every_id=False):
         rows = self._check_ids(ids) + tf.constant(self.offsets, tf.int64)
-        if every_id:  # Keras 3's own sparse rules (core/lookup.every_id)
-            with lookup_lib.every_id():
+        if every_id:  # Keras 3's own sparse rules (core/lookup.per_id_gradients)
+            with lookup_lib.per_id_gradients():
                 out = tf.nn.embedding_lookup(self._table_value(), rows)
         else:
             out = tf.nn.embedding_lookup(self._table_value(), rows)
@@ -260,8 +260,8 @@ def keras3_layer():
     """The Keras 3 ``EmbeddingCollection`` class (made once, when
     ``tf_asyncps.keras3`` is imported or a Keras 3 layer is first made). Same
     arguments and behaviour as the tf_keras layer; its reads keep Keras 3's
-    own sparse rules (each id's row read and its gradient row pushed, as
-    Keras 3's Embedding under the strategy: ``core.lookup.every_id``), so
+    own sparse rules (each distinct id read once and a gradient row per id,
+    as Keras 3's Embedding under the strategy: ``core.lookup.per_id_gradients``), so
     training equals F Keras 3 Embedding layers with any optimizer."""
     if _KERAS3_CLASS:
         return _KERAS3_CLASS[0]
