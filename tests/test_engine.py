@@ -12,24 +12,11 @@ import tensorflow as tf
 import tf_keras
 
 from scenarios.common import make_optimizer
+from local_engine import CPU, local_engine
 from tf_asyncps import policies
 from tf_asyncps.core.engine import PolicyEngine
-from tf_asyncps.core.staleness import StalenessTracker
-from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
-from tf_asyncps.optimizers import LockingOptimizer, is_locking, lock_timeout
-
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
-
-
-def _engine(policy, num_workers=1, **kwargs):
-    install_optimizer_hooks()
-    tracker = StalenessTracker(max_tracked=4, device=CPU)
-    policy = policies.get(policy, **kwargs)
-    policy.build(num_workers, CPU)
-    engine = PolicyEngine(policy, tracker, num_workers=num_workers, skip_nonfinite=True,
-                          is_locking=is_locking, lock_timeout=lock_timeout)
-    engine.strategy = tf.distribute.get_strategy()  # the default strategy
-    return engine
+from tf_asyncps.core.step import WorkerStep
+from tf_asyncps.optimizers import LockingOptimizer
 
 
 def _stepper(engine, opt, w, grad_fn):
@@ -46,7 +33,7 @@ def _stepper(engine, opt, w, grad_fn):
 
 
 def test_drop_stale_counts_and_applies_exactly_by_tau():
-    engine = _engine("drop_stale", max_staleness=1)
+    engine = local_engine("drop_stale", max_staleness=1)
     w = tf.Variable([10.0, 10.0])
     opt = tf_keras.optimizers.SGD(0.5)
     step = _stepper(engine, opt, w, lambda x: x)
@@ -64,7 +51,7 @@ def test_drop_stale_counts_and_applies_exactly_by_tau():
 
 @pytest.mark.parametrize("locking", [False, True], ids=["unlocked", "locked"])
 def test_nonfinite_steps_are_dropped_counted_and_never_applied(locking):
-    engine = _engine("async")
+    engine = local_engine("async")
     w = tf.Variable([1.0])
     opt = tf_keras.optimizers.SGD(0.25)
     if locking:
@@ -82,7 +69,7 @@ def test_nonfinite_steps_are_dropped_counted_and_never_applied(locking):
 
 
 def test_a_dropped_nonfinite_step_halves_the_loss_scale():
-    engine = _engine("async")
+    engine = local_engine("async")
     w = tf.Variable([1.0])
     opt = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.5),
                                                       initial_scale=1024.0)
@@ -96,7 +83,7 @@ def test_a_dropped_nonfinite_step_halves_the_loss_scale():
 
 
 def test_sync_replicas_means_exactly_n_gradients_per_update():
-    engine = _engine("sync_replicas", num_workers=2, replicas_to_aggregate=2, timeout_s=30)
+    engine = local_engine("sync_replicas", num_workers=2, replicas_to_aggregate=2, timeout_s=30)
     w = tf.Variable([0.0])
     opt = tf_keras.optimizers.SGD(1.0)
     step = _stepper(engine, opt, w, lambda x: x)
@@ -123,7 +110,7 @@ def test_one_worker_under_every_policy_equals_the_plain_optimizer(policy, args, 
     """Whole worker steps (before_read, read step, snapshot, decision, update,
     after_step) with one worker: τ = 0 always, so every policy's update is the
     plain optimizer's (dc_asgd's correction is 0 when w_now == w_read)."""
-    engine = _engine(policy, **args)
+    engine = local_engine(policy, **args)
     rng = np.random.RandomState(0)
     x = tf.constant(rng.randn(32, 4).astype(np.float32))
     y = tf.constant(rng.randn(32, 1).astype(np.float32))
@@ -182,10 +169,10 @@ def test_sparse_gradients_stay_sparse_and_equal_the_dense_reference(policy, args
     e0 = rng.randn(vocab, dim).astype(np.float32)
     e, e_ref = tf.Variable(e0), tf.Variable(e0)
     types = _Types()
-    engine = _engine("async", num_workers=workers)
+    engine = local_engine("async", num_workers=workers)
     engine.policy = policies.chain(policies.get(policy, **args), types) if policy != \
         "sync_replicas" else policies.get(policy, **args)
-    engine.policy.build(workers, CPU)
+    engine.build(CPU)
     engine.track_variable(e, trainable=True)
     opt, opt_ref = tf_keras.optimizers.SGD(0.5), tf_keras.optimizers.SGD(0.5)
 
@@ -232,7 +219,7 @@ def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warn
     """tf_keras 2.21's SGD applies a sparse gradient densely (a momentum slot
     even with momentum=0), and so do Keras 3's optimizers other than plain
     SGD: O(table) per step, said once with the fix."""
-    engine = _engine("async")
+    engine = local_engine("async")
     table = tf.Variable(tf.zeros([PolicyEngine.LARGE_TABLE_ROWS, 2]), name="embeddings")
     opt = make()
     if type(opt).__module__.startswith("keras.src"):
@@ -290,7 +277,7 @@ def test_after_step_runs_beside_the_policy_state():
     device. (before_read stays unplaced: placing the gate's wait there let
     sync_replicas workers read the model before their round completed,
     test_aggregator.)"""
-    engine = _engine("ssp", num_workers=2, max_staleness=1, timeout_s=30)
+    engine = local_engine("ssp", num_workers=2, max_staleness=1, timeout_s=30)
     w = tf.Variable([1.0, 2.0])
     opt = tf_keras.optimizers.SGD(0.5)
 

@@ -16,28 +16,13 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from local_engine import CPU, local_engine
 from tf_asyncps import policies
 from tf_asyncps.core import placement
-from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.worker_gate import WorkerGate
-from tf_asyncps.core.staleness import StalenessTracker
-from tf_asyncps.core.step import install_optimizer_hooks
-from tf_asyncps.optimizers import is_locking, lock_timeout
 from tf_asyncps.policies.route import PartCounts
 from tf_asyncps.policies.ssp import Clocks
 from tf_asyncps.policies.sync_replicas import Rounds
-
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
-
-
-def _engine(policy):
-    """An engine that builds ``policy`` itself (as the strategy does)."""
-    install_optimizer_hooks()
-    engine = PolicyEngine(policy, StalenessTracker(max_tracked=4, device=CPU), num_workers=1,
-                          skip_nonfinite=True, is_locking=is_locking, lock_timeout=lock_timeout)
-    engine.build(CPU)
-    engine.strategy = tf.distribute.get_strategy()
-    return engine
 
 
 def _steps(engine, n):
@@ -65,7 +50,7 @@ def _steps(engine, n):
      lambda p: [p.rounds()])])
 def test_one_policy_object_serves_two_engines_each_with_its_own_cluster_state(name, args, read):
     policy = policies.get(name, **args)
-    first, second = _engine(policy), _engine(policy)
+    first, second = local_engine(policy), local_engine(policy)
     w1, w2 = _steps(first, 3), _steps(second, 1)
     assert w1.numpy().tolist() == [1.0 - 3 * 0.5, 2.0 - 3 * 0.5]
     assert w2.numpy().tolist() == [1.0 - 0.5, 2.0 - 0.5]

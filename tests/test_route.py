@@ -11,24 +11,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from local_engine import local_engine
 from tf_asyncps import policies
-from tf_asyncps.core.engine import PolicyEngine
-from tf_asyncps.core.staleness import StalenessTracker
-from tf_asyncps.core.step import WorkerStep, install_optimizer_hooks
-from tf_asyncps.optimizers import is_locking, lock_timeout
+from tf_asyncps.core.step import WorkerStep
 
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 LR = 0.5
-
-
-def _engine(policy, num_workers=2):
-    install_optimizer_hooks()
-    policy.build(num_workers, CPU)
-    engine = PolicyEngine(policy, StalenessTracker(max_tracked=4, device=CPU),
-                          num_workers=num_workers, skip_nonfinite=True,
-                          is_locking=is_locking, lock_timeout=lock_timeout)
-    engine.strategy = tf.distribute.get_strategy()
-    return engine
 
 
 class _Model:
@@ -67,7 +54,7 @@ def test_each_part_has_its_own_tau_and_decision():
     # worker 1's table part is one table update late (τ_sparse = 1): only it
     # is dropped; its kernel part is applied in the same step.
     route = policies.route(sparse=policies.get("drop_stale", max_staleness=0), dense="async")
-    m = _Model(_engine(route))
+    m = _Model(local_engine(route, num_workers=2))
     r0, r1 = m.read(0), m.read(1)
     m.apply(r0, 0, 1, [1.0, 2.0], [1.0, 1.0])
     m.apply(r1, 1, 2, [4.0, 4.0], [3.0, 5.0])
@@ -84,7 +71,7 @@ def test_each_part_has_its_own_tau_and_decision():
 def test_a_step_is_dropped_only_when_every_part_refuses_it():
     route = policies.route(sparse=policies.get("drop_stale", max_staleness=0),
                            dense=policies.get("drop_stale", max_staleness=0))
-    m = _Model(_engine(route))
+    m = _Model(local_engine(route, num_workers=2))
     r0, r1 = m.read(0), m.read(1)
     m.apply(r0, 0, 0, [1.0, 1.0], [1.0, 1.0])
     m.apply(r1, 1, 0, [8.0, 8.0], [8.0, 8.0])  # both parts one update late
@@ -100,9 +87,9 @@ def test_dense_part_under_sync_replicas_equals_the_aggregator_alone():
     # PERSIA's split: tables async, dense layers synchronous (N = 2).
     route = policies.route(sparse="async", dense=policies.get(
         "sync_replicas", replicas_to_aggregate=2, timeout_s=30))
-    m = _Model(_engine(route))
-    alone = _Model(_engine(policies.get("sync_replicas", replicas_to_aggregate=2,
-                                        timeout_s=30)))
+    m = _Model(local_engine(route, num_workers=2))
+    alone = _Model(local_engine("sync_replicas", num_workers=2, replicas_to_aggregate=2,
+                                timeout_s=30))
     kernel_grads = [[1.0, 2.0], [3.0, 6.0], [5.0, 0.0], [7.0, 4.0]]
     for rnd in range(2):
         reads = [m.read(w) for w in (0, 1)]
@@ -130,7 +117,7 @@ def test_an_aggregator_round_still_counts_a_step_whose_table_part_was_dropped():
     route = policies.route(sparse=policies.get("drop_stale", max_staleness=0),
                            dense=policies.get("sync_replicas", replicas_to_aggregate=2,
                                               timeout_s=30))
-    m = _Model(_engine(route))
+    m = _Model(local_engine(route, num_workers=2))
     r0, r1 = m.read(0), m.read(1)
     m.apply(r0, 0, 0, [1.0, 1.0], [2.0, 2.0])  # table applied, kernel accepted (1 of 2)
     m.apply(r1, 1, 0, [9.0, 9.0], [4.0, 4.0])  # table dropped, round complete
@@ -144,7 +131,7 @@ def test_an_aggregator_round_still_counts_a_step_whose_table_part_was_dropped():
 
 def test_a_nonfinite_step_updates_no_part():
     route = policies.route(sparse="async", dense="async")
-    m = _Model(_engine(route))
+    m = _Model(local_engine(route, num_workers=2))
     m.apply(m.read(0), 0, 0, [1.0, 1.0], [np.nan, 1.0])
     s = m.engine.tracker.stats()
     assert (s.applied, s.dropped, s.nonfinite, s.global_step) == (0, 1, 1, 0)
