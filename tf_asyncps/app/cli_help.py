@@ -21,6 +21,8 @@ Versions (tf_asyncps, TensorFlow, tf_keras, Keras; the supported ranges): tf-asy
 #: "the job's" stands for JOB_FLAGS (tests/test_cli.py checks every flag is named).
 JOB_FLAGS = ("keras", "model", "dataset", "hidden", "embedding_dim", "min_shard_bytes",
              "dynamic_ids", "dynamic_capacity", "dynamic_evict_every",
+             "ctr_max_rows", "ctr_scale", "ctr_zipf", "ctr_embedding", "ctr_bottom_mlp",
+             "ctr_top_mlp", "ctr_test_examples",
              "epochs", "steps_per_epoch", "batch_size", "learning_rate", "optimizer",
              "policy", "policy_args", "locking", "steps_per_execution", "mixed_precision",
              "wire_dtype",

@@ -32,7 +32,7 @@ from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
 
 __all__ = ["JobConfig", "run", "run_reference", "reference_dir", "partitioner",
-           "parse_policy_args",
+           "parse_policy_args", "set_precision", "steady_rate", "sharding",
            "make_optimizer", "OPTIMIZERS"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
@@ -105,6 +105,10 @@ class JobConfig:
                 f"--model={self.model} does not fit --dataset={self.dataset}: "
                 "--model=recommender needs the id columns of --dataset=movielens, and "
                 "movielens needs --model=recommender.")
+        if (self.model == "dlrm") != (self.dataset == "criteo_synthetic"):
+            raise ValueError(
+                f"--model={self.model} does not fit --dataset={self.dataset}: the CTR job is "
+                "--model=dlrm --dataset=criteo_synthetic (configs/ctr.flags).")
         self._validate_dynamic()
         if isinstance(self.min_shard_bytes, bool) or not isinstance(self.min_shard_bytes, int) \
                 or self.min_shard_bytes < 0:
@@ -203,7 +207,9 @@ def _compile(model, optimizer, steps_per_execution=1, keras=tf_keras):
         metrics=["accuracy"], steps_per_execution=steps_per_execution)
 
 
-def _steady_rate(epochs) -> float:
+def steady_rate(epochs) -> float:
+    """Worker steps per second after the first epoch (tracing, warm-up) of
+    ``StalenessLogger.epochs``; the whole run's with one epoch."""
     later = epochs[1:] or epochs
     seconds = sum(e["seconds"] for e in later)
     return sum(e["steps"] for e in later) / seconds if seconds > 0 else 0.0
@@ -248,7 +254,7 @@ def _build(cfg, data):
                               dynamic=dynamic_ids.spec(cfg, data))
 
 
-def _set_precision(k, name):
+def set_precision(k, name):
     """Sets the global dtype policy of tf_keras or Keras 3; returns the old one."""
     mp = k.mixed_precision
     old = mp.global_policy() if k is tf_keras else k.config.dtype_policy()
@@ -275,7 +281,7 @@ def _local_copy(cfg, data, model):
     return local
 
 
-def _sharding(model) -> Dict[str, Any]:
+def sharding(model) -> Dict[str, Any]:
     """Partitioned variables of ``model``: name -> ps task of each shard."""
     out = {}
     from tf_asyncps.compat import keras as keras_compat
@@ -337,12 +343,12 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     k = models.keras_module(cfg.keras)
     # The dtype policy applies to layers built (and metrics created) while it
     # is set: keep it for building and training; the export is float32.
-    previous_policy = _set_precision(k, precision)
+    previous_policy = set_precision(k, precision)
     try:
         return _train_and_export(cfg, data, strategy, num_workers, num_ps, precision,
                                  t_job, say)
     finally:
-        _set_precision(k, previous_policy)
+        set_precision(k, previous_policy)
 
 
 def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
@@ -425,7 +431,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     # Evaluate and export a plain single-process float32 copy of the trained
     # model (mixed-precision variables are float32 already).
     # (run() restores the caller's policy afterwards.)
-    _set_precision(k, "float32")
+    set_precision(k, "float32")
     local = None
     if cfg.dynamic_ids:  # the id -> row maps live on the ps: evaluate there
         test_loss, test_acc, probs = dynamic_ids.evaluate(model, data)
@@ -456,12 +462,12 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "examples_per_sec": worker_steps * cfg.batch_size / train_s,
         "train_time_s": train_s,
         # After the first epoch (which includes tracing and warm-up).
-        "steady_steps_per_sec": _steady_rate(logger.epochs),
+        "steady_steps_per_sec": steady_rate(logger.epochs),
         "wall_time_s": time.perf_counter() - t_job,
         "test_accuracy": float(test_acc),
         "test_loss": float(test_loss),
         **_binary_metrics(data, probs),
-        "sharded_variables": _sharding(model),
+        "sharded_variables": sharding(model),
         "dynamic_tables": dynamic_ids.table_stats(model, data) if cfg.dynamic_ids else None,
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
         "mixed_precision": precision,

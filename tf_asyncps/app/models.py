@@ -9,7 +9,8 @@ import tf_keras
 
 __all__ = ["build_model", "NAMES", "KERAS_CHOICES", "keras_module", "is_keras3"]
 
-NAMES = ("mlp", "linear", "recommender")
+#: "dlrm" is the CTR job's model (tf_asyncps.app.ctr_model), built there.
+NAMES = ("mlp", "linear", "recommender", "dlrm")
 KERAS_CHOICES = ("tf_keras", "3")
 
 
@@ -109,6 +110,9 @@ def build_model(name: str, num_features: int, num_classes: int,
         ``dynamic`` with Keras 3.
     """
     k = keras or tf_keras
+    if name == "dlrm":
+        raise ValueError("--model=dlrm is the CTR job's model: tf_asyncps.app.ctr_model.build "
+                         "(tf-asyncps launch --flagfile=configs/ctr.flags).")
     if name == "recommender":
         if not vocab:
             raise ValueError("--model=recommender needs a data set with id columns "
