@@ -276,7 +276,7 @@ def test_after_step_runs_beside_the_policy_state():
     traced step and in the functions of its conds, now names the tracker's
     device. (before_read stays unplaced: placing the gate's wait there let
     sync_replicas workers read the model before their round completed,
-    test_aggregator.)"""
+    test_sync_replicas.)"""
     engine = local_engine("ssp", num_workers=2, max_staleness=1, timeout_s=30)
     w = tf.Variable([1.0, 2.0])
     opt = tf_keras.optimizers.SGD(0.5)

@@ -1,4 +1,4 @@
-"""Scenarios of tests/test_aggregator.py."""
+"""Scenarios of tests/test_sync_replicas.py."""
 
 import tensorflow as tf
 import tf_keras

@@ -1,4 +1,4 @@
-"""Scenarios of tests/test_multi_replica.py."""
+"""Scenarios of tests/test_gpu_replicas.py."""
 
 import numpy as np
 import tensorflow as tf

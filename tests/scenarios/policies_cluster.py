@@ -1,4 +1,4 @@
-"""Scenarios of tests/test_policies_cluster.py (full_batch_policy: also test_aggregator.py)."""
+"""Scenarios of tests/test_policies_cluster.py (full_batch_policy: also test_sync_replicas.py)."""
 
 import numpy as np
 import tensorflow as tf

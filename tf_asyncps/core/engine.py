@@ -220,7 +220,7 @@ class PolicyEngine:
         woken ``sync_replicas`` worker reads at once there, so the round's
         tokens are granted only after the update and the global step's
         increment (``Decision.after_apply``): granted before them, 22-24 of
-        60 gradients came in late (τ = 1) in test_aggregator's straggler test."""
+        60 gradients came in late (τ = 1) in test_sync_replicas's straggler test."""
         return placement.beside_inputs(self.tracker.device)
 
     def read_point(self, w):
