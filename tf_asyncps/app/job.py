@@ -30,6 +30,7 @@ from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
+from tf_asyncps.validate import check_int, check_number, is_int
 
 __all__ = ["JobConfig", "run", "run_reference", "reference_dir", "partitioner",
            "parse_policy_args", "set_precision", "steady_rate", "sharding",
@@ -83,15 +84,11 @@ class JobConfig:
         """Raises ValueError naming the first bad field and its valid range."""
         for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution",
                      "embedding_dim", "dynamic_evict_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name} must be an integer >= 1, got {v!r}.")
-        if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h < 1
-                                  for h in self.hidden):
+            check_int(getattr(self, name), f"--{name}", min=1)
+        if not self.hidden or any(not is_int(h) or h < 1 for h in self.hidden):
             raise ValueError(f"--hidden must be layer sizes >= 1 (e.g. --hidden=128,64), got "
                              f"{list(self.hidden)!r}.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate!r}.")
+        check_number(self.learning_rate, "--learning_rate", above=0)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer={self.optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}.")
@@ -110,10 +107,8 @@ class JobConfig:
                 f"--model={self.model} does not fit --dataset={self.dataset}: the CTR job is "
                 "--model=dlrm --dataset=criteo_synthetic (configs/ctr.flags).")
         self._validate_dynamic()
-        if isinstance(self.min_shard_bytes, bool) or not isinstance(self.min_shard_bytes, int) \
-                or self.min_shard_bytes < 0:
-            raise ValueError(f"--min_shard_bytes must be an integer >= 0 (0: no "
-                             f"variable_partitioner), got {self.min_shard_bytes!r}.")
+        check_int(self.min_shard_bytes, "--min_shard_bytes", min=0,
+                  hint="0: no variable_partitioner")
         if self.backup_dir is not None:
             check_writable_dir(
                 self.backup_dir, "--backup_dir", "checkpoints",
@@ -146,11 +141,9 @@ class JobConfig:
         if self.keras != "tf_keras":
             raise ValueError("--dynamic_ids needs --keras=tf_keras (tf_asyncps.layers."
                              "DynamicEmbedding is a tf_keras layer).")
-        c = self.dynamic_capacity
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-            raise ValueError(f"--dynamic_capacity must be > 0 (rows of each table as a fraction "
-                             f"of its column's distinct ids, e.g. 0.7; >= 1 gives every id a "
-                             f"row), got {c!r}.")
+        check_number(self.dynamic_capacity, "--dynamic_capacity", above=0,
+                     hint="rows of each table as a fraction of its column's distinct ids, "
+                          "e.g. 0.7; >= 1 gives every id a row")
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:
