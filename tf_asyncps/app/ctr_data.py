@@ -52,6 +52,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_asyncps.validate import check_int, check_number
+
 __all__ = ["CRITEO_KAGGLE", "NUM_DENSE", "PLANTED_DIM", "BASE_RATE", "TEST_STREAM",
            "CtrData", "table_rows", "top_share", "zipf_probabilities", "mix32", "train_stream",
            "make"]
@@ -85,9 +87,7 @@ def table_rows(max_rows: int = 1_000_000, scale: float = 1.0,
     Raises:
       ValueError: ``max_rows < 1`` or ``scale`` not in (0, 1].
     """
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"--ctr_max_rows must be an integer >= 1 (rows per feature at most), "
-                         f"got {max_rows!r}.")
+    check_int(max_rows, "--ctr_max_rows", min=1, hint="rows per feature at most")
     if not 0 < scale <= 1:
         raise ValueError(f"--ctr_scale must be in (0, 1] (a fraction of each feature's rows), "
                          f"got {scale!r}.")
@@ -297,11 +297,9 @@ def make(rows: Sequence[int], zipf_a: float = 1.1, seed: int = 0, raw_ids: bool 
     rows = tuple(int(r) for r in rows)
     if not rows or min(rows) < 1:
         raise ValueError(f"every feature needs >= 1 row, got {rows!r}.")
-    if not (isinstance(zipf_a, (int, float)) and zipf_a >= 0 and math.isfinite(zipf_a)):
-        raise ValueError(f"--ctr_zipf must be a number >= 0 (the Zipf exponent of the ids; "
-                         f"Criteo-like: 1.1), got {zipf_a!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 40:
-        raise ValueError(f"--seed must be an integer in [0, 2**40) for the CTR data, got {seed!r}.")
+    check_number(zipf_a, "--ctr_zipf", min=0, below=float("inf"),
+                 hint="the Zipf exponent of the ids; Criteo-like: 1.1")
+    check_int(seed, "--seed", min=0, below=2 ** 40, hint="for the CTR data")
     if not 0 < base_rate < 1:
         raise ValueError(f"base_rate must be in (0, 1), got {base_rate!r}.")
     rng = np.random.default_rng([seed, 0xC7])

@@ -30,6 +30,7 @@ from tf_asyncps.callbacks.dynamic import DynamicEviction
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
+from tf_asyncps.validate import check_int, check_number, is_int
 
 __all__ = ["CtrConfig", "run", "run_reference", "auc", "log_loss"]
 
@@ -75,23 +76,17 @@ class CtrConfig(job.JobConfig):
                              f"of {list(ctr_model.EMBEDDINGS)}.")
         for name in ("ctr_bottom_mlp", "ctr_top_mlp"):
             sizes = getattr(self, name)
-            if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+            if any(not is_int(h) or h < 1 for h in sizes):
                 raise ValueError(f"--{name} must be layer sizes >= 1 (e.g. --{name}=256,128), "
                                  f"got {list(sizes)!r}.")
         if not self.ctr_top_mlp:
             raise ValueError("--ctr_top_mlp needs at least one layer size (e.g. 256,128).")
-        if isinstance(self.ctr_test_examples, bool) or not isinstance(
-                self.ctr_test_examples, int) or self.ctr_test_examples < 2:
-            raise ValueError(f"--ctr_test_examples must be an integer >= 2, got "
-                             f"{self.ctr_test_examples!r}.")
-        if not (isinstance(self.ctr_zipf, (int, float)) and self.ctr_zipf >= 0):
-            raise ValueError(f"--ctr_zipf must be a number >= 0 (the Zipf exponent of the "
-                             f"ids; Criteo-like: 1.1), got {self.ctr_zipf!r}.")
-        c = self.dynamic_capacity
-        if self.ctr_embedding == "dynamic" and (
-                isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
-            raise ValueError(f"--dynamic_capacity must be > 0 (rows of each table as a "
-                             f"fraction of its feature's ids), got {c!r}.")
+        check_int(self.ctr_test_examples, "--ctr_test_examples", min=2)
+        check_number(self.ctr_zipf, "--ctr_zipf", min=0, below=float("inf"),
+                     hint="the Zipf exponent of the ids; Criteo-like: 1.1")
+        if self.ctr_embedding == "dynamic":
+            check_number(self.dynamic_capacity, "--dynamic_capacity", above=0,
+                         hint="rows of each table as a fraction of its feature's ids")
 
     def summary(self, data) -> Dict[str, Any]:
         return {**ctr_data.summary(data), "embedding": self.ctr_embedding,
