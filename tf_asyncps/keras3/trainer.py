@@ -36,6 +36,7 @@ from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import lookup
 from tf_asyncps.callbacks import keras3 as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
+from tf_asyncps.validate import check_int, is_int
 
 __all__ = ["Keras3Trainer", "attach", "refuse_unattached", "trainable_shards", "unsupported_version",
            "unsupported_version_message",
@@ -148,9 +149,7 @@ def _to_python(v):
 
 
 def _positive_int(value, field, fix):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{field} must be a positive int, got {value!r}: {fix}")
-    return int(value)
+    return check_int(value, field, min=1, hint=fix.rstrip("."))
 
 
 class Keras3Trainer:
@@ -328,11 +327,9 @@ class Keras3Trainer:
             steps_per_epoch, "steps_per_epoch",
             "parameter-server training runs that many worker steps per epoch from a repeating "
             "input (as tf_keras requires under ParameterServerStrategy).")
-        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 0:
-            raise ValueError(f"epochs must be an int >= 0, got {epochs!r}.")
+        check_int(epochs, "epochs", min=0)
         if isinstance(validation_freq, (list, tuple)):
-            if not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) and e >= 1
-                       for e in validation_freq):
+            if not all(is_int(e) and e >= 1 for e in validation_freq):
                 raise ValueError(f"validation_freq as a list must hold epoch numbers >= 1, "
                                  f"got {validation_freq!r}.")
         else:
