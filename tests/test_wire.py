@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import lookup, placement
+from tf_asyncps.core import lookup, placement, table_seam
 
 IDS = np.array([[3, 1, 3], [7, 3, 1], [1, 1, 1], [0, 7, 3]], np.int64)  # 4 distinct of 12
 
@@ -221,12 +221,14 @@ def test_a_sparse_gradient_of_an_unknown_or_huge_table_crosses_as_two_tensors():
 
 
 def test_marked_gather_rows_stay_on_the_ps_in_the_gradient():
-    """A dynamic table's gather (indices built on its ps and marked): the
-    gradient's IndexedSlices takes the gather's own indices tensor, with
-    values reshaped without its size, so nothing of the indices is computed
-    on the worker; unique_rows and copy_to leave it as it is (no tf.unique,
-    no packing of the indices into the values). The same values and indices
-    as the tape's own; an unmarked gather's gradient is left alone."""
+    """A dynamic table's gather (indices built on its ps, recorded in the
+    table's GatheredRows, asked through on_ps as the engine asks its
+    tables): the gradient's IndexedSlices takes the gather's own indices
+    tensor, with values reshaped without its size, so nothing of the indices
+    is computed on the worker; unique_rows and copy_to leave it as it is (no
+    tf.unique, no packing of the indices into the values). The same values
+    and indices as the tape's own; an unrecorded gather's gradient is left
+    alone."""
     var = _table(dim=4)
     upstream = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 2)
 
@@ -234,14 +236,16 @@ def test_marked_gather_rows_stay_on_the_ps_in_the_gradient():
     def run(marked):
         found = tf.constant([5, -1, 0, 2], tf.int64)
         rows = tf.boolean_mask(found, found >= 0) - tf.constant(0, tf.int64)  # dynamic size
+        gathered = table_seam.GatheredRows()
         if marked:
-            grads_lib.mark_rows_on_ps(rows)
+            gathered.add(rows)
+        on_ps = gathered.holds
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.gather(var, rows) * upstream)
         g = tape.gradient(loss, var)
-        out = grads_lib.unique_rows(grads_lib.rows_on_ps(g))
+        out = grads_lib.unique_rows(grads_lib.rows_on_ps(g, on_ps), on_ps)
         kept = out.indices.name == rows.name
-        copied = grads_lib.copy_to(out, "/cpu:0", rows=int(var.shape[0]))
+        copied = grads_lib.copy_to(out, "/cpu:0", rows=int(var.shape[0]), on_ps=on_ps)
         ops = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
         return out.values, out.indices, copied.values, kept, "Unique" in ops, "Bitcast" in ops
 

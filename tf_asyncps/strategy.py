@@ -41,7 +41,7 @@ from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import (gpu_replicas, lookup, mixed_precision, nonfinite_guard,
-                             placement, wire_reads)
+                             placement, table_seam, wire_reads)
 from tf_asyncps.coordinator import INPUT_RAN_OUT_MESSAGE
 from tf_asyncps.coordinator import AsyncClusterCoordinator as _AsyncCoordinator
 from tf_asyncps.core.engine import PolicyEngine
@@ -96,8 +96,9 @@ def _wire_dtype(wire_dtype):
     return tf.bfloat16 if name == "bfloat16" else None
 
 
-class _AsyncExtended(tf_compat.pss_extended_base()):
-    """The strategy's ``extended``: StrategyExtended hooks, the rest in ``engine``."""
+class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
+    """The strategy's ``extended``: StrategyExtended hooks, the rest in
+    ``engine``; the seam tables and layers talk to (core/table_seam.py)."""
 
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine, *,
                  deduplicate_lookups: bool = True, wire_dtype=None):
@@ -110,11 +111,23 @@ class _AsyncExtended(tf_compat.pss_extended_base()):
     def policy(self):
         return self.engine.policy
 
+    # -- the seam below (core/table_seam.py) ----------------------------------
+    def register_table(self, hooks) -> None:
+        self.engine.register_table(hooks)
+
+    @property
+    def local_copies(self) -> bool:
+        return self.engine.local is not None
+
+    @property
+    def global_step(self):
+        return self.engine.tracker.global_step
+
     # -- one replica per worker: no merge_call needed -------------------------
     def _use_merge_call(self):
         return self._num_replicas_in_sync > 1
 
-    gates_updates = True  # see _update
+    gates_updates = True  # see _update (a StrategySeam attribute)
 
     def _update(self, var, fn, args, kwargs, group):
         # A step's non-finite check: one cond per variable, on its ps task

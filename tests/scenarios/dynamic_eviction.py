@@ -11,6 +11,7 @@ import tf_keras
 import tf_asyncps
 from scenarios import cluster, scenario
 from scenarios.dynamic_cluster import _fit, _model, _shifted_data, _strategy
+from tf_asyncps.core import table_seam
 from tf_asyncps.layers import DynamicEmbedding
 
 #: Legacy tf_keras optimizers by name, and their learning rates. Adam
@@ -307,7 +308,8 @@ def after_update_hook_under_the_lock(steps=3):
             free = engine.lock._queue.size()  # tokens: 1 while nobody holds it
             index = tf.cast(g_after, tf.int32) - 1
             return seen.scatter_update(tf.IndexedSlices(free[None], index[None]))
-        engine.add_after_update(hook)
+        strategy.extended.register_table(table_seam.TableHooks(
+            name="probe", owns=lambda v: True, after_update=hook))
 
         @tf.function
         def step(xb, yb):

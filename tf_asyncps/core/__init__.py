@@ -7,6 +7,8 @@ one concept per module:
   copies), the worker step (start here);
 * ``update.py``: a step's update by stage: gradients to the ps (a
   ``StepPlan``), τ and the policy's decision applied, the hooks;
+* ``table_seam.py``: how tables talk to the engine: ``TableHooks``
+  registered through ``extended.register_table`` (a ``StrategySeam``);
 * ``protocol.py``: the update-policy protocol the engine calls (``UpdatePolicy``,
   ``StepInfo``, ``Decision``);
 * ``step.py``: the worker step's trace-time context and the optimizer hooks;

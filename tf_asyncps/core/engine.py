@@ -34,7 +34,7 @@ from absl import logging
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
-from tf_asyncps.core import placement
+from tf_asyncps.core import placement, table_seam
 from tf_asyncps.core import update as update_lib
 from tf_asyncps.core.local_copies import LocalCopies
 from tf_asyncps.core.locking import PSLock, run_collecting_ops
@@ -89,9 +89,7 @@ class PolicyEngine:
         self._policy_state = {}
         self._trainable = []  # trainable variables created under the scope
         self._warned = set()  # optimizers already warned about dense table updates
-        self._after_update = []  # see add_after_update
-        self._gradient_filters = []  # see add_gradient_filter
-        self._before_update = []  # see add_before_update
+        self.tables = table_seam.Tables()  # see register_table
 
     worker_index = staticmethod(worker_index)
 
@@ -136,30 +134,19 @@ class PolicyEngine:
         one) is in the local-copies mode: each worker trains its own copy."""
         return self.local is not None and self.local.holds(var)
 
-    def add_after_update(self, fn) -> None:
-        """Registers ``fn(optimizer, variables, global_step) -> op or None``,
-        traced after each step's update (applied or dropped), with the step's
-        variables and the int64 global step after it: upkeep of state beside
-        the variables, such as a dynamic table's eviction pass
-        (tf_asyncps/layers/dynamic_table.py). Under the update lock
-        (LockingOptimizer, atomic policies) it runs holding the lock."""
-        self._after_update.append(fn)
+    def register_table(self, hooks) -> None:
+        """Registers a table's hooks (a ``core.table_seam.TableHooks``): run
+        around each update of a step holding one of its variables
+        (core/update.py), asked which gradient rows stay on the ps, and its
+        guards handed to the local copies where they exist.
 
-    def add_gradient_filter(self, fn) -> None:
-        """Registers ``fn(gradient, variable) -> gradient``, traced right
-        before the optimizer's own update, on the variable's ps, after the
-        policy's decision (an aggregator's: on the round's mean). A dynamic
-        table drops there the rows evicted since the gradient was computed
-        (tf_asyncps/layers/dynamic_table.py)."""
-        self._gradient_filters.append(fn)
-
-    def add_before_update(self, fn) -> None:
-        """Registers ``fn(optimizer, variables) -> op or None``, traced right
-        before the optimizer's own update (with the gradient filters): the
-        update waits for its op. A dynamic table restored onto another number
-        of shards moves its rows' optimizer slots there, once, when the
-        optimizer's slots exist (tf_asyncps/layers/dynamic_reshard.py)."""
-        self._before_update.append(fn)
+        Raises:
+          TypeError: ``hooks`` is not a TableHooks.
+        """
+        self.tables.register(hooks)
+        if self.local is not None:  # local_sgd: a dynamic table's passes at the exchanges
+            for var, guard in hooks.local_guards:
+                self.local.guard_rows(var, guard)
 
     # -- the worker step ------------------------------------------------------
     def worker_step(self, fn, index=worker_index):
@@ -296,7 +283,8 @@ class PolicyEngine:
         gates, and the optimizer is a tf_keras, legacy tf_keras or Keras 3
         one whose every write of a step goes through it (no EMA, no Keras 3
         gradient accumulation or overwrite-with-gradient variables)."""
-        if not getattr(tf.distribute.get_strategy().extended, "gates_updates", False):
+        extended = tf.distribute.get_strategy().extended
+        if not (isinstance(extended, table_seam.StrategySeam) and extended.gates_updates):
             return False
         keras3 = keras_compat.optimizer_class()
         families = tf_keras_compat.optimizer_classes() + ((keras3,) if keras3 else ())

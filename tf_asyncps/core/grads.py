@@ -11,8 +11,6 @@ once: :func:`wire_dtype_of` for gradients (:func:`copy_to`) and reads
 reads).
 """
 
-import weakref
-
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
@@ -54,34 +52,22 @@ def all_finite(grads) -> tf.Tensor:
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
-#: Graph -> names of tensors marked by :func:`mark_rows_on_ps`.
-_ON_PS = weakref.WeakKeyDictionary()
+def rows_on_ps(grad, on_ps):
+    """``grad`` with the indices of a gather of rows on a ps taken from the
+    ps, as they are, and the values reshaped on the worker without their
+    size: the indices then never cross to the worker and back. Any other
+    gradient as it is.
 
-
-def mark_rows_on_ps(indices) -> None:
-    """Marks ``indices`` (a 1-D int tensor built on a ps, in a traced graph)
-    as distinct rows of a variable gathered on that ps: the gradient's
-    IndexedSlices then keeps them there (:func:`rows_on_ps`). A dynamic
-    table's lookup marks its rows (``dynamic/table.py``)."""
-    if not tf.executing_eagerly():
-        _ON_PS.setdefault(indices.graph, set()).add(indices.name)
-
-
-def _marked(indices) -> bool:
-    try:
-        return indices.name in _ON_PS.get(indices.graph, ())
-    except AttributeError:  # an eager tensor has neither
-        return False
-
-
-def rows_on_ps(grad):
-    """``grad`` with the indices of a gather :func:`mark_rows_on_ps` marked
-    taken from the ps, as they are, and the values reshaped on the worker
-    without their size: the indices then never cross to the worker and back,
-    and :func:`unique_rows` and :func:`copy_to` leave them alone. Any other
-    gradient as it is."""
+    Args:
+      grad: a gradient (tensor or IndexedSlices).
+      on_ps: ``on_ps(indices) -> bool``: whether a gather's 1-D int
+        indices are distinct rows built on the variable's ps (a dynamic
+        table's lookup; the tables answer through the engine, see
+        core/table_seam.py). :func:`unique_rows` and :func:`copy_to` given
+        the same ``on_ps`` leave such a gradient alone.
+    """
     parts = tensorflow_graph.gather_gradient_parts(grad)
-    if parts is None or not _marked(parts[1]) or parts[1].shape.rank != 1 or \
+    if parts is None or not on_ps(parts[1]) or parts[1].shape.rank != 1 or \
             not grad.values.shape[1:].is_fully_defined():
         return grad
     upstream, indices = parts
@@ -89,17 +75,18 @@ def rows_on_ps(grad):
     return tf.IndexedSlices(values, indices, grad.dense_shape)
 
 
-def unique_rows(grad):
+def unique_rows(grad, on_ps=None):
     """``grad`` with one row per distinct index: the rows of repeated indices
     of an IndexedSlices summed (``tf.unique`` order); a dense gradient as is.
 
     What tf_keras's optimizers do in ``apply_gradients`` (and what Keras 3's
     do implicitly: their sparse updates scatter-add or densify, both sums), so
     the update is the same; done on the worker, only distinct rows cross to
-    the ps (a batch of 512 Zipf ids holds ~240 distinct).
+    the ps (a batch of 512 Zipf ids holds ~240 distinct). ``on_ps``: as in
+    :func:`rows_on_ps`; rows it names are distinct already and left alone.
     """
-    if not isinstance(grad, tf.IndexedSlices) or _marked(grad.indices):
-        return grad  # (marked rows are distinct)
+    if not isinstance(grad, tf.IndexedSlices) or (on_ps is not None and on_ps(grad.indices)):
+        return grad
     unique, position = tf.unique(grad.indices)
     values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, grad.dense_shape)
@@ -180,7 +167,7 @@ def _unpack(packed, values, indices):
     return vals, tf.cast(idx, indices.dtype)
 
 
-def copy_to(value, device, wire_dtype=None, rows=None):
+def copy_to(value, device, wire_dtype=None, rows=None, on_ps=None):
     """A copy of a tensor or IndexedSlices placed on ``device``.
 
     Args:
@@ -196,6 +183,8 @@ def copy_to(value, device, wire_dtype=None, rows=None):
         with each row's index as int32 bits beside them (one transfer instead
         of two, 4 bytes an index instead of 8); the copy has the indices'
         own dtype again.
+      on_ps: as in :func:`rows_on_ps`; the indices it names are on the ps
+        already and cross as they are (not packed).
 
     Returns:
       The copy on ``device``, of ``value``'s dtype.
@@ -205,7 +194,8 @@ def copy_to(value, device, wire_dtype=None, rows=None):
     cast = wire is not None
     if cast:
         values = tf.cast(values, wire)  # on the worker: half the bytes cross
-    packed = (isinstance(value, tf.IndexedSlices) and not _marked(value.indices)
+    packed = (isinstance(value, tf.IndexedSlices)
+              and not (on_ps is not None and on_ps(value.indices))
               and _packable(values, value.indices, rows))
     if packed:
         one = _pack(values, value.indices, rows)

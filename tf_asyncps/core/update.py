@@ -143,7 +143,8 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     ps tasks, as a :class:`StepPlan`; None when the step has none."""
     policy, tracker = engine.policy, engine.tracker
     locking = policy.atomic or marked
-    pairs = [(grads_lib.rows_on_ps(g), v) for g, v in grads_and_vars if g is not None]
+    on_ps = engine.tables.rows_on_ps  # a table's rows gathered on its ps
+    pairs = [(grads_lib.rows_on_ps(g, on_ps), v) for g, v in grads_and_vars if g is not None]
     if not pairs:
         return None
     if rowwise.rule_for(optimizer) is None:
@@ -159,7 +160,7 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
         # Distinct rows only: tf_keras's optimizers sum the rows of repeated
         # ids in apply_gradients anyway, so each row crosses to the ps once
         # (docs/benchmarks.md#bytes-per-step-on-an-embedding-nameemb).
-        grads = [grads_lib.unique_rows(g) for g in grads]
+        grads = [grads_lib.unique_rows(g, on_ps) for g in grads]
     else:
         # Keras 3 squares each repeated row on its own: a row-wise rule's
         # tables cross as distinct rows with the squares it needs
@@ -183,7 +184,8 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     # ps (after the finite check above, which sees the worker's values).
     grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device,
                                wire_dtype=engine.wire_dtype,
-                               rows=_static_rows(keras_compat.backing_variable(v)))
+                               rows=_static_rows(keras_compat.backing_variable(v)),
+                               on_ps=on_ps)
              for g, v in zip(grads, variables)]
     squares = [None if s is None else grads_lib.copy_to(
         s, keras_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype)
@@ -201,8 +203,7 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
 
     def after_update(g_after):
         with tf.control_dependencies([g_after]):
-            ops = [fn(optimizer, variables, g_after) for fn in engine._after_update]
-        return [op for op in ops if op is not None]
+            return engine.tables.after_update(optimizer, variables, g_after)
 
     return StepPlan(step=step, optimizer=optimizer, variables=variables, grads=grads,
                     state=engine._state_for(variables), worker=w, finite=finite, gate=gate,
@@ -211,20 +212,17 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
 
 
 def filtered(engine, apply_fn, optimizer):
-    """``apply_fn`` with the engine's before-update hooks and gradient
-    filters run on its gradients."""
-    if not engine._gradient_filters and not engine._before_update:
+    """``apply_fn`` with the tables' before-update hooks and gradient
+    filters (core/table_seam.py) run on its gradients."""
+    tables = engine.tables
+    if not tables.filter_updates:
         return apply_fn
 
     def apply_filtered(grads_and_vars):
         variables = [v for g, v in grads_and_vars if g is not None]
-        before = [fn(optimizer, variables) for fn in engine._before_update]
-        with tf.control_dependencies([op for op in before if op is not None]):
-            pairs = []
-            for g, v in grads_and_vars:
-                for fn in engine._gradient_filters:
-                    g = g if g is None else fn(g, v)
-                pairs.append((g, v))
+        with tf.control_dependencies(tables.before_update(optimizer, variables)):
+            pairs = [(g if g is None else tables.filter_gradient(g, v), v)
+                     for g, v in grads_and_vars]
             return apply_fn(pairs)
     return apply_filtered
 

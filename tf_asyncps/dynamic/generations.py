@@ -35,7 +35,7 @@ import tensorflow as tf
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.dynamic import eviction as eviction_lib
 
-__all__ = ["LocalGuard", "add_generations", "attach", "find_in_training"]
+__all__ = ["LocalGuard", "add_generations", "find_in_training"]
 
 
 def add_generations(shard, var, name: str, local_copies: bool) -> None:
@@ -144,9 +144,3 @@ class LocalGuard:
         from tf_asyncps.dynamic import slots as slots_lib
         return slots_lib.optimizer_slots(optimizer, self.shard.var, any_device=True)
 
-
-def attach(table, local_copies) -> None:
-    """Hands each shard's exchange to its :class:`LocalGuard`
-    (``local_copies``: the strategy engine's ``LocalCopies``)."""
-    for shard in table.shards:
-        local_copies.guard_rows(shard.var, LocalGuard(table, shard))

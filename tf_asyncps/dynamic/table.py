@@ -53,9 +53,8 @@ import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tensorflow_checkpoint
-from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup as lookup_lib
-from tf_asyncps.core import placement
+from tf_asyncps.core import placement, table_seam
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
 from tf_asyncps.dynamic import eviction as eviction_lib
 from tf_asyncps.dynamic import generations
@@ -296,6 +295,8 @@ class DynamicTable(tf.Module):
             parts[0], name))
         tf_compat.set_untracked_attribute(self, "saving",
                                           checkpoint_lib.process_state(parts[0], name))
+        # The rows its lookups gathered on their ps (see hooks()).
+        tf_compat.set_untracked_attribute(self, "gathered", table_seam.GatheredRows())
         for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
             tensorflow_checkpoint.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.
@@ -324,6 +325,29 @@ class DynamicTable(tf.Module):
             return None
         checkpoint_lib.track_optimizer(self, optimizer, variables)
         return reshard_lib.prepare_slots(self, checkpoint_lib.slot_sets(self, optimizer))
+
+    def after_update(self, optimizer, variables, step):
+        """The engine's after-update hook: the eviction pass due at global
+        ``step`` (int64 scalar, after the update). Traced after the
+        optimizer's own update: its slots exist now, and checkpoints hold
+        their live rows only from here on."""
+        if not any(self.owns(v) for v in variables):
+            return None
+        checkpoint_lib.track_optimizer(self, optimizer)
+        return self.maybe_evict(step, lambda var: optimizer_slots(optimizer, var))
+
+    def hooks(self) -> table_seam.TableHooks:
+        """What this table asks of the engine (``extended.register_table``):
+        slot moves before an update, the evicted rows' gradients dropped,
+        the eviction pass after it, its gathered rows kept on their ps, and
+        under local copies each shard's exchange guarded
+        (:class:`~tf_asyncps.dynamic.generations.LocalGuard`)."""
+        guards = tuple((shard.var, generations.LocalGuard(self, shard))
+                       for shard in self.shards if shard.gen is not None)
+        return table_seam.TableHooks(
+            name=self.name, owns=self.owns, before_update=self.before_update,
+            filter_gradient=self.drop_free_rows, after_update=self.after_update,
+            rows_on_ps=self.gathered.holds, local_guards=guards)
 
     def reshard_stats(self) -> dict:
         """The last restore onto other shards in this process (eager; ints):
@@ -432,7 +456,7 @@ class DynamicTable(tf.Module):
                         step.read_value() if hasattr(step, "read_value") else step, tf.int64)
                     rows, found = generations.find_in_training(shard, part, step_now)
                     local = tf.boolean_mask(rows, found) - shard.offset
-                    grads_lib.mark_rows_on_ps(local)  # the gradient's rows stay here
+                    self.gathered.add(local)  # the gradient's rows stay here
                     # Distinct already: not the strategy's de-duplicating read.
                     with lookup_lib.every_id():
                         values = tf.gather(shard.var, local)
@@ -463,7 +487,7 @@ class DynamicTable(tf.Module):
         mean is applied steps after its lookups; under the asynchronous
         policies another worker's eviction pass can run between a step's
         lookup and its update. Runs on the shard's ps right before the
-        optimizer's update (``PolicyEngine.add_gradient_filter``); an eviction
+        optimizer's update (its ``TableHooks.filter_gradient``); an eviction
         pass that runs between this read and the update itself is not
         covered (the update is not in the shard's critical section).
 

@@ -12,8 +12,8 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.core import table_seam
 from tf_asyncps.dynamic import checkpoint as dynamic_state
-from tf_asyncps.dynamic import generations as dynamic_local
 from tf_asyncps.dynamic import initializers as dynamic_init
 from tf_asyncps.dynamic import reshard as dynamic_reshard
 from tf_asyncps.dynamic import table as dt
@@ -22,44 +22,22 @@ from tf_asyncps.layers import keras_choice
 __all__ = ["DynamicEmbedding", "PICKED", "attach_to_strategy", "keras3_layer"]
 
 
-def _strategy_engine():
-    """(AsyncParameterServerStrategy in scope, its PolicyEngine), else (None, None)."""
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    engine = getattr(getattr(strategy, "extended", None), "engine", None)
-    if engine is None or not hasattr(engine, "add_after_update"):
-        return None, None
-    return strategy, engine
-
-
 def attach_to_strategy(table: "dt.DynamicTable") -> Optional[object]:
-    """Registers ``table``'s eviction with the AsyncParameterServerStrategy in
-    scope (run after each update), its filter of evicted rows' gradients and
-    its move of slots after a restore onto other shards (run before each
-    update); returns that strategy, else None."""
-    strategy, engine = _strategy_engine()
-    if engine is None:
-        return None
-    if engine.local is not None:  # local_sgd: passes at the exchanges
-        dynamic_local.attach(table, engine.local)
-
-    def after_update(optimizer, variables, step):
-        if not any(table.owns(v) for v in variables):
-            return None
-        # Traced after the optimizer's own update: its slots exist now, and
-        # checkpoints hold their live rows only from here on.
-        dynamic_state.track_optimizer(table, optimizer)
-        return table.maybe_evict(step, lambda var: dt.optimizer_slots(optimizer, var))
-
-    engine.add_after_update(after_update)
-    engine.add_gradient_filter(table.drop_free_rows)
-    engine.add_before_update(table.before_update)
-    return strategy
+    """Registers ``table``'s hooks (``DynamicTable.hooks``: eviction after
+    each update, its filter of evicted rows' gradients and its move of slots
+    after a restore onto other shards before each) with the
+    AsyncParameterServerStrategy in scope, through its declared seam
+    (``extended.register_table``); returns that strategy's extended object
+    (a ``core.table_seam.StrategySeam``), else None."""
+    seam = table_seam.seam_in_scope()
+    if seam is not None:
+        seam.register_table(table.hooks())
+    return seam
 
 
-def global_step(strategy):
-    """The strategy's global step variable (int64, on ps 0), else None."""
-    tracker = getattr(strategy, "staleness_tracker", None)
-    return getattr(tracker, "global_step", None)
+def global_step(seam):
+    """The global step variable (int64, on ps 0) of a ``StrategySeam``, else None."""
+    return None if seam is None else seam.global_step
 
 
 def _tf_keras():
@@ -87,16 +65,16 @@ class _Mixin:
         return super().__call__(*args, **kwargs)
 
     def _make_table(self, table_var, initializer):
-        engine = _strategy_engine()[1]
+        seam = table_seam.seam_in_scope()
         table = dt.DynamicTable(
             table_var, key_dtype=self.key_dtype, min_count=self.min_count,
             eviction=self.eviction, evict_every=self.evict_every, ttl_steps=self.ttl_steps,
             initializer=self._row_sampler, name=self.name,
-            local_copies=engine is not None and engine.local is not None)
-        strategy = attach_to_strategy(table)
+            local_copies=seam is not None and seam.local_copies)
+        attach_to_strategy(table)
         # Tracked: the map's variables are checkpointed with the layer.
         self.dynamic_table = table
-        tf_compat.set_untracked_attribute(self, "_global_step", global_step(strategy))
+        tf_compat.set_untracked_attribute(self, "_global_step", global_step(seam))
         return table
 
     def _dynamic_call(self, ids, training):
