@@ -11,14 +11,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from local_engine import local_engine
 from tf_asyncps import policies
-from tf_asyncps.core.engine import PolicyEngine
-from tf_asyncps.core.staleness import StalenessTracker
-from tf_asyncps.core.step import install_optimizer_hooks
-from tf_asyncps.optimizers import is_locking, lock_timeout
-
-# The one-process engine of the engine tests (a policy on the default strategy).
-from test_engine import CPU, _engine  # noqa: E402
 
 
 def _index():
@@ -31,7 +25,7 @@ def test_a_second_update_in_one_worker_step_is_refused(policy, args):
     """Before: a GAN's two apply_gradients in one step counted two updates
     (sync_replicas: two gradients into its one round counter, shared by the
     two variable lists) for one worker step."""
-    engine = _engine(policy, **args)
+    engine = local_engine(policy, **args)
     disc, gen = tf.Variable([1.0]), tf.Variable([2.0])
     d_opt, g_opt = tf_keras.optimizers.SGD(0.1), tf_keras.optimizers.Adam(0.1)
 
@@ -55,7 +49,7 @@ def test_a_second_update_in_one_worker_step_is_refused(policy, args):
 
 def test_two_updates_as_two_worker_steps_count_two_updates():
     """The way the message points to: each update its own worker step."""
-    engine = _engine("async")
+    engine = local_engine("async")
     disc, gen = tf.Variable([1.0]), tf.Variable([2.0])
     d_opt, g_opt = tf_keras.optimizers.SGD(0.5), tf_keras.optimizers.SGD(0.25)
     d_step = engine.worker_step(
@@ -86,7 +80,7 @@ class _OverridingSGD(tf_keras.optimizers.SGD):
 
 def test_a_step_that_updates_weights_around_the_hooks_is_named(caplog):
     """Before: the update bypassed the policy and the counters silently."""
-    engine = _engine("async")
+    engine = local_engine("async")
     kernel = tf.Variable([1.0], name="kernel")
     counter = tf.Variable(0.0, trainable=False, name="metric_total")
     engine.track_variable(kernel, trainable=True)
@@ -130,13 +124,8 @@ class _GradientIsTheReadValue(policies.UpdatePolicy):
 def test_read_values_are_the_steps_own_variables_read_not_every_variable_copied():
     """Before: each step copied every trainable variable created under the
     scope (a second model's too) into a per-worker backup on the PS."""
-    install_optimizer_hooks()
-    tracker = StalenessTracker(max_tracked=4, device=CPU)
     policy = _GradientIsTheReadValue()
-    policy.build(2, CPU)
-    engine = PolicyEngine(policy, tracker, num_workers=2, skip_nonfinite=True,
-                          is_locking=is_locking, lock_timeout=lock_timeout)
-    engine.strategy = tf.distribute.get_strategy()
+    engine = local_engine(policy, num_workers=2)
     used, other = tf.Variable([3.0, -1.0]), tf.Variable(tf.ones([50, 4]))
     engine.track_variable(used, trainable=True)
     engine.track_variable(other, trainable=True)  # another model's weights
