@@ -1,6 +1,8 @@
-"""Shared test helpers: run a cluster scenario in its own process, stop by pid."""
+"""Shared test helpers: run a cluster scenario in its own process, stop by
+pid; the guard that keeps TensorFlow servers out of the fast tier."""
 
 import collections
+import functools
 import json
 import os
 import queue
@@ -226,6 +228,53 @@ def pytest_sessionfinish(session, exitstatus):
         c.close()
 
 
+#: The running test's node id when it lacks the ``cluster`` marker (set before
+#: its fixtures), else None: such a test may not start TensorFlow servers.
+_UNMARKED_TEST = None
+
+
+def refuse_servers_outside_cluster_tests(what: str) -> None:
+    """Fails the running test if it starts TensorFlow servers (``what``)
+    without ``@pytest.mark.cluster``: the fast tier is ``-m "not cluster"``,
+    so a test that starts servers unmarked would slip into it."""
+    if _UNMARKED_TEST is not None:
+        pytest.fail(f"{_UNMARKED_TEST} starts TensorFlow servers ({what}) without the "
+                    f"cluster marker: add @pytest.mark.cluster (or the module's pytestmark) "
+                    f"so that the fast tier (-m \"not cluster\") leaves it out.", pytrace=False)
+
+
+def _refusing(what, method):
+    @functools.wraps(method)
+    def guarded(*args, **kwargs):
+        refuse_servers_outside_cluster_tests(what)
+        return method(*args, **kwargs)
+    guarded.refuses_unmarked_tests = True
+    return guarded
+
+
+def _guard_server_starts():
+    """Wraps, once per process, what starts servers from the test process:
+    ``LocalCluster.start``/``restart`` and ``tf.distribute.Server`` (once
+    TensorFlow is loaded; every test module that makes servers imports it
+    at the top). Scenarios are refused in :func:`run_scenario`."""
+    from tf_asyncps.cluster.launcher import LocalCluster
+    for name in ("start", "restart"):
+        if not getattr(getattr(LocalCluster, name), "refuses_unmarked_tests", False):
+            setattr(LocalCluster, name, _refusing(f"LocalCluster.{name}",
+                                                  getattr(LocalCluster, name)))
+    tf = sys.modules.get("tensorflow")
+    server = getattr(getattr(tf, "distribute", None), "Server", None)
+    if server is not None and not getattr(server.__init__, "refuses_unmarked_tests", False):
+        server.__init__ = _refusing("tf.distribute.Server", server.__init__)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _UNMARKED_TEST
+    _UNMARKED_TEST = None if item.get_closest_marker("cluster") else item.nodeid
+    _guard_server_starts()
+
+
 def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
     """Runs ``script NAME kwargs`` (default tests/scenarios) in a fresh
     process and returns its RESULT.
@@ -233,8 +282,10 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
     Also checks that every cluster task the scenario started is gone.
     With ``shared=(num_workers, num_ps)`` the scenario (one marked
     ``shares_cluster``) runs instead on that session-wide cluster
-    (SharedCluster): same code, no cluster start.
+    (SharedCluster): same code, no cluster start. Fails a test without the
+    ``cluster`` marker (:func:`refuse_servers_outside_cluster_tests`).
     """
+    refuse_servers_outside_cluster_tests(f"scenario {name!r}")
     if shared is not None:
         shape = tuple(shared)
         if shape not in _SHARED_CLUSTERS:
