@@ -62,7 +62,8 @@ def test_number_bounds_inclusive_and_exclusive():
     with pytest.raises(ValueError, match=r"^m must be >= 0 and < 1, got 1\.$"):
         check_number(1, "m", min=0, below=1)
     assert check_number(3600e3, "delay_ms", min=0, max=3600e3) == 3600e3
-    with pytest.raises(ValueError, match=r"^delay_ms must be >= 0 and <= 3600000 \(ms\), got inf\.$"):
+    with pytest.raises(ValueError,
+                       match=r"^delay_ms must be >= 0 and <= 3600000 \(ms\), got inf\.$"):
         check_number(float("inf"), "delay_ms", min=0, max=3600e3, hint="ms")
     with pytest.raises(ValueError, match=r"^x must be a number, got 'a'\.$"):
         check_number("a", "x")
@@ -96,7 +97,8 @@ def test_the_module_imports_nothing_of_the_package_nor_tensorflow_or_numpy():
     names |= {n.module for n in ast.walk(ast.parse(open(path).read()))
               if isinstance(n, ast.ImportFrom)}
     assert names == {"numbers", "typing"}
-    code = "import sys, tf_asyncps.validate; print(sorted({'tensorflow', 'numpy'} & set(sys.modules)))"
+    code = ("import sys, tf_asyncps.validate; "
+            "print(sorted({'tensorflow', 'numpy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
