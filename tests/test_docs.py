@@ -238,3 +238,28 @@ def test_every_docs_reference_in_the_code_resolves():
     assert not readme, ("cites a README section (README.md is a front page); point at "
                         "the docs page that holds it:\n" + "\n".join(readme))
     assert checked >= 10
+
+
+def test_every_test_the_behaviour_map_names_exists():
+    """docs/tests.md's "Which test checks what" names test files and
+    ``file::test`` functions: each must exist (a rename or a removed test
+    shows up here)."""
+    text = open(os.path.join(ROOT, "docs", "tests.md")).read()
+    table = text[text.index("## Which test checks what"):].split("\nRenamed so far")[0]
+    missing, named, last = [], 0, None
+    for file, test in re.findall(r"`(?:(test_\w+\.py)|)(?:::(test_\w+))?`", table):
+        if not file and not test:
+            continue
+        last = file or last
+        path = os.path.join(ROOT, "tests", last)
+        if not os.path.exists(path):
+            missing.append(last)
+            continue
+        named += 1
+        if test:
+            defs = {n.name for n in ast.walk(ast.parse(open(path).read()))
+                    if isinstance(n, ast.FunctionDef)}
+            if test not in defs:
+                missing.append(f"{last}::{test}")
+    assert missing == []
+    assert named >= 60
