@@ -122,6 +122,11 @@ flags.DEFINE_string("backup_dir", None,
                     "optimizer are saved at every epoch end, and a re-run of the chief "
                     "resumes from the latest checkpoint (metrics.json: recovery). launch "
                     "--restart_failed_tasks defaults it to OUTPUT_DIR/backup.")
+flags.DEFINE_integer("backup_every_steps", 0,
+                     "With --backup_dir: a backup every N worker steps (each after draining "
+                     "the scheduled steps) and at the end, instead of at epoch ends; a "
+                     "re-run resumes mid-epoch from the newest (tf_asyncps.callbacks."
+                     "StepBackup). 0: epoch-end backups.", lower_bound=0)
 flags.DEFINE_boolean("restart_failed_tasks", False,
                      "launch: supervise the children. A ps or worker that exits is "
                      "restarted on its port (a worker rejoins by itself); a chief that "
@@ -199,7 +204,7 @@ def _job_config():
         connect_timeout_s=FLAGS.connect_timeout_s,
         max_tracked_staleness=FLAGS.max_tracked_staleness, locking=FLAGS.locking,
         mixed_precision=FLAGS.mixed_precision, wire_dtype=FLAGS.wire_dtype,
-        backup_dir=FLAGS.backup_dir,
+        backup_dir=FLAGS.backup_dir, backup_every_steps=FLAGS.backup_every_steps,
         embedding_dim=FLAGS.embedding_dim, min_shard_bytes=FLAGS.min_shard_bytes,
         keras=FLAGS.keras, dynamic_ids=FLAGS.dynamic_ids,
         dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every,
@@ -369,6 +374,15 @@ def _launch(argv, quiet):
         memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
     from tf_asyncps.compat import tensorflow as tf_compat
     tf_compat.import_without_keras()  # for the checks below; this process runs no Keras
+    backup_default = (FLAGS.restart_failed_tasks or FLAGS.backup_every_steps) and \
+        not FLAGS.backup_dir
+    if backup_default:
+        # A chief re-run must find the checkpoints of the run that failed.
+        if FLAGS.output_dir:
+            FLAGS.backup_dir = os.path.join(FLAGS.output_dir, "backup")
+        else:
+            import tempfile
+            FLAGS.backup_dir = tempfile.mkdtemp(prefix="tf_asyncps_backup_")
     cfg = _job_config()  # bad flags fail here, before any process starts
     from tf_asyncps import policies
     policy = policies.get(cfg.policy, **cfg.policy_args)
@@ -383,14 +397,8 @@ def _launch(argv, quiet):
         logging.warning("launch ignores TF_CONFIG: it makes its own local cluster.")
     log_dir = os.path.join(FLAGS.output_dir, "logs") if FLAGS.output_dir else None
     args = [a for a in sys.argv[1:] if a != "launch"]
-    if FLAGS.restart_failed_tasks and not FLAGS.backup_dir:
-        # A chief re-run must find the checkpoints of the run that failed.
-        if FLAGS.output_dir:
-            backup = os.path.join(FLAGS.output_dir, "backup")
-        else:
-            import tempfile
-            backup = tempfile.mkdtemp(prefix="tf_asyncps_backup_")
-        args.append(f"--backup_dir={backup}")
+    if backup_default:
+        args.append(f"--backup_dir={FLAGS.backup_dir}")
     if FLAGS.host_bandwidth_mbit and FLAGS.hosts != "netns":
         raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
                          "--hosts=netns or drop it.")

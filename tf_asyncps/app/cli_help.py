@@ -9,7 +9,8 @@ Usage: tf-asyncps COMMAND [--flags]   (or: python -m tf_asyncps COMMAND ...)
 {commands}
 The job's flags: {job_flags}
 Failures: launch --restart_failed_tasks restarts ps/worker tasks that exit and
-re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints).
+re-runs a chief that lost its ps, resuming from --backup_dir (epoch checkpoints;
+with --backup_every_steps=N, a backup every N worker steps, resumed mid-epoch).
 GPU workers: launch --gpus_per_worker=K (K GPUs per worker process);
 train/server --gpus=0 (or CUDA_VISIBLE_DEVICES). See README.md.
 
@@ -26,7 +27,8 @@ JOB_FLAGS = ("keras", "model", "dataset", "hidden", "embedding_dim", "min_shard_
              "epochs", "steps_per_epoch", "batch_size", "learning_rate", "optimizer",
              "policy", "policy_args", "locking", "steps_per_execution", "mixed_precision",
              "wire_dtype",
-             "max_tracked_staleness", "connect_timeout_s", "backup_dir", "seed", "output_dir")
+             "max_tracked_staleness", "connect_timeout_s", "backup_dir", "backup_every_steps", "seed",
+             "output_dir")
 COMMAND_HELP = (
     ("launch", "start a local cluster (ps, workers, chief as processes) and train",
      "tf-asyncps launch --flagfile=configs/digits_async.flags",

@@ -66,6 +66,8 @@ class JobConfig:
     mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
     wire_dtype: str = "float32"  # or "bfloat16": AsyncParameterServerStrategy(wire_dtype=)
     backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
+    # > 0: StepBackup every that many worker steps (mid-epoch resume) instead.
+    backup_every_steps: int = 0
     embedding_dim: int = 32  # recommender: width of each embedding table
     # variable_partitioner: MinSizePartitioner(min_shard_bytes, max_shards=num_ps);
     # 0 keeps every variable whole.
@@ -109,6 +111,11 @@ class JobConfig:
         self._validate_dynamic()
         check_int(self.min_shard_bytes, "--min_shard_bytes", min=0,
                   hint="0: no variable_partitioner")
+        check_int(self.backup_every_steps, "--backup_every_steps", min=0,
+                  hint="0: epoch-end backups")
+        if self.backup_every_steps and self.backup_dir is None:
+            raise ValueError("--backup_every_steps needs --backup_dir=DIR (where the backups "
+                             "go; launch defaults it to OUTPUT_DIR/backup).")
         if self.backup_dir is not None:
             check_writable_dir(
                 self.backup_dir, "--backup_dir", "checkpoints",
@@ -373,7 +380,11 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     cbs = [callbacks_lib.ProgressLine(total, force=os.environ.get("TF_ASYNCPS_PROGRESS_LINE")
                                       == "1"), logger]
     tracker = None
-    if cfg.backup_dir:
+    if cfg.backup_dir and cfg.backup_every_steps:
+        # A backup every N worker steps at a drained schedule; resumes mid-epoch.
+        tracker = callbacks_lib.StepBackup(cfg.backup_dir, cfg.backup_every_steps)
+        cbs.append(tracker)
+    elif cfg.backup_dir:
         # Epoch checkpoints of the model and optimizer; a re-run resumes from
         # the latest (ps failures are not recoverable in place).
         tracker = recovery.ResumeTracker(cfg.backup_dir, cfg.steps_per_epoch,

@@ -15,7 +15,9 @@ the strategy works at epoch level and reads the parameter servers' counters
   in a ``fit`` without the strategy (one process);
 * ``checkpoint_backup.py``: :class:`CheckpointBackup`, Keras 3's
   ``BackupAndRestore`` in a ``tf.train.Checkpoint`` (DynamicEmbedding's map
-  cannot go in Keras's ``.weights.h5``).
+  cannot go in Keras's ``.weights.h5``);
+* ``step_backup.py``: :class:`StepBackup`, a backup every N worker steps
+  (each at a drained schedule) and a mid-epoch resume, for both Kerases.
 
 Names load on first use (as in the package root): importing one module here
 does not import the other frameworks'.
@@ -30,11 +32,12 @@ _LAZY = {
     "ResumeTracker": "tf_asyncps.callbacks.recovery",
     "DynamicEviction": "tf_asyncps.callbacks.dynamic",
     "CheckpointBackup": "tf_asyncps.callbacks.checkpoint_backup",
+    "StepBackup": "tf_asyncps.callbacks.step_backup",
 }
 
 # Literal (the docs' API check reads it from the source); the same names as _LAZY.
 __all__ = ["CheckpointBackup", "DynamicEviction", "ProgressLine", "ResumeTracker",
-           "StalenessLogger", "format_value"]
+           "StalenessLogger", "StepBackup", "format_value"]
 assert sorted(__all__) == sorted(_LAZY)
 
 

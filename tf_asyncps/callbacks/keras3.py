@@ -87,6 +87,8 @@ def check_callbacks(callbacks):
                 "DynamicEviction runs DynamicEmbedding eviction passes in a fit without the "
                 "strategy; under AsyncParameterServerStrategy its ps tasks run them after "
                 "the updates: remove the callback.")
+        if getattr(cb, "runs_between_closures", False):  # StepBackup: fit calls it itself
+            continue
         hooks = _user_batch_hooks(cb)
         why = f"it defines {', '.join(hooks)}" if hooks else _epoch_level_builtin(cb)
         if why is NotImplemented:

@@ -81,6 +81,50 @@ def checkpoint_saved_epoch(model) -> Optional[int]:
     return int(saved.numpy())
 
 
+class _FitResumePoint:
+    """What tf_keras's ``Model.fit`` asks ``model._training_state`` after
+    ``on_train_begin``: the (epoch, step in epoch) to start at."""
+
+    def __init__(self, epoch: int, step: int):
+        self.epoch, self.step = int(epoch), int(step)
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        del steps_per_epoch, initial_epoch, mode
+        return self.epoch, self.step
+
+
+def set_fit_resume_point(model, epoch: Optional[int], step: int = 0) -> None:
+    """Makes tf_keras's ``Model.fit`` start at ``epoch``, ``step`` steps into
+    it (None: clears it). tf_keras 2.18-2.21's ``fit`` reads
+    ``model._training_state.maybe_load_initial_counters_from_ckpt`` right
+    after ``on_train_begin`` (BackupAndRestore's mid-epoch resume hook, which
+    that callback leaves unused under ParameterServerStrategy).
+
+    Raises:
+      ValueError: another callback (tf_keras ``BackupAndRestore``) holds it.
+    """
+    state = getattr(model, "_training_state", None)
+    if state is not None and not isinstance(state, _FitResumePoint):
+        raise ValueError("StepBackup and tf_keras BackupAndRestore both resume the fit: pass "
+                         "one of them.")
+    model._training_state = None if epoch is None else _FitResumePoint(epoch, step)
+
+
+def keep_batch_logs_remote(callback) -> None:
+    """Lets tf_keras's ``CallbackList`` pass a batch hook's logs as they are
+    (RemoteValues under ParameterServerStrategy): it converts them to numpy,
+    which waits for the closure, unless every callback with batch hooks sets
+    ``_supports_tf_logs`` (tf_keras 2.18-2.21; ``Callback.__init__`` sets it False)."""
+    callback._supports_tf_logs = True
+
+
+def fit_resume_point_taken(model) -> bool:
+    """False when another callback replaced the resume point set by
+    :func:`set_fit_resume_point` (tf_keras ``BackupAndRestore`` after it)."""
+    state = getattr(model, "_training_state", None)
+    return state is None or isinstance(state, _FitResumePoint)
+
+
 def dense_on_sparse_gradients(optimizer) -> Optional[str]:
     """Why ``optimizer`` touches every row of a variable on each sparse
     (IndexedSlices) gradient, or None.

@@ -366,15 +366,24 @@ class Keras3Trainer:
         model.stop_training = False
         cb_list.on_train_begin()
         first = keras_compat.initial_epoch(model) or initial_epoch
+        # StepBackup: a mid-epoch resume point, and a call after each closure.
+        between = [cb for cb in cbs if getattr(cb, "runs_between_closures", False)]
+        done = 0  # steps of the first epoch already done
+        for cb in between:
+            point = cb.fit_resume_point(steps)
+            if point is not None:
+                first, done = point
         logs = {}
         for epoch in range(first, epochs):
             model.reset_metrics()
             cb_list.on_epoch_begin(epoch)
-            left = steps
+            left = steps - (done if epoch == first else 0)
             while left > 0:
                 n = min(per_closure, left)
                 self.coordinator.schedule(train_steps, args=(iterator, tf.constant(n)))
                 left -= n
+                for cb in between:
+                    cb.after_closures(epoch, steps - left)
             self._join("fit")
             logs = self._logs()
             if val is not None and _should_eval(epoch, validation_freq):

@@ -1,0 +1,110 @@
+"""Scenarios of tests/test_step_backup.py."""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
+from tf_asyncps.callbacks import StepBackup
+
+from scenarios import cluster, scenario
+from scenarios.common import mlp, small_problem
+
+
+class CrashAt(StepBackup):
+    """A StepBackup whose fit fails once ``crash_at`` worker steps have run
+    (drained first, so exactly that many updates are applied)."""
+
+    def __init__(self, *args, crash_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash_at = crash_at
+
+    def after_closures(self, epoch, steps_in_epoch):
+        super().after_closures(epoch, steps_in_epoch)
+        if epoch * self.params["steps"] + steps_in_epoch >= self.crash_at:
+            tf.distribute.coordinator.ClusterCoordinator(self.model.distribute_strategy).join()
+            raise RuntimeError("crash")
+
+
+def _max_diff(a, b):
+    return float(max(np.max(np.abs(np.asarray(p) - np.asarray(q))) for p, q in zip(a, b)))
+
+
+def _k3_model(spe):
+    import keras
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _tf_keras_model(spe):
+    model = mlp()
+    model.compile(tf_keras.optimizers.SGD(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, batch=16):
+    x, y = small_problem(n=steps * epochs * batch)
+    make = _k3_model if keras == "3" else _tf_keras_model
+
+    def data(skip):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat().skip(skip)
+
+    def fit(model, backup, skip):
+        if keras == "3":
+            return model.fit(data(skip), epochs=epochs, steps_per_epoch=steps, verbose=0,
+                             callbacks=[backup])
+        creator = tf_keras.utils.experimental.DatasetCreator(lambda ctx: data(skip))
+        return model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                         callbacks=[backup])
+
+    runs = []
+    for run in range(3):  # crashes at crash_at; resumes and ends; re-run of an ended fit
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        if run == 0:
+            # The reference: one process (the chief's CPU, made after connecting),
+            # the same batches in order, no interruption.
+            ref = make(spe)
+            w0 = ref.get_weights()
+            ref.fit(data(0), epochs=epochs, steps_per_epoch=steps, verbose=0)
+        with strategy.scope():
+            model = make(spe)
+        if run == 0:
+            model.set_weights(w0)  # later runs start elsewhere: the restore must overwrite
+            backup = CrashAt(backup_dir, every, crash_at=crash_at, period_s=3600)
+        else:
+            backup = StepBackup(backup_dir, every, period_s=3600)
+        resume_step = backup.resume_step
+        try:
+            fit(model, backup, resume_step)
+            crashed = False
+        except RuntimeError as e:
+            assert "crash" in str(e), e
+            backup.record_failure()
+            crashed = True
+        runs.append({
+            "crashed": crashed, "resume_step": resume_step, "summary": backup.summary(),
+            "backups": backup.backups, "started": backup.started,
+            "global_step": int(strategy.staleness_tracker.global_step.numpy()),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "diff_to_reference": _max_diff(model.get_weights(), ref.get_weights()),
+            "dirs": sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json"))})
+    return {"runs": runs, "moved": _max_diff(ref.get_weights(), w0)}
+
+
+@scenario(shares_cluster=True)
+def step_backup_resume(tmpdir, cases):
+    """For each case (keras, spe, epochs, steps, every, crash_at): a fit that
+    fails at ``crash_at`` worker steps, its re-run with the same backup_dir,
+    and a third run of the ended fit; each run on a new strategy (a re-run
+    chief), one worker, two ps."""
+    with cluster(num_workers=1, num_ps=2) as c:
+        return {"cases": [_one_framework(c, os.path.join(tmpdir, f"backup{i}"), **case)
+                          for i, case in enumerate(cases)]}

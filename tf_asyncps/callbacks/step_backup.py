@@ -1,0 +1,334 @@
+"""Backups every N worker steps under parameter-server training, and resuming from them.
+
+tf_keras's ``BackupAndRestore`` skips its batch-level saves under
+ParameterServerStrategy: a batch hook runs on the chief when a closure is
+*scheduled*, not when it has run, so a save there would catch some updates
+half-way and miss others. :class:`StepBackup` saves at a quiet point instead:
+it drains the schedule first (``ClusterCoordinator.join()``), so every update
+scheduled so far has been applied on the ps tasks and none is in flight.
+
+Layout of ``backup_dir``:
+
+* ``step-<N>/``: one complete backup, N = worker steps of the fit it holds
+  (zero-padded): ``ckpt`` (a ``tf.train.Checkpoint`` of the model, its
+  optimizer and the strategy's global step) and ``meta.json``. It is written
+  as ``.tmp-step-<N>-<pid>/``, ``meta.json`` last, then renamed: a backup
+  dir without ``meta.json``, or a temp dir, is never read.
+* ``progress.json``: worker steps done so far, chief runs and steps redone
+  (the same record as :class:`tf_asyncps.callbacks.ResumeTracker`'s).
+"""
+
+import os
+import re
+import shutil
+import time
+from typing import Dict, List, Optional, Tuple
+
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.callbacks.common import strategy_of
+from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.files import atomic_write_json, read_json
+from tf_asyncps.validate import check_int, check_number
+
+__all__ = ["StepBackup", "newest_backup", "META_FILE", "PROGRESS_FILE"]
+
+META_FILE = "meta.json"
+PROGRESS_FILE = "progress.json"
+_FORMAT = 1
+_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _backups(backup_dir: str) -> List[Tuple[int, str]]:
+    """(worker steps, path) of every complete backup in ``backup_dir``, oldest first."""
+    out = []
+    try:
+        names = os.listdir(backup_dir)
+    except OSError:
+        return out
+    for name in names:
+        m = _DIR.match(name)
+        path = os.path.join(backup_dir, name)
+        if m and os.path.isfile(os.path.join(path, META_FILE)):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def newest_backup(backup_dir: str) -> Optional[Tuple[str, Dict]]:
+    """(path, meta) of the newest complete backup in ``backup_dir``, or None.
+
+    Raises:
+      ValueError: its ``meta.json`` is unreadable or of another format
+        (names the file).
+    """
+    found = _backups(backup_dir)
+    if not found:
+        return None
+    path = found[-1][1]
+    meta = read_json(os.path.join(path, META_FILE))
+    if meta is None or meta.get("format") != _FORMAT:
+        raise ValueError(f"StepBackup: {os.path.join(path, META_FILE)} is unreadable or not "
+                         f"format {_FORMAT}; delete that backup or use a new backup_dir.")
+    return path, meta
+
+
+class StepBackup(tf_keras.callbacks.Callback):
+    """Backs ``fit`` up every ``every_steps`` worker steps under
+    AsyncParameterServerStrategy, and resumes a re-run from the newest backup,
+    mid-epoch.
+
+    For tf_keras ``fit`` and this package's Keras 3 ``fit`` (one object, either
+    framework). Where ``BackupAndRestore`` saves per epoch under
+    ParameterServerStrategy, this saves every ``every_steps`` worker steps and
+    at the end of ``fit``.
+
+    Quiet point: a backup falls due at the end of the first closure whose
+    steps reach the next multiple of ``every_steps`` (with
+    ``steps_per_execution`` k, backups land on closure boundaries, so the
+    interval rounds up to a multiple of k). The chief then calls
+    ``ClusterCoordinator.join()``: every scheduled closure has run and its
+    update is applied (under a policy with local steps, the copies are
+    pushed, as at an epoch end), and nothing new is scheduled until the save
+    returns. Cost: the workers idle from their last closure until the save
+    ends, i.e. the schedule's tail plus one checkpoint write of every
+    variable (every backup is a full save in this version).
+
+    Saved: the model, its optimizer (slots, ``iterations``) and the
+    strategy's global step (``strategy.staleness_tracker.global_step``,
+    restored so it continues); the fit's position is the backup's worker
+    steps N (epoch N // steps_per_epoch, step N % steps_per_epoch). Backups
+    are counted in worker steps of the fit, which equal global steps under
+    the async policies when no gradient is dropped; ``meta.json`` records
+    both.
+
+    Resume: at train begin the newest complete backup is restored and the
+    fit starts at its epoch and step; batches are not skipped in the input:
+    each worker's iterator starts again, so a re-run reads the data from the
+    start unless the dataset skips :attr:`resume_step` batches itself
+    (exact with one worker: ``dataset.skip(backup.resume_step)``, known at
+    construction, before ``fit`` builds its input). A re-run of a fit that
+    ended trains nothing (its last backup is at ``epochs * steps_per_epoch``).
+    Steps redone: ``progress.json`` holds the worker steps done before a
+    crash (written every ``period_s`` at closure ends, at each backup and by
+    :meth:`record_failure`); a re-run adds (steps done) - (steps of the
+    backup it resumes from).
+
+    Args:
+      backup_dir: str, the folder (made if missing); one per job.
+      every_steps: int >= 1, worker steps between backups.
+      full_every: int >= 1, a full save every that many backups (deltas
+        between them are issue 41 item 2; every backup is full for now).
+      keep: int >= 1, complete backups kept (the oldest are removed).
+      period_s: float > 0, seconds between ``progress.json`` writes.
+
+    Attributes:
+      resume_step: worker steps of the backup a fit resumes from (int, 0 if
+        none), read at construction.
+      chief_runs, resumed_from_step, steps_redone: as ResumeTracker's.
+      backups: worker steps of each backup this object wrote (list of ints).
+
+    Raises:
+      ValueError: a bad argument (names it); at train begin, the model is not
+        under AsyncParameterServerStrategy, or is unbuilt, or the backup was
+        written with another ``steps_per_epoch``; tf_keras
+        ``BackupAndRestore`` in the same fit.
+      tf.errors.OpError / AssertionError: the backup does not match the model.
+    """
+
+    #: Keras 3 fit (keras3/trainer.py) calls after_closures and fit_resume_point.
+    runs_between_closures = True
+
+    def __init__(self, backup_dir, every_steps, full_every=10, keep=2, period_s=1.0):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
+            raise ValueError(f"StepBackup(backup_dir={backup_dir!r}): give a folder path "
+                             "(one per job).")
+        # Its batch hook never reads the logs: no wait for each closure.
+        tf_keras_compat.keep_batch_logs_remote(self)
+        self.backup_dir = os.fspath(backup_dir)
+        self.every_steps = check_int(every_steps, "StepBackup(every_steps)", min=1,
+                                     hint="worker steps between backups")
+        self.full_every = check_int(full_every, "StepBackup(full_every)", min=1)
+        self.keep = check_int(keep, "StepBackup(keep)", min=1, hint="backups kept")
+        self.period_s = check_number(period_s, "StepBackup(period_s)", above=0)
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self._progress_path = os.path.join(self.backup_dir, PROGRESS_FILE)
+        prev = read_json(self._progress_path) or {}
+        self._prev_done = int(prev.get("steps_done", 0))
+        self._prev_redone = int(prev.get("steps_redone", 0))
+        self.chief_runs = int(prev.get("chief_runs", 0)) + 1
+        found = newest_backup(self.backup_dir)
+        self._resume = found
+        self.resume_step = int(found[1]["worker_steps"]) if found else 0
+        self.resumed_from_step = 0
+        self.steps_redone = self._prev_redone
+        self.backups: List[int] = []
+        self._started = False
+        self._steps_per_epoch = None
+        self._epoch = 0
+        self._scheduled = 0  # worker steps scheduled so far (fit position)
+        self._quiet = (0, 0)  # (worker steps, closures done) at the last quiet point
+        self._last_backup = -1
+        self._next_backup = self.every_steps
+        self._last_write = 0.0
+        self._coordinator = None
+        self._strategy = None
+
+    # -- fit position ---------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        """Whether the backup (if any) is restored and fit reached an epoch."""
+        return self._started
+
+    def _closures(self) -> int:
+        return sum(self._strategy.closures_done_per_worker())
+
+    def steps_done(self) -> int:
+        """Worker steps completed up to now (resume point + this run's):
+        exact at a quiet point; in between, finished closures times
+        ``steps_per_execution``, at most the steps scheduled."""
+        if self._strategy is None:
+            return self.resumed_from_step
+        steps0, closures0 = self._quiet
+        per = max(1, self._steps_per_execution())
+        return min(self._scheduled, steps0 + (self._closures() - closures0) * per)
+
+    def _steps_per_execution(self) -> int:
+        spe = getattr(self.model, "steps_per_execution", None)  # Keras 3
+        if spe is None:
+            spe = getattr(self.model, "_steps_per_execution", None)  # tf_keras (a variable)
+        try:
+            return int(spe.numpy()) if hasattr(spe, "numpy") else int(spe or 1)
+        except (TypeError, ValueError):
+            return 1
+
+    def _write_progress(self) -> None:
+        self._last_write = time.monotonic()
+        atomic_write_json(self._progress_path, {
+            "steps_done": self.steps_done(), "chief_runs": self.chief_runs,
+            "resumed_from_step": self.resumed_from_step, "steps_redone": self.steps_redone})
+
+    def record_failure(self) -> None:
+        """Writes the progress of a run about to fail (steps done so far)."""
+        if self._started:
+            self._write_progress()
+
+    def summary(self) -> Dict[str, int]:
+        """{"chief_runs", "resumed_from_step", "steps_redone", "backups"} (ints;
+        backups: those this run wrote), for ``metrics.json``'s ``recovery``."""
+        return {"chief_runs": self.chief_runs, "resumed_from_step": self.resumed_from_step,
+                "steps_redone": self.steps_redone, "backups": len(self.backups)}
+
+    # -- save and restore -----------------------------------------------------
+    def _checkpoint(self):
+        objects = {"model": self.model,
+                   "global_step": self._strategy.staleness_tracker.global_step}
+        if getattr(self.model, "optimizer", None) is not None:
+            objects["optimizer"] = self.model.optimizer
+        return tf.train.Checkpoint(**objects)
+
+    def fit_resume_point(self, steps_per_epoch: int) -> Optional[Tuple[int, int]]:
+        """(epoch, step in epoch) the fit resumes at, or None for a fresh fit
+        (Keras 3 fit reads it after ``on_train_begin``)."""
+        if not self.resumed_from_step:
+            return None
+        return divmod(self.resumed_from_step, int(steps_per_epoch))
+
+    def on_train_begin(self, logs=None):
+        self._strategy = strategy_of(self.model)
+        self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self._strategy)
+        self._steps_per_epoch = int((self.params or {}).get("steps") or 0)
+        if self._steps_per_epoch < 1:
+            raise ValueError("StepBackup needs fit(steps_per_epoch=N) (worker steps per epoch).")
+        if not self.model.built:
+            raise ValueError("StepBackup: build the model before fit (call it on a batch, or "
+                             "give it an Input), as Keras's BackupAndRestore needs.")
+        keras3 = keras_compat.is_keras3_model(self.model)
+        if self._resume is not None:
+            path, meta = self._resume
+            if int(meta["steps_per_epoch"]) != self._steps_per_epoch:
+                raise ValueError(
+                    f"StepBackup: the backup {path} was written with steps_per_epoch="
+                    f"{meta['steps_per_epoch']}, this fit has {self._steps_per_epoch}; use the "
+                    f"same steps_per_epoch or a new backup_dir.")
+            optimizer = getattr(self.model, "optimizer", None)
+            # tf_keras builds it first, as BackupAndRestore does; Keras 3's
+            # fit has built it per shard already (compat.keras_slots).
+            if not keras3 and optimizer is not None and \
+                    callable(getattr(optimizer, "build", None)) and \
+                    tf_keras_compat.not_built(optimizer):
+                optimizer.build(self.model.trainable_variables)
+            self._checkpoint().read(os.path.join(path, "ckpt")).assert_existing_objects_matched()
+            self.resumed_from_step = int(meta["worker_steps"])
+            self.steps_redone = self._prev_redone + max(0, self._prev_done - self.resumed_from_step)
+        self._scheduled = self.resumed_from_step
+        self._last_backup = self.resumed_from_step
+        self._next_backup = (self.resumed_from_step // self.every_steps + 1) * self.every_steps
+        self._quiet = (self.resumed_from_step, self._closures())
+        if not keras3:
+            epoch, step = divmod(self.resumed_from_step, self._steps_per_epoch)
+            tf_keras_compat.set_fit_resume_point(self.model, epoch, step)
+        self._write_progress()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if not self._started:
+            self._started = True
+            if not keras_compat.is_keras3_model(self.model) and \
+                    not tf_keras_compat.fit_resume_point_taken(self.model):
+                raise ValueError("StepBackup and tf_keras BackupAndRestore both resume the "
+                                 "fit: pass one of them.")
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        # tf_keras: ``batch`` is the index of the closure's last step.
+        self.after_closures(self._epoch, batch + 1)
+
+    def after_closures(self, epoch: int, steps_in_epoch: int) -> None:
+        """Called on the chief after each closure is scheduled: ``steps_in_epoch``
+        worker steps of epoch ``epoch`` are scheduled. Backs up when due."""
+        self._scheduled = epoch * self._steps_per_epoch + int(steps_in_epoch)
+        if self._scheduled >= self._next_backup:
+            self.backup_now()
+        elif time.monotonic() - self._last_write >= self.period_s:
+            self._write_progress()
+
+    def backup_now(self) -> str:
+        """Drains the schedule and writes a backup of the fit's position;
+        returns its folder (the newest one already, if no step ran since)."""
+        self._coordinator.join()
+        steps = self._scheduled
+        self._quiet = (steps, self._closures())
+        self._next_backup = (steps // self.every_steps + 1) * self.every_steps
+        final = os.path.join(self.backup_dir, f"step-{steps:012d}")
+        if steps == self._last_backup and os.path.isdir(final):
+            return final
+        tmp = os.path.join(self.backup_dir, f".tmp-step-{steps:012d}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self._checkpoint().write(os.path.join(tmp, "ckpt"))
+        global_step = int(self._strategy.staleness_tracker.global_step.numpy())
+        atomic_write_json(os.path.join(tmp, META_FILE), {
+            "format": _FORMAT, "kind": "full", "worker_steps": steps,
+            "steps_per_epoch": self._steps_per_epoch, "global_step": global_step,
+            "time": time.time()})
+        if os.path.isdir(final):  # a backup of these steps from an earlier run
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        self._last_backup = steps
+        self.backups.append(steps)
+        for _, old in _backups(self.backup_dir)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._write_progress()
+        return final
+
+    def on_train_end(self, logs=None):
+        if self._strategy is None:
+            return
+        if self._scheduled > self._last_backup:
+            self.backup_now()
+        else:
+            self._write_progress()
+        if not keras_compat.is_keras3_model(self.model):
+            tf_keras_compat.set_fit_resume_point(self.model, None)
