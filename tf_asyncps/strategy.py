@@ -169,64 +169,90 @@ class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
 
     # -- variables: the engine remembers them (read snapshots, local copies) ---
     def _create_variable(self, next_creator, **kwargs):
-        # A Keras 3 model compiling in this scope (its loss tracker's
-        # variables come here) gets fit/evaluate/predict that schedule closures;
-        # one created here and not compiled here is refused (_attach_hooks).
-        model = keras_compat.compiling_model()
-        if model is not None:
-            from tf_asyncps import keras3
-            keras3.attach(model, self._container_strategy())
+        # One job per step, in this order (each step's docstring says why).
+        self._attach_compiling_keras3_model()
         compiling = tf_keras_compat.compiling_model()  # its _steps_per_execution, else None
         if compiling is not None:
-            # compile, in the model's scope, after setting model.optimizer: an
-            # optimizer made outside the scope is refused here, before fit.
-            check_optimizer_scope(getattr(compiling, "optimizer", None),
-                                  self._container_strategy())
-            # tf_keras reads this counter on the coordinator twice per closure
-            # and never in a step: on a ps each read is a round trip, which
-            # took most of the chief's time under local_sgd
-            # (docs/benchmarks.md#performance). It lives on the chief.
-            with tf.device(COORDINATOR_DEVICE):
-                return next_creator(**kwargs)
-        per_worker = kwargs.get("per_worker_variable", False)
-        none = tf.VariableAggregation.NONE
-        if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \
-                kwargs.get("aggregation", none) in (none, None):
-            # K replicas per worker: a step's update runs once (core/gpu_replicas.py),
-            # so a non-trainable variable assigned in replica context, such as
-            # tf_keras's current learning rate under a schedule, takes that one
-            # update's value instead of raising.
-            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        # A variable created inside a worker step (an optimizer built by its
-        # first apply_gradients in a scheduled tf.function) must not inherit
-        # the step's control dependencies: tf.function lifts its initializer
-        # out of the step, and one depending on the step's read of the global
-        # step (engine.worker_step) cannot be lifted (UnliftableError).
-        with tf.control_dependencies(None):
-            var = super()._create_variable(next_creator, **kwargs)
-        # Function-local variables (tf_keras's exact evaluation clones its
-        # metrics with lifting off) live and die in one closure: not tracked.
-        local = kwargs.get("experimental_enable_variable_lifting", True) is False
-        # A policy's or the engine's own state (placement.beside) is no model variable.
-        if per_worker or local or placement.creating_beside():
+            return self._create_steps_counter(compiling, next_creator, kwargs)
+        kwargs = self._one_update_aggregation(kwargs)
+        var = self._create_outside_the_step(next_creator, kwargs)
+        if not self._is_model_variable(kwargs):
             return var
         trainable = kwargs.get("trainable", True) is not False
         # A partitioned variable is its shards to the engine: each shard is a
         # variable on one ps task, and its gradient arrives on its own.
         for part in tf_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
-                self.engine.track_variable(part, trainable=trainable)
-                # On local copies (local_sgd, a route's local part) a step
-                # reads the worker's copy, nothing crosses; a wire dtype
-                # would only round the values.
-                wire = None if self.engine.trains_locally(part) else self.wire_dtype
-                if trainable and (self.deduplicate_lookups or wire is not None):
-                    # A table's distinct ids only cross; rows in wire_dtype.
-                    lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups,
-                                              wire_dtype=wire)
-                if trainable:  # its dense reads in wire_dtype (a Dense kernel)
-                    wire_reads.cast_dense_reads(part, wire)
+                self._track_for_the_engine(part, trainable)
         return var
+
+    def _attach_compiling_keras3_model(self) -> None:
+        """A Keras 3 model compiling in this scope (its loss tracker's
+        variables come here) gets fit/evaluate/predict that schedule
+        closures; one created here and not compiled here is refused
+        (_attach_hooks)."""
+        model = keras_compat.compiling_model()
+        if model is not None:
+            from tf_asyncps import keras3
+            keras3.attach(model, self._container_strategy())
+
+    def _create_steps_counter(self, compiling, next_creator, kwargs):
+        """tf_keras's ``_steps_per_execution`` of the model ``compiling``,
+        created on the chief; an optimizer made outside the scope is refused
+        here (compile sets model.optimizer first), before fit."""
+        check_optimizer_scope(getattr(compiling, "optimizer", None),
+                              self._container_strategy())
+        # tf_keras reads this counter on the coordinator twice per closure
+        # and never in a step: on a ps each read is a round trip, which
+        # took most of the chief's time under local_sgd
+        # (docs/benchmarks.md#performance). It lives on the chief.
+        with tf.device(COORDINATOR_DEVICE):
+            return next_creator(**kwargs)
+
+    def _one_update_aggregation(self, kwargs) -> dict:
+        """``kwargs`` with a non-trainable variable of no aggregation set to
+        ONLY_FIRST_REPLICA under K replicas per worker: a step's update runs
+        once (core/gpu_replicas.py), so one assigned in replica context, such
+        as tf_keras's current learning rate under a schedule, takes that one
+        update's value instead of raising."""
+        none = tf.VariableAggregation.NONE
+        if self._num_replicas_in_sync > 1 and not kwargs.get("trainable", True) and \
+                kwargs.get("aggregation", none) in (none, None):
+            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return kwargs
+
+    def _create_outside_the_step(self, next_creator, kwargs):
+        """The variable, created by ParameterServerStrategy without the
+        control dependencies around it: one created inside a worker step (an
+        optimizer built by its first apply_gradients in a scheduled
+        tf.function) has its initializer lifted out of the step by
+        tf.function, which cannot lift one depending on the step's read of
+        the global step (engine.worker_step: UnliftableError)."""
+        with tf.control_dependencies(None):
+            return super()._create_variable(next_creator, **kwargs)
+
+    @staticmethod
+    def _is_model_variable(kwargs) -> bool:
+        """Whether the engine tracks the variable: not a per-worker one, not
+        a function-local one (tf_keras's exact evaluation clones its metrics
+        with lifting off: they live and die in one closure), not a policy's
+        or the engine's own state (placement.beside)."""
+        per_worker = kwargs.get("per_worker_variable", False)
+        local = kwargs.get("experimental_enable_variable_lifting", True) is False
+        return not (per_worker or local or placement.creating_beside())
+
+    def _track_for_the_engine(self, part, trainable: bool) -> None:
+        """``part`` (a variable or one shard) given to the engine (its mode:
+        per step or local copies), and a trainable one's reads set up:
+        distinct ids only and rows in wire_dtype for row reads, wire_dtype
+        for dense reads. On local copies a step reads the worker's copy,
+        nothing crosses, so no wire dtype (it would only round the values)."""
+        self.engine.track_variable(part, trainable=trainable)
+        wire = None if self.engine.trains_locally(part) else self.wire_dtype
+        if trainable and (self.deduplicate_lookups or wire is not None):
+            lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups, wire_dtype=wire)
+        if trainable:
+            wire_reads.cast_dense_reads(part, wire)
 
     # -- the worker step ------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
