@@ -147,6 +147,7 @@ def test_one_worker_table_is_sgd_and_the_ps_dense_copy_is_sgd_sampled_at_the_exc
     assert r["local_copies"] == ["SGD/m/dense/kernel:0", "dense/kernel:0"]
     assert r["part_updates"] == {"sparse": n, "dense": math.ceil(n / K)}
     s = r["stats"]
+    assert s["parts"] == r["part_updates"]  # staleness_stats().parts
     assert (s["applied"], s["dropped"], s["global_step"], s["local_steps"]) == (n, 0, n, n)
     assert r["iterations"] == n
 
@@ -166,6 +167,7 @@ def test_two_workers_sum_exactly_and_count_each_exchange():
     syncs = sum(math.ceil(c / k) for c in closures)
     assert r["part_updates"] == {"sparse": steps, "dense": syncs}
     s = r["stats"]
+    assert s["parts"] == r["part_updates"]  # staleness_stats().parts
     assert (s["applied"], s["dropped"], s["global_step"], s["local_steps"]) == (
         steps, 0, steps, steps)
     assert r["iterations"] == steps

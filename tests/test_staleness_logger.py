@@ -1,6 +1,9 @@
 """StalenessLogger's console lines follow fit's verbose (no cluster: a stand-in
 strategy gives the counters)."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -67,3 +70,7 @@ def test_staleness_stats_print_as_one_readable_line():
                            dropped_histogram=np.zeros(33, np.int64), mean=0.0, max=0)
     assert repr(empty) == ("StalenessStats(global_step=0, applied=0, dropped=0, mean=0, max=0, "
                            "histogram={})")
+    assert "parts" not in empty.to_dict()
+    routed = dataclasses.replace(empty, parts={"sparse": 7, "dense": 2})
+    assert repr(routed).endswith("histogram={}, parts={'sparse': 7, 'dense': 2})")
+    assert json.loads(json.dumps(routed.to_dict()))["parts"] == {"sparse": 7, "dense": 2}

@@ -473,14 +473,24 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def staleness_stats(self) -> StalenessStats:
         """Reads the staleness counters from the PS.
 
-        A direct read of three small PS variables: it does not wait for
+        A direct read of three small PS variables (four under ``route``:
+        ``parts``, each part's updates): it does not wait for
         scheduled steps (no ``coordinator.join``), so it can be polled while
         training runs.
         """
         stats = self._tracker.stats()
         acct = self._coordinator.accounting
         return dataclasses.replace(stats, retried_closures=acct.retried_closures,
-                                   worker_failures=sum(acct.worker_failures))
+                                   worker_failures=sum(acct.worker_failures),
+                                   parts=self._part_updates())
+
+    def _part_updates(self) -> dict:
+        """``route``'s updates per part (``Route.part_updates``), else {}."""
+        policy = self.extended.policy
+        if not isinstance(policy, policies_lib.Route):
+            return {}
+        with self.extended.engine.policy_scope():  # this strategy's counts
+            return policy.part_updates()
 
     def closures_done_per_worker(self) -> List[int]:
         """Closures each worker completed (chief-side count, list of ints by

@@ -50,6 +50,12 @@ class StalenessStats:
         ``worker_steps`` may exceed the scheduled steps by up to this many
         closures' worth of steps.
       worker_failures: worker failures the coordinator saw (int).
+      parts: under ``route``, ``{label: n}``: updates applied to each part
+        (a part on local steps: its exchanges), as ``Route.part_updates``;
+        counted since the start (``reset_staleness_stats`` keeps them: each
+        part's τ is read from them). Per-part τ histograms and per-part drops
+        are not tracked (``histogram``/``dropped_histogram`` hold the step's
+        global τ). Empty under any other policy.
     """
 
     global_step: int
@@ -63,6 +69,7 @@ class StalenessStats:
     local_steps: int = 0
     retried_closures: int = 0
     worker_failures: int = 0
+    parts: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def worker_steps(self) -> int:
@@ -82,11 +89,14 @@ class StalenessStats:
         parts += [f"{name}={int(getattr(self, name))}" for name in
                   ("nonfinite", "local_steps", "retried_closures", "worker_failures")
                   if int(getattr(self, name))]
+        if self.parts:
+            parts.append(f"parts={dict(self.parts)}")
         return f"StalenessStats({', '.join(parts)})"
 
     def to_dict(self) -> Dict[str, Any]:
-        """Returns a JSON-serialisable dict (histograms as lists of ints)."""
-        return {
+        """Returns a JSON-serialisable dict (histograms as lists of ints;
+        ``parts`` only where there are parts)."""
+        out = {
             "global_step": int(self.global_step),
             "applied": int(self.applied),
             "dropped": int(self.dropped),
@@ -99,6 +109,9 @@ class StalenessStats:
             "retried_closures": int(self.retried_closures),
             "worker_failures": int(self.worker_failures),
         }
+        if self.parts:
+            out["parts"] = {str(k): int(v) for k, v in self.parts.items()}
+        return out
 
 
 def _buckets(histogram) -> str:
