@@ -117,7 +117,7 @@ class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
 
     @property
     def local_copies(self) -> bool:
-        return self.engine.local is not None
+        return self.engine.uses_local_copies
 
     @property
     def global_step(self):
@@ -268,7 +268,7 @@ class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
             with tf.distribute.ReplicaContext(self._container_strategy(),
                                               replica_id_in_sync_group=0):
                 return fn(*args, **(kwargs or {}))
-        if self._num_replicas_in_sync > 1 and self.engine.local is None:
+        if self._num_replicas_in_sync > 1 and not self.engine.uses_local_copies:
             return gpu_replicas.replicated_step(self.engine, fn, args, kwargs,
                                             super()._call_for_each_replica,
                                             self._num_replicas_in_sync)

@@ -115,7 +115,7 @@ class PolicyEngine:
     def attach(self, strategy, has_queued_closures) -> None:
         """Called once the strategy's coordinator exists."""
         self.strategy = strategy
-        if self.local is not None:
+        if self.uses_local_copies:
             self.local.attach(strategy, self.tracker)
         with self.policy_scope():
             self.policy.attach(PolicyRuntime(strategy, self.tracker, has_queued_closures,
@@ -126,13 +126,26 @@ class PolicyEngine:
         """Remembers a variable created in the strategy's scope."""
         if trainable:
             self._trainable.append(var)
-        if self.local is not None:  # local copies, if its mode says so
+        if self.uses_local_copies:  # local copies, if its mode says so
             self.local.add_variable(var, trainable)
+
+    # -- modes: what the policy picked ---------------------------------------------
+    @property
+    def uses_local_copies(self) -> bool:
+        """Whether the policy puts any variable in the local-copies mode
+        (``local_sgd``; a route with a part on local steps)."""
+        return self.local is not None
+
+    @property
+    def all_local(self) -> bool:
+        """Whether every variable is on local copies (``local_sgd``): a worker
+        step then holds no PS op."""
+        return self.uses_local_copies and not self.policy.updates_on_ps
 
     def trains_locally(self, var) -> bool:
         """Whether ``var`` (a variable created in the scope, or a shard of
         one) is in the local-copies mode: each worker trains its own copy."""
-        return self.local is not None and self.local.holds(var)
+        return self.uses_local_copies and self.local.holds(var)
 
     def register_table(self, hooks) -> None:
         """Registers a table's hooks (a ``core.table_seam.TableHooks``): run
@@ -144,7 +157,7 @@ class PolicyEngine:
           TypeError: ``hooks`` is not a TableHooks.
         """
         self.tables.register(hooks)
-        if self.local is not None:  # local_sgd: a dynamic table's passes at the exchanges
+        if self.uses_local_copies:  # a dynamic table's passes at the exchanges
             for var, guard in hooks.local_guards:
                 self.local.guard_rows(var, guard)
 
@@ -155,7 +168,7 @@ class PolicyEngine:
         ``index()`` gives the worker's index (int64 scalar tensor); inside a
         scheduled closure the default reads it from the coordinator.
         """
-        if self.local is not None and not self.policy.updates_on_ps:
+        if self.all_local:
             return self.local.worker_step(self, fn, index)  # local_sgd: no PS op
 
         @tf.autograph.experimental.do_not_convert
@@ -164,7 +177,7 @@ class PolicyEngine:
             r = self.read_point(w)
             step = WorkerStep(self, r, w)
             # A route with a part on local steps: its variables on their copies.
-            traced = None if self.local is None else self.local.trace(step)
+            traced = self.local.trace(step) if self.uses_local_copies else None
             try:
                 # Every op of the step, variable reads included, runs after r is read.
                 with tf.control_dependencies([r]), step.active():
@@ -262,7 +275,7 @@ class PolicyEngine:
         """The coordinator drained: push local copies (``local_sgd``), stop
         the watchdogs. Returns the local steps pushed."""
         try:
-            if self.local is None:
+            if not self.uses_local_copies:
                 return 0
             with self.policy_scope():  # a route counts its local part's pushes
                 return self.local.flush()
