@@ -414,9 +414,9 @@ def dense_on_sparse_gradients(optimizer):
         return None
     return (f"Keras 3's {type(inner).__name__} updates every row of the variable on each "
             f"sparse gradient (its update rule is dense tensor math); for embedding tables "
-            f"use keras.optimizers.SGD without momentum, whose sparse update touches only "
-            f"the rows of the batch, or a tf_keras model with tf_keras.optimizers.Adagrad "
-            f"or legacy.SGD")
+            f"use keras.optimizers.SGD without momentum or keras.optimizers.Adagrad (this "
+            f"strategy updates only the rows of the batch for those), or "
+            f"tf_asyncps.keras3.LazyAdam for Adam")
 
 
 def loss_scale_optimizer_class():
