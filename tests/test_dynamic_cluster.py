@@ -208,7 +208,7 @@ def test_keras3_checkpoint_round_trip(optimizer, slots):
     (Keras handed the saver the ShardedVariable: "'ShardedVariable' object
     has no attribute 'device'"); now the table is saved whole
     (compat.keras.checkpoint_partitioned_whole) and so are its optimizer's
-    slots (compat.keras_slots): restored onto the same 2 shards, onto 3, and
+    slots (compat.partitioned_slots): restored onto the same 2 shards, onto 3, and
     from 3 onto 2, one step on each equals the same step on the saved model,
     exactly (ids, rows, every slot, iterations, predictions). Before the slots were saved
     whole, 2 -> 3 brought Adagrad's accumulators back at their initial 0.1."""

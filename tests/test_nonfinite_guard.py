@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow_graph as graph_compat
-from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.compat import graph as graph_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import placement, nonfinite_guard
 from tf_asyncps.core.staleness import StalenessTracker
 

@@ -4,8 +4,9 @@ Like Keras 3's ``keras/src/backend/<name>/``: the rest of tf_asyncps calls
 these modules, never ``tensorflow.python.*``, ``tf_keras.src.*``,
 ``keras.src.*`` or a private attribute of a TensorFlow/Keras object, so a
 TensorFlow upgrade has one place to look (``tests/test_architecture.py``
-checks it). One module per library, each stating the versions it was tested
-with:
+checks it). One module per library for what is that library's alone, one
+per topic where a topic spans libraries, each stating the versions it was
+tested with:
 
 * :mod:`tf_asyncps.compat.versions`: the supported ranges, checked at import.
 * :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.18.1-2.21.0
@@ -14,25 +15,26 @@ with:
   per-worker variables, resource-variable ops, autograph, graphs; and what
   tf_asyncps adds to any TensorFlow/Keras object: method hooks and untracked
   attributes).
-* :mod:`tf_asyncps.compat.tensorflow_checkpoint`: TensorFlow 2.21.0's
-  ``Trackable`` save/restore protocol (a dynamic table's metadata saved as
-  whole-table tensors; apart from ``tensorflow`` for its 600-line limit).
-* :mod:`tf_asyncps.compat.tensorflow_variables`: TensorFlow 2.21.0's resource
-  variable read path (a variable's dense reads over a bfloat16 wire; apart
-  for the same reason), redirected while one update is traced, and an
-  optimizer counter's ``assign_add`` made conditional.
-* :mod:`tf_asyncps.compat.tensorflow_graph`: TensorFlow 2.21.0's
-  ``Operation._set_device`` (constants moved beside their consumers).
+* :mod:`tf_asyncps.compat.variables`: TensorFlow 2.21.0's resource variable
+  read path (a variable's dense reads replaced on one instance, redirected
+  while one update is traced), an optimizer counter's ``assign_add`` made
+  conditional, and a row read recorded on the gradient tape.
+* :mod:`tf_asyncps.compat.checkpoint`: TensorFlow 2.21.0's ``Trackable``
+  save/restore protocol (a dynamic table's metadata saved as whole-table
+  tensors; variables saved elsewhere, still whole in a SavedModel).
+* :mod:`tf_asyncps.compat.graph`: TensorFlow 2.21.0's ``Operation._set_device``
+  (constants moved beside their consumers) and a gather gradient's parts.
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, the
   optimizers' ``apply_gradients`` hook).
 * :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables and
   optimizer counters, the optimizers' ``apply`` hook, TensorBoard's
   profiling range, the refusal hook on Keras 3's own loops).
-* :mod:`tf_asyncps.compat.keras_slots`: Keras 3.15.1 with TensorFlow 2.21.0
-  (an optimizer's slots of partitioned weights saved whole in
-  ``tf.train.Checkpoint``, restored onto any number of shards; apart from
-  ``keras`` for its 600-line limit).
+* :mod:`tf_asyncps.compat.partitioned_slots`: Keras 3.15.1 with TensorFlow
+  2.21.0 (an optimizer's slots of partitioned weights saved whole in
+  ``tf.train.Checkpoint``, restored onto any number of shards).
+* :mod:`tf_asyncps.compat.optimizers`: Keras 3.15.1 (an optimizer's slot of
+  one variable, its ``update_step`` replaced while an update is traced).
 * :mod:`tf_asyncps.compat.call_scopes`: Keras 3.10.0-3.15.1 and tf_keras
   2.18.0-2.21.0: which Keras call runs on this thread (a compile, a tf_keras
   evaluate, an optimizer creating a slot, Keras 3's own loops), known by

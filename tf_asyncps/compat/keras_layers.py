@@ -1,7 +1,7 @@
 """What this package's layers need of Keras 3's internals and of the stack.
 
-Tested with Keras 3.15.1 and tf_keras 2.21.0 (TensorFlow 2.21.0); apart from
-``keras`` for its 600-line limit. Importing this module imports no Keras.
+Tested with Keras 3.15.1 and tf_keras 2.21.0 (TensorFlow 2.21.0). Importing
+this module imports no Keras.
 
 * :func:`outside_stateless_scope`: a weight made at once under Keras 3's
   symbolic build (``global_state``'s "stateless_scope");

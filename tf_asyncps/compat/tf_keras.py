@@ -333,7 +333,7 @@ def _object_ids(variables) -> set:
 def legacy_sharded_slots_saved_elsewhere() -> bool:
     """Makes tf_keras's legacy optimizers (``OptimizerV2.get_slot``, tf_keras
     2.21.0) hand out the slot of a ``ShardedVariable`` marked by
-    :func:`tf_asyncps.compat.tensorflow_checkpoint.save_elsewhere` when all
+    :func:`tf_asyncps.compat.checkpoint.save_elsewhere` when all
     its shards' slots are marked: ``get_slot`` builds a new
     ``ShardedVariable`` over the shards' slots at each call, and a checkpoint
     saves what it returns. Other slots are returned as they are. Hooks the
@@ -343,7 +343,7 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
       False if tf_keras is not installed.
     """
     from tf_asyncps.compat import tensorflow as tf_compat
-    from tf_asyncps.compat import tensorflow_checkpoint
+    from tf_asyncps.compat import checkpoint as checkpoint_compat
     try:
         from tf_keras.src.optimizers.legacy import optimizer_v2
     except ImportError:  # pragma: no cover - tf_keras is a dependency
@@ -353,8 +353,8 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
         def get_slot(self, var, slot_name):
             slot = original(self, var, slot_name)
             parts = tf_compat.shards(slot)
-            if parts and all(map(tensorflow_checkpoint.saved_elsewhere, parts)):
-                tensorflow_checkpoint.save_elsewhere(slot)
+            if parts and all(map(checkpoint_compat.saved_elsewhere, parts)):
+                checkpoint_compat.save_elsewhere(slot)
             return slot
         return get_slot
 

@@ -14,7 +14,7 @@ reads).
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_graph
+from tf_asyncps.compat import graph as graph_compat
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
            "flat_tensors", "unique_rows", "narrow_indices", "wire_dtype_of", "read_over_wire"]
@@ -66,7 +66,7 @@ def rows_on_ps(grad, on_ps):
         core/table_seam.py). :func:`unique_rows` and :func:`copy_to` given
         the same ``on_ps`` leave such a gradient alone.
     """
-    parts = tensorflow_graph.gather_gradient_parts(grad)
+    parts = graph_compat.gather_gradient_parts(grad)
     if parts is None or not on_ps(parts[1]) or parts[1].shape.rank != 1 or \
             not grad.values.shape[1:].is_fully_defined():
         return grad

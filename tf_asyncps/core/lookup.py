@@ -38,7 +38,7 @@ import functools
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_tape as tape_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import trace_context
 
@@ -60,7 +60,7 @@ def per_id_gradients():
     tf_keras and TensorFlow 1 sum the rows first; the gradient of a plain
     distinct-id read sums them, which would change those updates. Here the
     forward pass is the distinct-id read and the backward pass is recorded
-    as one operation on the variable (compat/tensorflow_tape.py), so the
+    as one operation on the variable (compat/variables.py), so the
     optimizer gets what an every-id read gives; core/rowwise.py then sends
     each distinct id once with what the rule needs of its repeated rows.
     """
@@ -116,7 +116,7 @@ def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_
             return tf.IndexedSlices(tf.cast(rows, variable.dtype), tf.reshape(indices, [-1]),
                                     dense_shape)
 
-    return tape_compat.recorded_on_variable(
+    return variables_compat.recorded_on_variable(
         variable, lambda: _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op),
         backward)
 

@@ -11,7 +11,7 @@ every tf_keras, legacy tf_keras and Keras 3 optimizer calls once per
 variable) wraps that variable's update in ``tf.cond(finite, update, no-op)``
 built beside the variable: each ps task receives the worker's predicate once
 and decides alone. The optimizer's iteration counter advances by
-``cast(finite)`` (:func:`tf_asyncps.compat.tensorflow_variables.adding_only_if`)
+``cast(finite)`` (:func:`tf_asyncps.compat.variables.adding_only_if`)
 and the engine records the step as applied or dropped without a cond
 (:meth:`StalenessTracker.record_gated`).
 
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import trace_context
 
 __all__ = ["guarded_by", "guard", "active"]

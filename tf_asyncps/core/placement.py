@@ -28,7 +28,7 @@ import uuid
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_graph as graph_compat
+from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.core import trace_context
 
 __all__ = ["beside", "beside_inputs", "creating_beside", "fifo_queue", "critical_section",
@@ -133,7 +133,7 @@ def beside_inputs(default_device: str):
     optimizer's updates beside their variables). Applies in ``tf.cond``
     branches created inside too (they inherit the device stack). On exit,
     a constant created here whose consumers all run on another device moves
-    there (:func:`tf_asyncps.compat.tensorflow_graph.constants_beside_consumers`).
+    there (:func:`tf_asyncps.compat.graph.constants_beside_consumers`).
 
     Args:
       default_device: device string for ops without an input on a ps task.

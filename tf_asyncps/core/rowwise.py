@@ -54,7 +54,7 @@ from typing import List, Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
-from tf_asyncps.compat import keras_optimizers
+from tf_asyncps.compat import optimizers as optimizers_compat
 
 __all__ = ["RULES", "rule_for", "distinct_sums", "distinct_rows", "applying", "apply_rows"]
 
@@ -191,7 +191,7 @@ def applying(optimizer, apply_fn, variables, grads, squares):
                 return apply_rows(optimizer, rule, variable, ids, s1, s2, learning_rate)
             return update_step
 
-        with keras_optimizers.replacing_update_step(optimizer, make):
+        with optimizers_compat.replacing_update_step(optimizer, make):
             return apply_fn(pairs)
 
     return apply
@@ -219,15 +219,15 @@ def apply_rows(optimizer, rule, variable, ids, s1, s2, learning_rate):
         return variable.scatter_sub(tf.IndexedSlices(lr * s1, ids))
     s2 = tf.cast(s2, dtype)
     if rule == "adagrad":
-        acc = keras_optimizers.slot(optimizer, "accumulator", variable)
+        acc = optimizers_compat.slot(optimizer, "accumulator", variable)
         added = acc.scatter_add(tf.IndexedSlices(s2, ids))
         with tf.control_dependencies([added.op] if hasattr(added, "op") else []):
             a = tf.gather(acc, ids)
         eps = tf.cast(optimizer.epsilon, dtype)
         return variable.scatter_sub(tf.IndexedSlices(lr * s1 / tf.sqrt(a + eps), ids))
     if rule == "lazy_adam":
-        m = keras_optimizers.slot(optimizer, "momentum", variable)
-        v = keras_optimizers.slot(optimizer, "velocity", variable)
+        m = optimizers_compat.slot(optimizer, "momentum", variable)
+        v = optimizers_compat.slot(optimizer, "velocity", variable)
         t = tf.cast(optimizer.iterations + 1, dtype)
         b1 = tf.cast(optimizer.beta_1, dtype)
         b2 = tf.cast(optimizer.beta_2, dtype)

@@ -30,7 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_asyncps.compat import keras as keras_compat
-from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import gpu_replicas, mixed_precision, nonfinite_guard, placement

@@ -27,7 +27,7 @@ copies: nothing crosses).
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow_variables as variables_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import step as step_lib
 

@@ -17,7 +17,7 @@ table's own (``DynamicTable.state``), indexed by global row:
 * ``shards``: int64 ``[num_shards, len(COUNTERS)]``, each shard's counters.
 
 The table variable and those slots write nothing of their own
-(:func:`tf_asyncps.compat.tensorflow_checkpoint.save_elsewhere`), so the
+(:func:`tf_asyncps.compat.checkpoint.save_elsewhere`), so the
 checkpoint grows with the live rows, not with the capacity (measured: see
 docs/guides/dynamic_embeddings.md, "State"). The id -> row map (each
 shard's ``MutableHashTable``) is saved by itself, live ids only, as before.
@@ -42,7 +42,7 @@ import types
 import numpy as np
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow_checkpoint
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 from tf_asyncps.dynamic import slots as slots_lib
@@ -88,7 +88,7 @@ def _mark(optimizer, sets) -> None:
     holding them (tf_keras), and the Keras 3 variable whose value they are."""
     parts = [p for group, _ in sets for p in group]
     for obj in slots_lib.tracked_slots(optimizer, parts):
-        tensorflow_checkpoint.save_elsewhere(obj)
+        checkpoint_compat.save_elsewhere(obj)
 
 
 def track_optimizer(table, optimizer, variables=None) -> None:
@@ -185,7 +185,7 @@ def save_state(table) -> dict:
     SavedModel export (its graph cannot read these variables, which are not
     its objects: the served function reads the index only, and a model
     loaded from it rebuilds the metadata from the index)."""
-    if tensorflow_checkpoint.in_saved_model_export():
+    if checkpoint_compat.in_saved_model_export():
         return {}
     sets = slot_sets(table)
     if sets and not table.saving.marked:

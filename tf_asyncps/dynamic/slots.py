@@ -11,7 +11,7 @@ import re
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_checkpoint
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 
 __all__ = ["optimizer_slots", "tracked_slots"]
 
@@ -89,7 +89,7 @@ def tracked_slots(optimizer, parts) -> list:
     ids = {id(p) for p in parts}
     out = list(parts)
     for p in parts:
-        container = tensorflow_checkpoint.sharded_container(p)
+        container = checkpoint_compat.sharded_container(p)
         if container is not None:
             out.append(container)
     variables = optimizer.variables

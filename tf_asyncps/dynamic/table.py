@@ -52,7 +52,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tensorflow_checkpoint
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement, table_seam
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
@@ -298,9 +298,9 @@ class DynamicTable(tf.Module):
         # The rows its lookups gathered on their ps (see hooks()).
         tf_compat.set_untracked_attribute(self, "gathered", table_seam.GatheredRows())
         for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
-            tensorflow_checkpoint.save_elsewhere(var)  # live rows: in `state`
+            checkpoint_compat.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.
-        self.state = tensorflow_checkpoint.checkpointed_tensors(
+        self.state = checkpoint_compat.checkpointed_tensors(
             lambda: checkpoint_lib.save_state(self),
             lambda restored: checkpoint_lib.restore_state(self, restored),
             lambda names: checkpoint_lib.check_entry(self, names))

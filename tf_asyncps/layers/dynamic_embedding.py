@@ -283,7 +283,7 @@ def keras3_layer():
 
     from tf_asyncps.compat import keras as keras_compat
     from tf_asyncps.compat import keras_layers
-    from tf_asyncps.compat import tensorflow_checkpoint
+    from tf_asyncps.compat import checkpoint as checkpoint_compat
 
     class DynamicEmbedding(_Mixin, keras.layers.Layer):
         __doc__ = _tf_keras_doc()
@@ -313,7 +313,7 @@ def keras3_layer():
                     dtype="float32", trainable=True, name="embeddings")
                 self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
             # The tracked object (the table saves its live rows itself).
-            tensorflow_checkpoint.save_elsewhere(self.embeddings)
+            checkpoint_compat.save_elsewhere(self.embeddings)
 
         def call(self, ids, training=None):
             if training is None and keras_layers.in_train_step():

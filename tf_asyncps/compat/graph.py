@@ -2,8 +2,6 @@
 same in 2.16-2.20): an op's device changed after it was created, and the
 parts of a ``ResourceGather`` gradient (``resource_variable_ops._GatherGrad``,
 the same in 2.16-2.21).
-
-Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit).
 """
 
 __all__ = ["constants_beside_consumers", "gather_gradient_parts"]

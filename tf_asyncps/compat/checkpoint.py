@@ -4,8 +4,7 @@ its own making into a ``tf.train.Checkpoint`` and gets them back at restore,
 and variables that write nothing there (a dynamic table saves their live
 rows itself) but are still saved whole in a SavedModel.
 
-Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit);
-importable without TensorFlow being imported first.
+Importable without TensorFlow being imported first.
 """
 
 import contextvars

@@ -1,14 +1,21 @@
-"""TensorFlow resource-variable internals (TF 2.21.0; the same read path in
-2.18-2.20): a variable's dense read, replaced on one instance; an
-optimizer's counter increment, made conditional while one update is traced.
+"""How a variable is read and added to, changed on one instance.
 
-Kept apart from :mod:`tf_asyncps.compat.tensorflow` (the 600-line limit);
-importable without TensorFlow being imported first.
+TensorFlow resource-variable internals (TF 2.21.0; the same read path in
+2.18-2.20): a variable's dense read, replaced on one instance or redirected
+while one update is traced; an optimizer's counter increment, made
+conditional while one update is traced. TensorFlow 2.21.0's gradient tape
+(``tensorflow.python.eager`` ``record.stop_recording``,
+``record.record_operation`` and ``tape.variable_accessed``, the same in
+2.16-2.21; what ``tf.custom_gradient`` uses inside): a row read recorded as
+one operation on the variable.
+
+Importable without TensorFlow being imported first.
 """
 
 import contextlib
 
-__all__ = ["replace_dense_read", "adding_only_if", "reads_redirected"]
+__all__ = ["replace_dense_read", "adding_only_if", "reads_redirected",
+           "recorded_on_variable"]
 
 
 def replace_dense_read(var, after_read) -> bool:
@@ -102,6 +109,36 @@ def reads_redirected(var, redirect):
 
     with _instance_attribute(var, "_read_variable_op", _read_variable_op):
         yield
+
+
+# ``tf.custom_gradient`` cannot serve a variable's row read: for a function
+# that reads a variable it passes the whole variable through an ``IdentityN``
+# (a read of every row of the table). Recording the read as one operation on
+# the variable's handle gives the gradient without reading more.
+def recorded_on_variable(variable, forward, backward):
+    """``forward()`` with its gradient to ``variable`` given by ``backward``.
+
+    The ops of ``forward`` are not recorded on the active gradient tapes;
+    ``variable`` is marked accessed (a tape watching accessed variables
+    watches it) and one operation from its handle to the output is recorded.
+
+    Args:
+      variable: a resource ``tf.Variable``.
+      forward: ``() -> tf.Tensor``, the read.
+      backward: ``dy -> gradient`` (a ``tf.Tensor`` or ``tf.IndexedSlices``
+        shaped like ``variable``).
+
+    Returns:
+      ``forward()``'s tensor.
+    """
+    from tensorflow.python.eager import record, tape
+
+    with record.stop_recording():
+        out = forward()
+    tape.variable_accessed(variable)
+    record.record_operation("AsyncpsRowRead", [out], [variable.handle],
+                            lambda dy: [backward(dy)])
+    return out
 
 
 @contextlib.contextmanager

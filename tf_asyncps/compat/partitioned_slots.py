@@ -134,9 +134,9 @@ def _view(optimizer, children):
             view = {name: data_structures.ListWrapper([v for v in value if id(v) not in drop])
                     for name, value in lists.items()}
             # A dynamic table writes its slot rows in its own entry (live
-            # rows only, compat.tensorflow_checkpoint.save_elsewhere): left
+            # rows only, compat.checkpoint.save_elsewhere): left
             # out of the position lists, and not saved whole here.
-            from tf_asyncps.compat.tensorflow_checkpoint import saved_elsewhere
+            from tf_asyncps.compat.checkpoint import saved_elsewhere
             view[WHOLE_SLOTS] = _whole_slot_class()(
                 [(sv, named) for sv, named in groups
                  if not (saved_elsewhere(sv) or any(saved_elsewhere(p) for p in sv.variables))])
