@@ -21,7 +21,7 @@ different steps run one at a time; measurements: docs/concepts/policies.md#locki
 Without locking, ``optimizer.iterations`` is still exact: tf_keras increments
 it with one atomic ``assign_add``, and for Keras 3 optimizers the engine
 replaces the read-then-write increment with an atomic one
-(``tf_asyncps.compat.keras.make_iterations_atomic``).
+(``tf_asyncps.compat.optimizers.make_iterations_atomic``).
 """
 
 from tf_asyncps.compat import tensorflow as tf_compat

@@ -25,16 +25,17 @@ tested with:
 * :mod:`tf_asyncps.compat.graph`: TensorFlow 2.21.0's ``Operation._set_device``
   (constants moved beside their consumers) and a gather gradient's parts.
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
-  the loss-scaling allowlist, BackupAndRestore's training state, the
-  optimizers' ``apply_gradients`` hook).
-* :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables and
-  optimizer counters, the optimizers' ``apply`` hook, TensorBoard's
-  profiling range, the refusal hook on Keras 3's own loops).
+  the loss-scaling allowlist, BackupAndRestore's training state).
+* :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables,
+  TensorBoard's profiling range, the refusal hook on Keras 3's own loops).
 * :mod:`tf_asyncps.compat.partitioned_slots`: Keras 3.15.1 with TensorFlow
   2.21.0 (an optimizer's slots of partitioned weights saved whole in
   ``tf.train.Checkpoint``, restored onto any number of shards).
-* :mod:`tf_asyncps.compat.optimizers`: Keras 3.15.1 (an optimizer's slot of
-  one variable, its ``update_step`` replaced while an update is traced).
+* :mod:`tf_asyncps.compat.optimizers`: tf_keras 2.18.0-2.21.0 and Keras
+  3.10.0-3.15.1 (the optimizers' ``apply_gradients``/``apply`` hooks, Keras
+  3's counter made atomic, a tf_keras optimizer's strategy, the optimizers
+  whose sparse updates touch every row; Keras 3.15.1: a slot of one
+  variable, ``update_step`` replaced while an update is traced).
 * :mod:`tf_asyncps.compat.call_scopes`: Keras 3.10.0-3.15.1 and tf_keras
   2.18.0-2.21.0: which Keras call runs on this thread (a compile, a tf_keras
   evaluate, an optimizer creating a slot, Keras 3's own loops), known by

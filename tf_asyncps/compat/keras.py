@@ -20,13 +20,13 @@ import sys
 
 __all__ = ["TESTED_VERSIONS", "SUPPORTED_RANGE", "version", "version_supported",
            "in_keras3_loop", "compiling_model", "hook_loops", "backing_variable",
-           "make_iterations_atomic", "make_assign_add_atomic", "make_seed_generator_atomic",
+           "make_assign_add_atomic", "make_seed_generator_atomic",
            "loss_scale_variable",
-           "symbolic_build", "metrics_in_order", "in_stateless_scope", "compile_state", "dense_on_sparse_gradients",
+           "symbolic_build", "metrics_in_order", "in_stateless_scope", "compile_state",
            "loss_scale_optimizer_class", "loss_scale", "update_loss_scale", "model_strategy", "seed_generators",
            "initial_epoch", "build_layers", "sharded_value", "overrides_train_step",
            "train_step_on", "lookup_rows_in_call", "checkpoint_partitioned_whole", "layers_of", "whole_values", "optimizer_class", "is_keras3_model",
-           "hook_apply", "tensorboard_profiles"]
+           "tensorboard_profiles"]
 
 # tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
 TESTED_VERSIONS = ("3.10.0", "3.12.4", "3.15.1")
@@ -319,23 +319,6 @@ def backing_variable(var):
     return inner if getattr(inner, "device", None) else var
 
 
-def make_iterations_atomic(optimizer) -> None:
-    """Makes a Keras 3 optimizer's iteration counter increment atomically.
-
-    Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
-    a write, which loses increments when workers update at once (measured
-    133/200 with 2 workers). :func:`make_assign_add_atomic` on this one
-    counter (``optimizer._iterations``), and on a wrapper's inner optimizer's
-    (a LossScaleOptimizer counts its steps in ``inner_optimizer``). tf_keras
-    counters are already atomic; other objects are left alone.
-    """
-    while optimizer is not None:
-        counter = getattr(optimizer, "_iterations", None)
-        if counter is not None:
-            make_assign_add_atomic(counter)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-
-
 def make_assign_add_atomic(var) -> None:
     """Makes a Keras 3 variable's ``assign_add``/``assign_sub`` one atomic op.
 
@@ -394,31 +377,6 @@ def make_seed_generator_atomic(generator) -> None:
     generator._asyncps_atomic = True
 
 
-def dense_on_sparse_gradients(optimizer):
-    """Why a Keras 3 ``optimizer`` touches every row of a table on each sparse
-    (IndexedSlices) gradient, or None (also None for non-Keras 3 optimizers).
-
-    Keras 3.15's update rules are written as dense tensor math: Adagrad's
-    ``variable -= lr * g / sqrt(accumulator + eps)`` reads the whole
-    accumulator, Adam/RMSprop decay whole moments, SGD with momentum a whole
-    momentum. Only SGD without momentum stays sparse (measured on a 1M x 32
-    table over 2 ps, one worker: SGD 135 steps/s, 125 at 10K rows; Adagrad
-    12.9, 84.9 at 10K rows).
-    """
-    cls = optimizer_class()
-    if cls is None or not isinstance(optimizer, cls):
-        return None
-    import keras
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    if isinstance(inner, keras.optimizers.SGD) and not inner.momentum:
-        return None
-    return (f"Keras 3's {type(inner).__name__} updates every row of the variable on each "
-            f"sparse gradient (its update rule is dense tensor math); for embedding tables "
-            f"use keras.optimizers.SGD without momentum or keras.optimizers.Adagrad (this "
-            f"strategy updates only the rows of the batch for those), or "
-            f"tf_asyncps.keras3.LazyAdam for Adam")
-
-
 def loss_scale_optimizer_class():
     """``keras.optimizers.LossScaleOptimizer`` when Keras 3 is installed, else None."""
     return optimizer_class() and __import__("keras").optimizers.LossScaleOptimizer
@@ -463,25 +421,6 @@ def optimizer_class():
     except ImportError:  # pragma: no cover
         return None
     return keras.optimizers.Optimizer if keras.__version__.startswith("3") else None
-
-
-def hook_apply(make_hook, make_loss_scale_hook) -> bool:
-    """Replaces Keras 3's ``keras.optimizers.Optimizer.apply`` by
-    ``make_hook(original)`` and ``LossScaleOptimizer.apply`` (it overrides
-    ``apply`` and receives scaled gradients) by
-    ``make_loss_scale_hook(original)``, once per class (see
-    :func:`tf_asyncps.compat.tensorflow.hook_method`).
-
-    Returns:
-      False if Keras 3 is not installed.
-    """
-    from tf_asyncps.compat import tensorflow as tf_compat
-    base = optimizer_class()
-    if base is None:
-        return False
-    tf_compat.hook_method(base, "apply", make_hook)
-    tf_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
-    return True
 
 
 def tensorboard_profiles(callback) -> bool:

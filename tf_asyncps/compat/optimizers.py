@@ -1,14 +1,26 @@
-"""Keras 3.15.1 optimizer internals (TensorFlow backend; the same in
-3.10-3.15): an optimizer's slot of one variable, and its ``update_step``
-replaced while an update is traced.
+"""Optimizer internals across tf_keras and Keras 3: the update hooks, an
+optimizer's slots and ``update_step``, its counter, its strategy, and the
+optimizers whose sparse updates touch every row.
 
-Used by tf_asyncps/core/rowwise.py, which applies an embedding table's
-update on the rows a step touched.
+* tf_keras 2.18.0-2.21.0: ``apply_gradients`` of the optimizer base classes
+  and LossScaleOptimizers hooked; ``Optimizer._distribution_strategy``;
+  ``SGD``'s dense momentum on sparse gradients.
+* Keras 3.10.0-3.15.1: ``Optimizer.apply`` and ``LossScaleOptimizer.apply``
+  hooked; the iteration counter's ``assign_add`` made atomic; which update
+  rules are dense tensor math.
+* Keras 3.15.1 optimizer internals (TensorFlow backend; the same in
+  3.10-3.15): an optimizer's slot of one variable, and its ``update_step``
+  replaced while an update is traced (tf_asyncps/core/rowwise.py, which
+  applies an embedding table's update on the rows a step touched).
+
+Importing this module imports nothing; functions import tf_keras or Keras
+when called.
 """
 
 import contextlib
 
-__all__ = ["slot", "replacing_update_step"]
+__all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
+           "make_iterations_atomic", "optimizer_strategy", "dense_on_sparse_gradients"]
 
 #: The optimizer attribute holding each slot list, by slot name.
 _SLOT_LISTS = {"accumulator": "_accumulators", "momentum": "_momentums",
@@ -19,13 +31,16 @@ def slot(optimizer, name, variable):
     """The ``tf.Variable`` behind ``optimizer``'s slot ``name`` of ``variable``.
 
     Args:
-      optimizer: a built Keras 3 Adagrad ("accumulator") or Adam ("momentum",
-        "velocity").
+      optimizer: a built Keras 3 or tf_keras (2.18-2.21, not legacy) Adagrad
+        ("accumulator") or Adam ("momentum", "velocity").
       variable: the tf.Variable (or Keras variable) being updated.
 
     Raises:
       KeyError: an unknown slot name.
     """
+    if not hasattr(optimizer, "_get_variable_index"):  # tf_keras: a tf.Variable
+        return getattr(optimizer, _SLOT_LISTS[name])[
+            optimizer._index_dict[optimizer._var_key(variable)]]
     held = getattr(optimizer, _SLOT_LISTS[name])[optimizer._get_variable_index(variable)]
     return getattr(held, "value", held)
 
@@ -50,3 +65,134 @@ def replacing_update_step(optimizer, make):
             object.__setattr__(optimizer, "update_step", original)
         else:
             object.__delattr__(optimizer, "update_step")
+
+
+def hook_apply_gradients(make_hook) -> bool:
+    """Replaces ``apply_gradients`` of tf_keras's optimizer base classes
+    (``tf_keras.optimizers.Optimizer``, ``tf_keras.optimizers.legacy.Optimizer``)
+    and of both LossScaleOptimizer classes (they override it) by
+    ``make_hook(original)``, once per class (see
+    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat.tf_keras import loss_scale_optimizer_classes
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    for cls in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
+                *loss_scale_optimizer_classes()):
+        tf_compat.hook_method(cls, "apply_gradients", make_hook)
+    return True
+
+
+def hook_apply(make_hook, make_loss_scale_hook) -> bool:
+    """Replaces Keras 3's ``keras.optimizers.Optimizer.apply`` by
+    ``make_hook(original)`` and ``LossScaleOptimizer.apply`` (it overrides
+    ``apply`` and receives scaled gradients) by
+    ``make_loss_scale_hook(original)``, once per class (see
+    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+
+    Returns:
+      False if Keras 3 is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat.keras import loss_scale_optimizer_class, optimizer_class
+    base = optimizer_class()
+    if base is None:
+        return False
+    tf_compat.hook_method(base, "apply", make_hook)
+    tf_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
+    return True
+
+
+def make_iterations_atomic(optimizer) -> None:
+    """Makes a Keras 3 optimizer's iteration counter increment atomically.
+
+    Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
+    a write, which loses increments when workers update at once (measured
+    133/200 with 2 workers). :func:`tf_asyncps.compat.keras.make_assign_add_atomic` on this one
+    counter (``optimizer._iterations``), and on a wrapper's inner optimizer's
+    (a LossScaleOptimizer counts its steps in ``inner_optimizer``). tf_keras
+    counters are already atomic; other objects are left alone.
+    """
+    from tf_asyncps.compat.keras import make_assign_add_atomic
+    while optimizer is not None:
+        counter = getattr(optimizer, "_iterations", None)
+        if counter is not None:
+            make_assign_add_atomic(counter)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def optimizer_strategy(optimizer):
+    """The ``tf.distribute.Strategy`` a tf_keras optimizer runs its update
+    under, else None: ``Optimizer._distribution_strategy`` (tf_keras
+    2.18-2.21), which the optimizer takes from ``tf.distribute.get_strategy()``
+    when it is created (TensorFlow's default strategy outside any scope) and
+    whose scope its ``apply_gradients`` enters; a legacy optimizer created
+    outside any scope has None and takes the strategy of its first update.
+    A LossScaleOptimizer's is its inner optimizer's."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and inner is not optimizer:
+        return optimizer_strategy(inner)
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def dense_on_sparse_gradients(optimizer):
+    """Why ``optimizer`` (tf_keras or Keras 3) touches every row of a
+    variable on each sparse (IndexedSlices) gradient, or None: a message
+    naming the optimizer and the ones to use instead."""
+    return _tf_keras_dense_on_sparse_gradients(optimizer) or \
+        _keras3_dense_on_sparse_gradients(optimizer)
+
+
+def _tf_keras_dense_on_sparse_gradients(optimizer):
+    """Why ``optimizer`` touches every row of a variable on each sparse
+    (IndexedSlices) gradient, or None.
+
+    tf_keras 2.21's ``SGD`` builds a momentum slot even with ``momentum=0``
+    and, for a sparse gradient, runs ``m.assign(m * momentum)`` and
+    ``variable.assign_add(m)`` over the whole variable, a cost that grows with
+    the table (docs/benchmarks.md#optimizers-on-sparse-gradients).
+    """
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return None
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    if isinstance(inner, tf_keras.optimizers.SGD):
+        return ("tf_keras.optimizers.SGD updates every row of the variable on each sparse "
+                "gradient (it keeps a momentum slot even with momentum=0 and applies it "
+                "densely); for embedding tables use tf_keras.optimizers.legacy.SGD or "
+                "tf_keras.optimizers.Adagrad, whose sparse updates touch only the rows "
+                "of the batch")
+    return None
+
+
+def _keras3_dense_on_sparse_gradients(optimizer):
+    """Why a Keras 3 ``optimizer`` touches every row of a table on each sparse
+    (IndexedSlices) gradient, or None (also None for non-Keras 3 optimizers).
+
+    Keras 3.15's update rules are written as dense tensor math: Adagrad's
+    ``variable -= lr * g / sqrt(accumulator + eps)`` reads the whole
+    accumulator, Adam/RMSprop decay whole moments, SGD with momentum a whole
+    momentum. Only SGD without momentum stays sparse (measured on a 1M x 32
+    table over 2 ps, one worker: SGD 135 steps/s, 125 at 10K rows; Adagrad
+    12.9, 84.9 at 10K rows).
+    """
+    from tf_asyncps.compat.keras import optimizer_class
+    cls = optimizer_class()
+    if cls is None or not isinstance(optimizer, cls):
+        return None
+    import keras
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    if isinstance(inner, keras.optimizers.SGD) and not inner.momentum:
+        return None
+    return (f"Keras 3's {type(inner).__name__} updates every row of the variable on each "
+            f"sparse gradient (its update rule is dense tensor math); for embedding tables "
+            f"use keras.optimizers.SGD without momentum or keras.optimizers.Adagrad (this "
+            f"strategy updates only the rows of the batch for those), or "
+            f"tf_asyncps.keras3.LazyAdam for Adam")

@@ -557,8 +557,8 @@ def hook_method(cls, name: str, make_hook) -> bool:
     once: a method already replaced here is left as it is (idempotent).
 
     Used on tf_keras's and Keras 3's optimizer classes
-    (:func:`tf_asyncps.compat.tf_keras.hook_apply_gradients`,
-    :func:`tf_asyncps.compat.keras.hook_apply`). The replacement keeps the
+    (:func:`tf_asyncps.compat.optimizers.hook_apply_gradients`,
+    :func:`tf_asyncps.compat.optimizers.hook_apply`). The replacement keeps the
     original as ``_asyncps_original``.
 
     Returns:

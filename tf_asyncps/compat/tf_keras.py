@@ -11,8 +11,8 @@ from typing import Callable, List, Optional
 
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
-           "dense_on_sparse_gradients", "evaluate_call",
-           "pss_evaluation_shards", "hook_apply_gradients", "build_for_pending_restore",
+           "evaluate_call",
+           "pss_evaluation_shards", "build_for_pending_restore",
            "legacy_sharded_slots_saved_elsewhere", "build_now", "not_built"]
 
 TESTED_VERSIONS = ("2.18.0", "2.19.0", "2.20.1", "2.21.0")
@@ -125,29 +125,6 @@ def fit_resume_point_taken(model) -> bool:
     return state is None or isinstance(state, _FitResumePoint)
 
 
-def dense_on_sparse_gradients(optimizer) -> Optional[str]:
-    """Why ``optimizer`` touches every row of a variable on each sparse
-    (IndexedSlices) gradient, or None.
-
-    tf_keras 2.21's ``SGD`` builds a momentum slot even with ``momentum=0``
-    and, for a sparse gradient, runs ``m.assign(m * momentum)`` and
-    ``variable.assign_add(m)`` over the whole variable, a cost that grows with
-    the table (docs/benchmarks.md#optimizers-on-sparse-gradients).
-    """
-    try:
-        import tf_keras
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
-        return None
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    if isinstance(inner, tf_keras.optimizers.SGD):
-        return ("tf_keras.optimizers.SGD updates every row of the variable on each sparse "
-                "gradient (it keeps a momentum slot even with momentum=0 and applies it "
-                "densely); for embedding tables use tf_keras.optimizers.legacy.SGD or "
-                "tf_keras.optimizers.Adagrad, whose sparse updates touch only the rows "
-                "of the batch")
-    return None
-
-
 def compiling_model():
     """The tf_keras model whose ``compile`` is creating its
     ``_steps_per_execution`` variable on this thread (the ``self`` of
@@ -158,20 +135,6 @@ def compiling_model():
     call's argument) and never inside a step."""
     from tf_asyncps.compat import call_scopes
     return call_scopes.TF_KERAS_STEPS_PER_EXECUTION.get()
-
-
-def optimizer_strategy(optimizer):
-    """The ``tf.distribute.Strategy`` a tf_keras optimizer runs its update
-    under, else None: ``Optimizer._distribution_strategy`` (tf_keras
-    2.18-2.21), which the optimizer takes from ``tf.distribute.get_strategy()``
-    when it is created (TensorFlow's default strategy outside any scope) and
-    whose scope its ``apply_gradients`` enters; a legacy optimizer created
-    outside any scope has None and takes the strategy of its first update.
-    A LossScaleOptimizer's is its inner optimizer's."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None and inner is not optimizer:
-        return optimizer_strategy(inner)
-    return getattr(optimizer, "_distribution_strategy", None)
 
 
 def evaluate_call():
@@ -187,27 +150,6 @@ def evaluate_call():
 def pss_evaluation_shards(model):
     """tf_keras's ``compile(pss_evaluation_shards=...)`` value (0: none)."""
     return getattr(model, "_pss_evaluation_shards", 0)
-
-
-def hook_apply_gradients(make_hook) -> bool:
-    """Replaces ``apply_gradients`` of tf_keras's optimizer base classes
-    (``tf_keras.optimizers.Optimizer``, ``tf_keras.optimizers.legacy.Optimizer``)
-    and of both LossScaleOptimizer classes (they override it) by
-    ``make_hook(original)``, once per class (see
-    :func:`tf_asyncps.compat.tensorflow.hook_method`).
-
-    Returns:
-      False if tf_keras is not installed.
-    """
-    from tf_asyncps.compat import tensorflow as tf_compat
-    try:
-        import tf_keras
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
-        return False
-    for cls in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
-                *loss_scale_optimizer_classes()):
-        tf_compat.hook_method(cls, "apply_gradients", make_hook)
-    return True
 
 
 def optimizer_classes() -> tuple:
@@ -327,7 +269,6 @@ def _object_ids(variables) -> set:
         out.add(id(v))
         out.update(id(p) for p in getattr(v, "variables", ()) if p is not v)
     return out
-
 
 
 def legacy_sharded_slots_saved_elsewhere() -> bool:

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import partitioned_slots
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
@@ -127,7 +128,7 @@ def check_optimizer_scope(optimizer, strategy) -> None:
     """
     if optimizer is None or isinstance(optimizer, str):
         return
-    own = tf_keras_compat.optimizer_strategy(optimizer)
+    own = optimizers_compat.optimizer_strategy(optimizer)
     if own is None or own is strategy:
         return
     raise ValueError(
@@ -224,7 +225,7 @@ def install_optimizer_hooks() -> None:
     with _install_lock:
         if _installed:
             return
-        tf_keras_compat.hook_apply_gradients(lambda original: _hook(original, _gv_args))
-        keras_compat.hook_apply(lambda original: _hook(original, _keras3_apply_args),
+        optimizers_compat.hook_apply_gradients(lambda original: _hook(original, _gv_args))
+        optimizers_compat.hook_apply(lambda original: _hook(original, _keras3_apply_args),
                                 lambda original: _hook(original, _keras3_lso_apply_args))
         _installed = True

@@ -30,8 +30,8 @@ import tensorflow as tf
 from absl import logging
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import variables as variables_compat
-from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import gpu_replicas, mixed_precision, nonfinite_guard, placement
 from tf_asyncps.core import rowwise
@@ -109,7 +109,7 @@ def apply_step(engine, step, optimizer, grads_and_vars, apply_fn):
     Raises:
       ValueError: a LockingOptimizer on a step with local-copy variables.
     """
-    keras_compat.make_iterations_atomic(optimizer)
+    optimizers_compat.make_iterations_atomic(optimizer)
     if step.group is not None and not tf.distribute.in_cross_replica_context():
         return gpu_replicas.apply_replicated(engine, step, optimizer, grads_and_vars, apply_fn)
     marked = engine._is_locking(optimizer)
@@ -235,8 +235,7 @@ def _warn_dense_table_updates(engine, optimizer, pairs) -> None:
         return
     tables = [v.name for g, v in pairs if isinstance(g, tf.IndexedSlices)
               and v.shape.rank and (v.shape[0] or 0) >= LARGE_TABLE_ROWS]
-    why = (tf_keras_compat.dense_on_sparse_gradients(optimizer) or
-           keras_compat.dense_on_sparse_gradients(optimizer)) if tables else None
+    why = optimizers_compat.dense_on_sparse_gradients(optimizer) if tables else None
     if why:
         engine._warned.add(id(optimizer))
         logging.warning("%s: %s; each step's cost grows with the table, not the "

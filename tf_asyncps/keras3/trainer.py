@@ -31,6 +31,7 @@ import tensorflow as tf
 import keras
 
 from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import partitioned_slots
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import lookup
@@ -210,7 +211,7 @@ class Keras3Trainer:
             keras_compat.make_assign_add_atomic(v)
         opt = model.optimizer
         if opt is not None:
-            keras_compat.make_iterations_atomic(opt)
+            optimizers_compat.make_iterations_atomic(opt)
             for v in opt.variables:
                 if v.path.endswith(("step_counter", "dynamic_scale")):
                     keras_compat.make_assign_add_atomic(v)  # LossScaleOptimizer's
