@@ -1,0 +1,180 @@
+"""callbacks/delta_chain.py: dirty rows, deltas and their chain, in one
+process (no cluster): a full save + 2 deltas restore rows and Adagrad slots
+exactly; each corrupt chain is refused with its message."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.callbacks import delta_chain
+from tf_asyncps.compat.optimizers import slot
+
+ROWS, DIM = 200, 4
+
+
+def _model():
+    table = tf.Variable(tf.reshape(tf.range(ROWS * DIM, dtype=tf.float32), [ROWS, DIM]) / 100.,
+                        name="table")
+    dense = tf.Variable(tf.ones([DIM, 2]), name="dense")
+    opt = tf_keras.optimizers.Adagrad(learning_rate=0.5)
+    opt.build([table, dense])
+    return table, dense, opt
+
+
+def _step(table, dense, opt, dirty, ids):
+    with tf.GradientTape() as tape:
+        rows = tf.gather(table, tf.constant(ids))
+        loss = tf.reduce_sum(tf.matmul(rows, dense) ** 2)
+    g_table, g_dense = tape.gradient(loss, [table, dense])
+    assert isinstance(g_table, tf.IndexedSlices)
+    opt.apply_gradients([(dirty.mark(g_table, table), table), (g_dense, dense)])
+
+
+def _delta(folder, table, dense, opt, dirty, seq):
+    ids = dirty.dirty_ids(table)
+    shard = delta_chain.gather_rows(table, ids, {"accumulator": slot(opt, "accumulator", table)})
+    out = delta_chain.write_delta(
+        folder, base_id="base-0", seq=seq, shards={"table": shard},
+        dense={"dense": dense.numpy(), "dense/accumulator":
+               slot(opt, "accumulator", dense).numpy()})
+    dirty.clear()
+    return out
+
+
+def _targets(table, dense, opt):
+    return ({"table": (table, {"accumulator": slot(opt, "accumulator", table)})},
+            {"dense": dense, "dense/accumulator": slot(opt, "accumulator", dense)})
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """A base full checkpoint, then 2 deltas (rows {3, 7} then {7, 50}
+    touched), and the trained model's values."""
+    root = str(tmp_path_factory.mktemp("chain"))
+    table, dense, opt = _model()
+    dirty = delta_chain.DirtyRows([table])
+    base = tf.train.Checkpoint(table=table, dense=dense, opt=opt).write(
+        os.path.join(root, "base", "ckpt"))
+    _step(table, dense, opt, dirty, [3, 7, 3])
+    np.testing.assert_array_equal(dirty.dirty_ids(table), [3, 7])
+    d1 = _delta(os.path.join(root, "delta-1"), table, dense, opt, dirty, 1)
+    assert dirty.dirty_ids(table).size == 0  # cleared by the save
+    _step(table, dense, opt, dirty, [7, 50])
+    d2 = _delta(os.path.join(root, "delta-2"), table, dense, opt, dirty, 2)
+    want = {"table": table.numpy(), "dense": dense.numpy(),
+            "acc": slot(opt, "accumulator", table).numpy(),
+            "dense_acc": slot(opt, "accumulator", dense).numpy()}
+    return root, base, [d1, d2], want
+
+
+def _restore(base, folders):
+    table, dense, opt = _model()
+    table.assign(tf.zeros_like(table))  # the base must bring every row back
+    tf.train.Checkpoint(table=table, dense=dense, opt=opt).read(base).assert_consumed()
+    tables, dense_vars = _targets(table, dense, opt)
+    for folder, meta in delta_chain.read_chain(folders, "base-0"):
+        delta_chain.apply_delta(folder, meta, tables, dense_vars)
+    return table, dense, opt
+
+
+def test_full_and_two_deltas_restore_rows_and_adagrad_slots_exactly(chain):
+    _, base, folders, want = chain
+    table, dense, opt = _restore(base, list(reversed(folders)))
+    np.testing.assert_array_equal(table.numpy(), want["table"])
+    np.testing.assert_array_equal(slot(opt, "accumulator", table).numpy(), want["acc"])
+    np.testing.assert_array_equal(dense.numpy(), want["dense"])
+    np.testing.assert_array_equal(slot(opt, "accumulator", dense).numpy(), want["dense_acc"])
+    # Only the touched rows travel: 2 rows, then 2 rows.
+    assert [m["shards"][0]["rows"] for _, m in delta_chain.read_chain(folders, "base-0")] == [2, 2]
+    # And the base alone is not the trained model (the deltas did the work).
+    t0, _, _ = _restore(base, [])
+    assert not np.array_equal(t0.numpy()[[3, 7, 50]], want["table"][[3, 7, 50]])
+    np.testing.assert_array_equal(np.delete(t0.numpy(), [3, 7, 50], 0),
+                                  np.delete(want["table"], [3, 7, 50], 0))
+
+
+def test_a_dense_gradient_marks_every_row():
+    table, _, _ = _model()
+    dirty = delta_chain.DirtyRows([table])
+    dirty.mark(tf.zeros_like(table), table)
+    np.testing.assert_array_equal(dirty.dirty_ids(table), np.arange(ROWS))
+
+
+def _copy(chain, tmp_path):
+    root, _, folders, _ = chain
+    out = []
+    for f in folders:
+        dst = str(tmp_path / os.path.basename(f))
+        shutil.copytree(f, dst)
+        out.append(dst)
+    return out
+
+
+def test_a_gap_is_refused(chain):
+    _, _, folders, _ = chain
+    with pytest.raises(delta_chain.ChainError, match=r"delta 1 of base 'base-0' is missing.*"
+                       r"delta-2.meta\.json, sequence 2"):
+        delta_chain.read_chain([folders[1]], "base-0")
+
+
+def test_a_duplicate_is_refused(chain, tmp_path):
+    _, _, folders, _ = chain
+    dup = str(tmp_path / "delta-1-again")
+    shutil.copytree(folders[0], dup)
+    with pytest.raises(delta_chain.ChainError, match=r"both hold sequence number 1 .*duplicate"):
+        delta_chain.read_chain(folders + [dup], "base-0")
+
+
+def test_a_delta_of_another_base_is_refused(chain):
+    _, _, folders, _ = chain
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta-1.meta\.json is a delta of base 'base-0', not of 'base-9'"):
+        delta_chain.read_chain(folders, "base-9")
+
+
+def test_a_truncated_file_is_refused(chain, tmp_path):
+    _, base, _, _ = chain
+    folders = _copy(chain, tmp_path)
+    path = os.path.join(folders[1], "0.npz")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta-2.0\.npz does not match its sha256 .*table shard table.*"
+                             r"truncated or half-written"):
+        _restore(base, folders)
+    os.remove(path)
+    with pytest.raises(delta_chain.ChainError, match=r"delta-2.0\.npz is missing \(table shard"):
+        _restore(base, folders)
+
+
+def test_a_half_written_delta_is_refused(chain, tmp_path):
+    folders = _copy(chain, tmp_path)
+    os.remove(os.path.join(folders[1], "meta.json"))
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta-2.meta\.json is missing or unreadable.*half-written"):
+        delta_chain.read_chain(folders, "base-0")
+
+
+def test_delta_bytes_against_a_full_save_with_few_rows_changed(tmp_path):
+    """< 5% of rows changed: the delta is a small fraction of a full save
+    (rows + Adagrad slot rows, against every row and slot row)."""
+    rows, dim = 20000, 16
+    table = tf.Variable(tf.random.stateless_normal([rows, dim], seed=[1, 2]))
+    opt = tf_keras.optimizers.Adagrad()
+    opt.build([table])
+    dirty = delta_chain.DirtyRows([table])
+    ids = np.arange(0, rows, 25)  # 4% of the rows
+    dirty.mark(tf.IndexedSlices(tf.ones([len(ids), dim]), tf.constant(ids)), table)
+    full = tf.train.Checkpoint(t=table, o=opt).write(str(tmp_path / "full" / "ckpt"))
+    full_bytes = sum(os.path.getsize(os.path.join(tmp_path / "full", f))
+                     for f in os.listdir(tmp_path / "full"))
+    shard = delta_chain.gather_rows(table, dirty.dirty_ids(table),
+                                    {"accumulator": slot(opt, "accumulator", table)})
+    folder = delta_chain.write_delta(str(tmp_path / "delta-1"), base_id="b", seq=1,
+                                     shards={"t": shard}, dense={})
+    delta_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert full is not None and delta_bytes <= 0.1 * full_bytes, (delta_bytes, full_bytes)

@@ -1,0 +1,277 @@
+"""Incremental (delta) backups of embedding tables: per-row dirty marks on
+the ps and a chain of deltas on disk.
+
+Idea: DeepRec's incremental checkpoint (Alibaba, 2022): a full checkpoint
+is a base; between two bases each save writes only the table rows written
+since the previous save (with their optimizer slot rows) and the small
+dense variables whole; a restore is the base plus the contiguous chain.
+
+Dirty marks (:class:`DirtyRows`): an int8 variable of shape ``[rows]``
+beside each table variable (each shard of a partitioned one), created on
+that variable's device, set to 1 at the rows of every sparse gradient the
+engine applies (a dense gradient marks every row). The mark is written on
+the ps inside the update from indices already there: no byte more on the
+wire. :meth:`DirtyRows.clear` zeroes the marks after a save.
+
+On disk, one delta is a folder (``delta-<N>/``):
+
+* ``<i>.npz`` per table shard ``i``: ``ids`` (int64 ``[k]``), ``values``
+  (``[k, dim]``, the variable's dtype) and ``slot:<name>`` per optimizer
+  slot (``[k, ...]``).
+* ``dense.npz``: every dense variable whole, keyed ``<i>``.
+* ``meta.json`` (written last): ``format``, ``kind`` "delta", ``base_id``
+  (the full backup the chain starts from), ``seq`` (1, 2, ...),
+  ``prev_seq`` (``seq - 1``), ``shards`` ``[{"name", "file", "rows",
+  "sha256"}]`` and ``dense`` ``{"file", "sha256"}``.
+
+Everything is written into a temp folder, ``meta.json`` last, then the
+folder is renamed, so a reader never sees a half-written delta under its
+final name; :func:`read_chain` refuses any that is wrong anyway.
+"""
+
+import hashlib
+import os
+import shutil
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_asyncps.files import atomic_write_json, read_json
+
+__all__ = ["DirtyRows", "write_delta", "read_chain", "apply_delta", "gather_rows",
+           "ChainError", "DELTA_FORMAT"]
+
+DELTA_FORMAT = 1
+_META = "meta.json"
+
+
+class ChainError(ValueError):
+    """A delta chain that cannot be restored; the message names the file
+    and what is wrong or missing."""
+
+
+class DirtyRows:
+    """Per-row dirty marks of embedding table variables, set on the ps by
+    each update (see the module docstring).
+
+    Args:
+      variables: the table variables (each shard of a partitioned table;
+        a 2-D ``tf.Variable`` each), in a strategy's scope or not: each mark
+        is created on its variable's device.
+
+    Attributes:
+      marks: ``{variable name: int8 tf.Variable [rows]}``.
+
+    Raises:
+      ValueError: a variable is not 2-D with a known row count.
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable]):
+        self.marks: Dict[str, tf.Variable] = {}
+        self._by_id: Dict[int, tf.Variable] = {}
+        for v in variables:
+            if v.shape.rank != 2 or v.shape[0] is None:
+                raise ValueError(f"DirtyRows: {v.name} has shape {v.shape}; give 2-D table "
+                                 "variables (rows, dim) with a known row count.")
+            with tf.init_scope(), tf.device(v.device):
+                mark = tf.Variable(tf.zeros([v.shape[0]], tf.int8), trainable=False,
+                                   name=v.name.split(":")[0].replace("/", "_") + "_dirty",
+                                   synchronization=tf.VariableSynchronization.ON_WRITE,
+                                   aggregation=tf.VariableAggregation.NONE)
+            self.marks[v.name] = mark
+            self._by_id[id(v)] = mark
+
+    def owns(self, var) -> bool:
+        """Whether ``var`` is one of the tracked variables."""
+        return id(var) in self._by_id
+
+    def mark(self, grad, var):
+        """``grad`` after its rows are marked dirty on ``var``'s device:
+        a gradient filter (core/table_seam.TableHooks.filter_gradient)."""
+        mark = self._by_id.get(id(var))
+        if mark is None or grad is None:
+            return grad
+        with tf.device(mark.device):
+            if isinstance(grad, tf.IndexedSlices):
+                ids = tf.cast(grad.indices, tf.int64)
+                op = mark.scatter_update(tf.IndexedSlices(
+                    tf.ones_like(ids, tf.int8), ids))
+            else:
+                op = mark.assign(tf.ones_like(mark))
+        with tf.control_dependencies([op]):
+            if isinstance(grad, tf.IndexedSlices):
+                return tf.IndexedSlices(tf.identity(grad.values), grad.indices,
+                                        grad.dense_shape)
+            return tf.identity(grad)
+
+    def hooks(self, name: str = "dirty_rows"):
+        """A ``TableHooks`` to register with ``strategy.extended.register_table``."""
+        from tf_asyncps.core.table_seam import TableHooks
+        return TableHooks(name=name, owns=self.owns, filter_gradient=self.mark)
+
+    def dirty_ids(self, var) -> np.ndarray:
+        """Rows of ``var`` marked since the last :meth:`clear` (int64 ``[k]``, sorted)."""
+        return np.flatnonzero(self._by_id[id(var)].numpy()).astype(np.int64)
+
+    def clear(self) -> None:
+        """Zeroes every mark (after a save, at a quiet point)."""
+        for mark in self.marks.values():
+            mark.assign(tf.zeros_like(mark))
+
+
+def gather_rows(var, ids: np.ndarray, slots: Mapping[str, tf.Variable]) -> Dict[str, np.ndarray]:
+    """``{"ids", "values", "slot:<name>"...}`` of rows ``ids`` of ``var`` and
+    its slot variables (each slot indexed as the variable)."""
+    out = {"ids": np.asarray(ids, np.int64)}
+    idx = tf.constant(out["ids"])
+    out["values"] = tf.gather(var, idx).numpy()
+    for name, slot in slots.items():
+        out["slot:" + name] = tf.gather(slot, idx).numpy()
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> str:
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    return _sha256(path)
+
+
+def write_delta(folder: str, *, base_id: str, seq: int,
+                shards: Mapping[str, Mapping[str, np.ndarray]],
+                dense: Mapping[str, np.ndarray], extra: Optional[dict] = None) -> str:
+    """Writes one delta as ``folder`` (temp folder, ``meta.json`` last, rename).
+
+    Args:
+      folder: the delta's final folder path (its parent must exist).
+      base_id: str, the full backup the chain starts from.
+      seq: int >= 1, this delta's place in the chain.
+      shards: ``{shard name: gather_rows(...)}``.
+      dense: ``{variable name: array}``, dense variables whole.
+      extra: more keys for ``meta.json``.
+
+    Returns: ``folder``.
+    """
+    tmp = os.path.join(os.path.dirname(folder) or ".",
+                       f".tmp-{os.path.basename(folder)}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    meta_shards = []
+    for i, (name, arrays) in enumerate(shards.items()):
+        file = f"{i}.npz"
+        digest = _save_npz(os.path.join(tmp, file), arrays)
+        meta_shards.append({"name": name, "file": file, "rows": int(len(arrays["ids"])),
+                            "sha256": digest})
+    dense_names = list(dense)
+    digest = _save_npz(os.path.join(tmp, "dense.npz"),
+                       {str(i): np.asarray(dense[n]) for i, n in enumerate(dense_names)})
+    meta = dict(extra or {})
+    meta.update({"format": DELTA_FORMAT, "kind": "delta", "base_id": str(base_id),
+                 "seq": int(seq), "prev_seq": int(seq) - 1, "shards": meta_shards,
+                 "dense": {"file": "dense.npz", "names": dense_names, "sha256": digest}})
+    atomic_write_json(os.path.join(tmp, _META), meta)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    return folder
+
+
+def _load(folder: str, file: str, digest: str, what: str) -> Dict[str, np.ndarray]:
+    path = os.path.join(folder, file)
+    if not os.path.isfile(path):
+        raise ChainError(f"delta chain: {path} is missing ({what}); the delta is incomplete.")
+    if _sha256(path) != digest:
+        raise ChainError(f"delta chain: {path} does not match its sha256 in "
+                         f"{os.path.join(folder, _META)} ({what}): truncated or half-written.")
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def read_chain(folders: Sequence[str], base_id: str) -> List[Tuple[str, dict]]:
+    """Checks the deltas in ``folders`` (any order) form the contiguous chain
+    1..n of ``base_id``; returns ``[(folder, meta)]`` in chain order.
+
+    Raises:
+      ChainError: a folder without a readable ``meta.json`` (half-written),
+        another format, a delta of another base, two deltas with one
+        sequence number, or a gap (names the files and the missing number).
+    """
+    metas = []
+    for folder in folders:
+        path = os.path.join(folder, _META)
+        meta = read_json(path)
+        if meta is None:
+            raise ChainError(f"delta chain: {path} is missing or unreadable: the delta "
+                             f"{folder} is half-written; delete it to restore up to the one "
+                             "before.")
+        if meta.get("format") != DELTA_FORMAT or meta.get("kind") != "delta":
+            raise ChainError(f"delta chain: {path} is not a format {DELTA_FORMAT} delta.")
+        if meta.get("base_id") != str(base_id):
+            raise ChainError(f"delta chain: {path} is a delta of base {meta.get('base_id')!r}, "
+                             f"not of {base_id!r}.")
+        metas.append((int(meta["seq"]), folder, meta))
+    metas.sort(key=lambda t: t[0])
+    out = []
+    for i, (seq, folder, meta) in enumerate(metas):
+        if i and seq == metas[i - 1][0]:
+            raise ChainError(f"delta chain: {metas[i - 1][1]} and {folder} both hold sequence "
+                             f"number {seq} of base {base_id!r} (duplicate).")
+        if seq != i + 1 or int(meta.get("prev_seq", -1)) != i:
+            raise ChainError(f"delta chain: delta {i + 1} of base {base_id!r} is missing "
+                             f"(gap before {os.path.join(folder, _META)}, sequence {seq}).")
+        out.append((folder, meta))
+    return out
+
+
+def apply_delta(folder: str, meta: dict,
+                tables: Mapping[str, Tuple[tf.Variable, Mapping[str, tf.Variable]]],
+                dense: Mapping[str, tf.Variable]) -> None:
+    """Writes one delta's rows, slot rows and dense variables into the model.
+
+    Args:
+      folder, meta: one of :func:`read_chain`'s results.
+      tables: ``{shard name: (variable, {slot name: slot variable})}``.
+      dense: ``{variable name: variable}``.
+
+    Raises:
+      ChainError: a file is missing or fails its checksum, its row count
+        differs from ``meta.json``'s, or a shard, slot or dense variable of
+        the delta is not in the model (names it).
+    """
+    for shard in meta["shards"]:
+        name = shard["name"]
+        arrays = _load(folder, shard["file"], shard["sha256"], f"table shard {name}")
+        if len(arrays["ids"]) != int(shard["rows"]):
+            raise ChainError(f"delta chain: {os.path.join(folder, shard['file'])} holds "
+                             f"{len(arrays['ids'])} rows, meta.json says {shard['rows']}.")
+        if name not in tables:
+            raise ChainError(f"delta chain: {folder} holds table shard {name}, which the "
+                             "model has not.")
+        var, slots = tables[name]
+        ids = tf.constant(arrays["ids"])
+        var.scatter_update(tf.IndexedSlices(tf.constant(arrays["values"]), ids))
+        for key, rows in arrays.items():
+            if key.startswith("slot:"):
+                slot = slots.get(key[5:])
+                if slot is None:
+                    raise ChainError(f"delta chain: {folder} holds slot {key[5:]} of {name}, "
+                                     "which the optimizer has not.")
+                slot.scatter_update(tf.IndexedSlices(tf.constant(rows), ids))
+    d = meta["dense"]
+    arrays = _load(folder, d["file"], d["sha256"], "dense variables")
+    for i, name in enumerate(d["names"]):
+        if name not in dense:
+            raise ChainError(f"delta chain: {folder} holds dense variable {name}, which the "
+                             "model has not.")
+        dense[name].assign(arrays[str(i)])
+
