@@ -10,8 +10,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from local_engine import local_engine
 from tf_asyncps.callbacks import delta_chain
 from tf_asyncps.compat.optimizers import slot
+from tf_asyncps.core.step import WorkerStep
 
 ROWS, DIM = 200, 4
 
@@ -178,3 +180,29 @@ def test_delta_bytes_against_a_full_save_with_few_rows_changed(tmp_path):
                                      shards={"t": shard}, dense={})
     delta_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     assert full is not None and delta_bytes <= 0.1 * full_bytes, (delta_bytes, full_bytes)
+
+
+def test_the_engine_marks_the_rows_its_update_writes():
+    """Registered with the engine (the table seam), the marks are set inside
+    the update from the gradient's own indices, the rows it writes."""
+    engine = local_engine("async")
+    table, _, opt = _model()
+    dirty = delta_chain.DirtyRows([table])
+    engine.register_table(dirty.hooks())
+
+    @tf.function
+    def step(ids):
+        ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        with ws.active():
+            grad = tf.IndexedSlices(tf.ones([tf.size(ids), DIM]), ids, tf.shape(table, tf.int64))
+            opt.apply_gradients([(grad, table)])
+        return ws.applied
+
+    before = table.numpy()
+    step(tf.constant([5, 9, 5], tf.int64))
+    np.testing.assert_array_equal(dirty.dirty_ids(table), [5, 9])
+    changed = np.flatnonzero(np.any(table.numpy() != before, axis=1))
+    np.testing.assert_array_equal(changed, [5, 9])
+    dirty.clear()
+    step(tf.constant([120], tf.int64))
+    np.testing.assert_array_equal(dirty.dirty_ids(table), [120])
