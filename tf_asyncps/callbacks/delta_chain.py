@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tf_asyncps.files import atomic_write_json, read_json
 
-__all__ = ["DirtyRows", "write_delta", "read_chain", "apply_delta", "gather_rows",
+__all__ = ["DirtyRows", "ModelDeltas", "write_delta", "read_chain", "apply_delta", "gather_rows",
            "ChainError", "DELTA_FORMAT"]
 
 DELTA_FORMAT = 1
@@ -275,3 +275,96 @@ def apply_delta(folder: str, meta: dict,
                              "model has not.")
         dense[name].assign(arrays[str(i)])
 
+
+
+def _shards(var):
+    """The tf.Variables behind a table variable (each shard of a sharded one)."""
+    var = getattr(var, "value", var) if not isinstance(var, tf.Variable) else var
+    return list(getattr(var, "variables", None) or [var])
+
+
+class ModelDeltas:
+    """A model's tables and dense variables as one delta chain writes and
+    restores them.
+
+    Tables: the ``embeddings`` of every layer holding one (Keras
+    ``Embedding`` of either Keras, ``EmbeddingCollection``), each shard of a
+    sharded one, with the optimizer's slots of it (Adagrad ``accumulator``,
+    Adam ``momentum``, ``velocity``). Dense: every other model and optimizer
+    variable, and ``extra`` (e.g. the strategy's global step), keyed by
+    position, as a tf.train.Checkpoint matches by structure (the same model
+    code gives the same keys; layer names may differ).
+
+    Args:
+      model: a built tf_keras or Keras 3 model.
+      optimizer: its built optimizer, or None.
+      extra: more variables saved whole.
+
+    Raises:
+      ValueError: the model holds no table (a delta would be a full save).
+    """
+
+    def __init__(self, model, optimizer=None, extra: Sequence[tf.Variable] = ()):
+        from tf_asyncps.compat import keras as keras_compat
+        from tf_asyncps.compat import optimizers as opt_compat
+        self.tables: Dict[str, Tuple[tf.Variable, Dict[str, tf.Variable]]] = {}
+        taken = set()
+        for layer in keras_compat.layers_of(model):
+            emb = getattr(layer, "embeddings", None)
+            if emb is None:
+                continue
+            shards = _shards(emb)
+            for shard in shards:
+                slots = {}
+                of = emb if len(shards) == 1 else shard  # Keras 3 looks up its own variable
+                for name in ("accumulator", "momentum", "velocity"):
+                    try:
+                        s = opt_compat.slot(optimizer, name, of) if optimizer else None
+                    except (AttributeError, KeyError, ValueError):
+                        s = None
+                    if s is not None:
+                        slots[name] = s
+                        taken.add(id(s))
+                taken.add(id(shard))
+                self.tables[f"t{len(self.tables)}"] = (shard, slots)
+        if not self.tables:
+            raise ValueError("StepBackup(full_every > 1): the model has no embedding table "
+                             "(a layer with `embeddings`); use full_every=1.")
+        self.dense: Dict[str, tf.Variable] = {}
+        others = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
+        for v in others + list(extra):
+            for s in _shards(v):
+                if id(s) not in taken:
+                    taken.add(id(s))
+                    self.dense[f"d{len(self.dense)}"] = s
+        self.dirty: Optional[DirtyRows] = None
+
+    def track(self) -> DirtyRows:
+        """Creates the dirty marks (beside each table shard) and registers
+        them with the strategy in scope when it is this package's; returns them."""
+        if self.dirty is None:
+            from tf_asyncps.core.table_seam import seam_in_scope
+            self.dirty = DirtyRows([v for v, _ in self.tables.values()])
+            seam = seam_in_scope()
+            if seam is not None:
+                seam.register_table(self.dirty.hooks("step_backup"))
+        return self.dirty
+
+    def write(self, folder: str, *, base_id: str, seq: int, extra: Optional[dict] = None) -> str:
+        """Writes the rows marked since the last write (then clears the
+        marks) and the dense variables as delta ``seq`` of ``base_id``."""
+        dirty = self.track()
+        shards = {name: gather_rows(var, dirty.dirty_ids(var), slots)
+                  for name, (var, slots) in self.tables.items()}
+        out = write_delta(folder, base_id=base_id, seq=seq, shards=shards,
+                          dense={k: v.numpy() for k, v in self.dense.items()}, extra=extra)
+        dirty.clear()
+        return out
+
+    def restore(self, folders: Sequence[str], base_id: str) -> int:
+        """Applies the chain in ``folders`` (checked by :func:`read_chain`)
+        after the base is restored; returns its length."""
+        chain = read_chain(folders, base_id)
+        for folder, meta in chain:
+            apply_delta(folder, meta, self.tables, self.dense)
+        return len(chain)
