@@ -61,7 +61,7 @@ def test_checkpoint_restores_map_rows_and_predictions():
     _assert_resharded(r["reshard"]["2to3"], before=2, shards=3)
     _assert_live_rows_only(r["reshard"]["2to3_saved"], capacity=30, shard_rows=15, ids=10)
     # The same checkpoint into an optimizer with no slots yet: tf_keras alone
-    # brought the accumulators back wrong (compat.tf_keras.build_for_pending_restore).
+    # brought the accumulators back wrong (compat.sharded_slots.build_for_pending_restore).
     _assert_resharded(r["reshard"]["2to3_unbuilt"], before=2, shards=3)
 
 
@@ -208,7 +208,7 @@ def test_keras3_checkpoint_round_trip(optimizer, slots):
     (Keras handed the saver the ShardedVariable: "'ShardedVariable' object
     has no attribute 'device'"); now the table is saved whole
     (compat.keras.checkpoint_partitioned_whole) and so are its optimizer's
-    slots (compat.partitioned_slots): restored onto the same 2 shards, onto 3, and
+    slots (compat.sharded_slots): restored onto the same 2 shards, onto 3, and
     from 3 onto 2, one step on each equals the same step on the saved model,
     exactly (ids, rows, every slot, iterations, predictions). Before the slots were saved
     whole, 2 -> 3 brought Adagrad's accumulators back at their initial 0.1."""

@@ -1,5 +1,5 @@
 """Keras 3 optimizer slots of a partitioned weight in ``tf.train.Checkpoint``
-(tf_asyncps.compat.partitioned_slots), in one process: an Embedding whose table is
+(tf_asyncps.compat.sharded_slots), in one process: an Embedding whose table is
 a ``ShardedVariable`` made by hand, the optimizer built on its shards as the
 Keras 3 trainer builds it. On the cluster: tests/test_dynamic_cluster.py
 (``test_keras3_checkpoint_round_trip``, a DynamicEmbedding 2 -> 3 shards)."""
@@ -11,7 +11,7 @@ import tensorflow as tf
 keras = pytest.importorskip("keras")
 
 from tf_asyncps.compat import keras as keras_compat  # noqa: E402
-from tf_asyncps.compat import partitioned_slots  # noqa: E402
+from tf_asyncps.compat import sharded_slots  # noqa: E402
 
 SV = tf.__internal__.distribute.ShardedVariable
 ROWS = 6
@@ -106,7 +106,7 @@ def test_slots_come_back_by_global_row_on_any_shard_count(tmp_path, name, sizes,
     table's slots (Adagrad's accumulator, Adam's momentum and velocity),
     the Dense slots and iterations come back exact, and 2 more steps give
     exactly what the saved model gets from the same 2 steps. Before
-    compat.partitioned_slots, 2 -> 3 left the table's slots at their initial
+    compat.sharded_slots, 2 -> 3 left the table's slots at their initial
     values (Adagrad's accumulators up to 106.0 back at 0.1), with no error."""
     model, opt = _model(sizes), getattr(keras.optimizers, name)(0.1)
     opt.build(_sources(model))
@@ -119,10 +119,10 @@ def test_slots_come_back_by_global_row_on_any_shard_count(tmp_path, name, sizes,
     if built:
         opt2.build(_sources(model2))
         tf.train.Checkpoint(model=model2, optimizer=opt2).read(path).assert_consumed()
-        assert not partitioned_slots.build_for_pending_restore(opt2, _sources(model2))
+        assert not sharded_slots.build_for_pending_restore(opt2, _sources(model2))
     else:
         tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
-        assert partitioned_slots.build_for_pending_restore(opt2, _sources(model2))
+        assert sharded_slots.build_for_pending_restore(opt2, _sources(model2))
     _assert_same(_state(model2, opt2), saved)
     assert len(opt2.variables) == 2 + len(saved[0]) * (len(again) + 2)  # nothing doubled
 
@@ -142,7 +142,7 @@ def test_a_loss_scale_optimizer_restores_its_inner_slots(tmp_path, sizes, again)
     path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
     model2, opt2 = _model(again), make()
     tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
-    assert partitioned_slots.build_for_pending_restore(opt2, _sources(model2))
+    assert sharded_slots.build_for_pending_restore(opt2, _sources(model2))
     _assert_same(_state(model2, opt2.inner_optimizer), _state(model, opt.inner_optimizer))
     _train(model, opt, 2, first=3)
     _train(model2, opt2, 2, first=3)
@@ -165,8 +165,8 @@ def test_checkpoint_holds_each_slot_whole(tmp_path):
         "optimizer/_variables/3/.ATTRIBUTES/VARIABLE_VALUE": [2, 1],
         "optimizer/_variables/4/.ATTRIBUTES/VARIABLE_VALUE": [1],
         "optimizer/_variables/5/.ATTRIBUTES/VARIABLE_VALUE": [1],
-        f"optimizer/{partitioned_slots.WHOLE_SLOTS}/0_momentum/.ATTRIBUTES/VARIABLE_VALUE": [6, 2],
-        f"optimizer/{partitioned_slots.WHOLE_SLOTS}/0_velocity/.ATTRIBUTES/VARIABLE_VALUE": [6, 2],
+        f"optimizer/{sharded_slots.WHOLE_SLOTS}/0_momentum/.ATTRIBUTES/VARIABLE_VALUE": [6, 2],
+        f"optimizer/{sharded_slots.WHOLE_SLOTS}/0_velocity/.ATTRIBUTES/VARIABLE_VALUE": [6, 2],
     }
 
 
@@ -180,10 +180,10 @@ def test_a_table_of_another_size_fails_with_the_shapes(tmp_path):
     tf.train.Checkpoint(optimizer=opt2).read(path)
     with pytest.raises(ValueError, match=r"with 6 rows; this model's weight has 4\. Restore "
                                          r"into a model whose weight has the saved shape"):
-        partitioned_slots.build_for_pending_restore(opt2, parts)
+        sharded_slots.build_for_pending_restore(opt2, parts)
 
 
-def test_partitioned_slots_onto_an_unpartitioned_table_fail_loudly(tmp_path):
+def test_sharded_slots_onto_an_unpartitioned_table_fail_loudly(tmp_path):
     """2 shards -> 1 (not partitioned): the whole slots have nowhere to go;
     the first update under the strategy says so instead of training on."""
     model, opt = _model([3, 3]), keras.optimizers.Adagrad(0.1)
@@ -193,10 +193,10 @@ def test_partitioned_slots_onto_an_unpartitioned_table_fail_loudly(tmp_path):
     tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
     with pytest.raises(ValueError, match=r"holds the optimizer slots of partitioned weights"
                                          r".*Adagrad here updates no partitioned weight"):
-        partitioned_slots.build_for_pending_restore(opt2, _sources(model2))
+        sharded_slots.build_for_pending_restore(opt2, _sources(model2))
 
 
-def test_unpartitioned_slots_onto_a_partitioned_table_fail_loudly(tmp_path):
+def test_unsharded_slots_onto_a_partitioned_table_fail_loudly(tmp_path):
     """1 -> 2 shards: the saved slots of the table are positions that the
     partitioned optimizer's checkpoint does not have; refused, not restarted."""
     model, opt = _model([6]), keras.optimizers.Adagrad(0.1)
@@ -207,11 +207,11 @@ def test_unpartitioned_slots_onto_a_partitioned_table_fail_loudly(tmp_path):
     tf.train.Checkpoint(model=model2, optimizer=opt2).read(path)
     with pytest.raises(ValueError, match=r"holds no whole slots of partitioned weights.*"
                                          r"tf.train.Checkpoint\(model=model\)"):
-        partitioned_slots.build_for_pending_restore(opt2, _sources(model2))
+        sharded_slots.build_for_pending_restore(opt2, _sources(model2))
 
 
 def test_nothing_partitioned_nothing_built():
     """Keras builds an optimizer with no shard among its variables itself."""
     model, opt = _model([6]), keras.optimizers.Adagrad(0.1)
-    assert not partitioned_slots.build_for_pending_restore(opt, _sources(model))
+    assert not sharded_slots.build_for_pending_restore(opt, _sources(model))
     assert not opt.built

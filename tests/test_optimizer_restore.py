@@ -1,5 +1,5 @@
 """Optimizer slots of sharded variables restored before the optimizer is
-built (tf_asyncps.compat.tf_keras.build_for_pending_restore), in one process:
+built (tf_asyncps.compat.sharded_slots.build_for_pending_restore), in one process:
 the table a ``ShardedVariable`` made by hand. On the cluster, through the
 strategy's apply_gradients hook: tests/test_sharded.py (a fixed Embedding,
 Adam) and tests/test_dynamic_cluster.py (a DynamicEmbedding, Adagrad)."""
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.compat import sharded_slots
 
 
 def _model(sizes):
@@ -47,11 +47,11 @@ def test_slots_restored_before_build_come_back_by_global_row(tmp_path, name, siz
     path, want = _trained_checkpoint(tmp_path, name)
     m, opt = _model(sizes), getattr(tf_keras.optimizers, name)(0.1)
     tf.train.Checkpoint(m=m, opt=opt).read(path)
-    assert tf_keras_compat.build_for_pending_restore(opt, _variables(m))
+    assert sharded_slots.build_for_pending_restore(opt, _variables(m))
     np.testing.assert_array_equal(_slots(opt), want)
     assert int(opt.iterations.numpy()) == 1
     # Built now: a second call (the next step's hook) does nothing.
-    assert not tf_keras_compat.build_for_pending_restore(opt, _variables(m))
+    assert not sharded_slots.build_for_pending_restore(opt, _variables(m))
 
 
 def test_tf_keras_alone_gets_them_wrong(tmp_path):
@@ -67,10 +67,10 @@ def test_tf_keras_alone_gets_them_wrong(tmp_path):
 
 def test_nothing_pending_nothing_built():
     m, opt = _model([3, 3]), tf_keras.optimizers.Adagrad(0.1)
-    assert not tf_keras_compat.build_for_pending_restore(opt, _variables(m))
+    assert not sharded_slots.build_for_pending_restore(opt, _variables(m))
     assert not opt.variables[1:]  # still no slots: tf_keras builds them at its first step
     legacy = tf_keras.optimizers.legacy.Adagrad(0.1)
-    assert not tf_keras_compat.build_for_pending_restore(legacy, _variables(m))
+    assert not sharded_slots.build_for_pending_restore(legacy, _variables(m))
 
 
 class _Counting(tf_keras.optimizers.Adagrad):
@@ -100,7 +100,7 @@ def test_state_outside_variables_is_still_restored(tmp_path):
     path = tf.train.Checkpoint(m=m, opt=opt).write(str(tmp_path / "ckpt"))
     m2, opt2 = _model([3, 3]), tf_keras.mixed_precision.LossScaleOptimizer(_Counting(0.1))
     tf.train.Checkpoint(m=m2, opt=opt2).read(path)
-    assert tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    assert sharded_slots.build_for_pending_restore(opt2, _variables(m2))
     inner = opt2.inner_optimizer
     np.testing.assert_array_equal(_slots(inner), _slots(opt.inner_optimizer))
     assert float(inner.steps_seen.numpy()) == 3.0
@@ -133,15 +133,15 @@ def test_legacy_slots_restored_before_build_come_back_by_global_row(tmp_path, na
         _legacy_slots(opt, m)
     m2, opt2 = _model(sizes), getattr(tf_keras.optimizers.legacy, name)(0.1)
     tf.train.Checkpoint(m=m2, opt=opt2).read(path)
-    assert tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    assert sharded_slots.build_for_pending_restore(opt2, _variables(m2))
     np.testing.assert_array_equal(_legacy_slots(opt2, m2), want)
     # Only the shards' slots remain (no whole-table copy), as in an optimizer
     # built before the restore: iterations, then one slot per shard and name.
     assert len(opt2.weights) == 1 + len(opt2.get_slot_names()) * (len(sizes) + 1)
-    assert not tf_keras_compat.build_for_pending_restore(opt2, _variables(m2))
+    assert not sharded_slots.build_for_pending_restore(opt2, _variables(m2))
 
 
 def test_legacy_without_a_sharded_slot_pending_is_left_alone(tmp_path):
     m, opt = _model([3, 3]), tf_keras.optimizers.legacy.Adagrad(0.1)
-    assert not tf_keras_compat.build_for_pending_restore(opt, _variables(m))
+    assert not sharded_slots.build_for_pending_restore(opt, _variables(m))
     assert not opt.weights  # tf_keras builds it at its first step

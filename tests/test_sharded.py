@@ -143,7 +143,7 @@ def test_a_checkpoint_restores_onto_another_number_of_ps_tasks(tmp_path):
     b = run(num_ps=3, restore_from=a["path"], save_to=str(tmp_path / "b" / "ckpt"))
     c = run(num_ps=2, restore_from=b["path"], save_to=str(tmp_path / "c" / "ckpt"))
     # Into an optimizer with no slots yet (tf_keras alone restored its slots
-    # wrong: compat.tf_keras.build_for_pending_restore).
+    # wrong: compat.sharded_slots.build_for_pending_restore).
     d = run(num_ps=3, restore_from=a["path"], save_to=str(tmp_path / "d" / "ckpt"),
             build_first=False)
     assert (a["shards"], b["shards"], c["shards"], d["shards"]) == (2, 3, 2, 3)

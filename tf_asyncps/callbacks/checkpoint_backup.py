@@ -81,7 +81,7 @@ class CheckpointBackup(keras.callbacks.Callback):
             return
         optimizer = getattr(self.model, "optimizer", None)
         # Under the strategy fit builds it per shard, and the slots read here
-        # go in then (compat.partitioned_slots); in one process as Keras does.
+        # go in then (compat.sharded_slots); in one process as Keras does.
         if optimizer is not None and not optimizer.built and \
                 keras_compat.model_strategy(self.model) is None:
             optimizer.build(self.model.trainable_variables)

@@ -25,12 +25,14 @@ tested with:
 * :mod:`tf_asyncps.compat.graph`: TensorFlow 2.21.0's ``Operation._set_device``
   (constants moved beside their consumers) and a gather gradient's parts.
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
-  the loss-scaling allowlist, BackupAndRestore's training state).
+  the loss-scaling allowlist, BackupAndRestore's training state, whether an
+  optimizer has built its slots).
 * :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables,
   TensorBoard's profiling range, the refusal hook on Keras 3's own loops).
-* :mod:`tf_asyncps.compat.partitioned_slots`: Keras 3.15.1 with TensorFlow
-  2.21.0 (an optimizer's slots of partitioned weights saved whole in
-  ``tf.train.Checkpoint``, restored onto any number of shards).
+* :mod:`tf_asyncps.compat.sharded_slots`: Keras 3.15.1 and tf_keras 2.21.0
+  with TensorFlow 2.21.0 (an optimizer's slots of sharded or partitioned
+  weights saved whole in ``tf.train.Checkpoint``, restored by global row
+  onto any number of shards, also when restored before the slots exist).
 * :mod:`tf_asyncps.compat.optimizers`: tf_keras 2.18.0-2.21.0 and Keras
   3.10.0-3.15.1 (the optimizers' ``apply_gradients``/``apply`` hooks, Keras
   3's counter made atomic, a tf_keras optimizer's strategy, the optimizers

@@ -440,7 +440,7 @@ def checkpoint_partitioned_whole() -> bool:
     'device'``), so no such model could be written. Other variables are left
     to Keras. Hooks the class once (idempotent). The optimizer's slots of
     such a weight are saved whole too
-    (:func:`tf_asyncps.compat.partitioned_slots.checkpoint_slots_whole`).
+    (:func:`tf_asyncps.compat.sharded_slots.checkpoint_slots_whole`).
 
     Returns:
       False if Keras 3 is not installed.
@@ -473,7 +473,7 @@ def checkpoint_partitioned_whole() -> bool:
 
     tf_compat.hook_method(core.Variable, "_serialize_to_tensors", make_serialize)
     tf_compat.hook_method(core.Variable, "_restore_from_tensors", make_restore)
-    from tf_asyncps.compat import partitioned_slots  # and the optimizer's slots of such a weight
-    partitioned_slots.checkpoint_slots_whole()
+    from tf_asyncps.compat import sharded_slots  # and the optimizer's slots of such a weight
+    sharded_slots.checkpoint_slots_whole()
     return True
 

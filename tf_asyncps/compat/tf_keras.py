@@ -12,8 +12,7 @@ from typing import Callable, List, Optional
 __all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
            "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
            "evaluate_call",
-           "pss_evaluation_shards", "build_for_pending_restore",
-           "legacy_sharded_slots_saved_elsewhere", "build_now", "not_built"]
+           "pss_evaluation_shards", "build_now", "not_built"]
 
 TESTED_VERSIONS = ("2.18.0", "2.19.0", "2.20.1", "2.21.0")
 
@@ -170,137 +169,6 @@ def _with_inner(optimizer):
     except ImportError:  # pragma: no cover - tf_keras is a dependency
         return None, optimizer
     return tf_keras, getattr(optimizer, "inner_optimizer", optimizer)
-
-
-def build_for_pending_restore(optimizer, variables) -> bool:
-    """Builds a tf_keras optimizer's slots now, eagerly, if a checkpoint was
-    restored into it before it had them, so that the slots of sharded
-    variables come back whole, by global row.
-
-    tf_keras (measured on 2.21.0) gets them wrong on its own: its new optimizers track
-    each slot twice (in a slot list, e.g. Adagrad's ``_accumulators``, and in
-    ``_variables``, where a variable's shards are one ``ShardedVariable``), and
-    a restore deferred until ``build`` matches the saved ``ShardedVariable`` to
-    the list's first shard: the slots come back wrong, with no error (Adagrad
-    accumulators off by up to 121 on a 6-row table, onto the same or another
-    shard count). Here the restore goes through ``_variables`` only.
-
-    Legacy optimizers (``tf_keras.optimizers.legacy``) restore such a slot
-    eagerly, as one whole variable under the ``ShardedVariable``'s key, which
-    their first step replaces by the shards' fresh slots (measured on 2.21.0:
-    Adagrad accumulators back at their initial 0.1 instead of 4.1, no error).
-    Here they create their slots now and take the whole slot's rows, by global
-    row, and the whole slot is dropped from ``optimizer.weights``.
-
-    Args:
-      optimizer: any optimizer (of a LossScaleOptimizer, its inner one); only
-        tf_keras's are built here.
-      variables: the model variables about to be updated (shards, not
-        ``ShardedVariable`` objects, as ``model.trainable_variables`` gives).
-
-    Returns:
-      True if it built the optimizer.
-    """
-    import tensorflow as tf
-    tf_keras, optimizer = _with_inner(optimizer)
-    if tf_keras is None:  # pragma: no cover - tf_keras is a dependency
-        return False
-    variables = list(variables)
-    if isinstance(optimizer, tf_keras.optimizers.Optimizer):
-        if getattr(optimizer, "_built", False) or not optimizer._deferred_dependencies:
-            return False
-        deferred = optimizer._deferred_dependencies
-        held = dict(deferred)
-        deferred.clear()
-        try:
-            with tf.name_scope(optimizer.name or "optimizer"), tf.init_scope():
-                optimizer.build(variables)
-        finally:
-            in_variables = _object_ids(optimizer.variables)
-            for name, positions in held.items():
-                value = getattr(optimizer, name, None)
-                if isinstance(value, (list, tuple)) and value and \
-                        all(id(v) in in_variables for v in value):
-                    continue  # restored through _variables
-                deferred.setdefault(name, []).extend(positions)
-                if value is not None and hasattr(value, "_maybe_initialize_trackable"):
-                    with tf.init_scope():
-                        optimizer._handle_deferred_dependencies(name, value)
-        return True
-    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
-        return _build_legacy_for_pending_restore(optimizer, variables)
-    return False
-
-
-def _build_legacy_for_pending_restore(optimizer, variables) -> bool:
-    """The legacy half of :func:`build_for_pending_restore` (tf_keras
-    2.21.0's ``OptimizerV2``: ``_slots``, ``_weights``, ``_create_all_weights``)."""
-    import tensorflow as tf
-    from tf_keras.src.optimizers.legacy import optimizer_v2
-    containers = {}
-    for v in variables:
-        container = getattr(v, "_sharded_container", None)
-        if container is not None:
-            sv = container()
-            containers.setdefault(optimizer_v2._var_key(sv), sv)
-    # A restored slot of a whole ShardedVariable sits where, once built, the
-    # ShardedVariable itself marks that its shards hold the slots.
-    restored = [(sv, name, slot) for key, sv in containers.items()
-                for name, slot in optimizer._slots.get(key, {}).items() if slot is not sv]
-    if not restored:
-        return False
-    with tf.name_scope(optimizer._name), tf.init_scope():
-        optimizer._create_all_weights(variables)
-        for sv, name, whole in restored:
-            # Same rows as the table: restoring the table itself checked them.
-            row = 0
-            for p in sv.variables:
-                n = int(p.shape[0])
-                optimizer.get_slot(p, name).assign(whole[row:row + n])
-                row += n
-            optimizer._weights[:] = [w for w in optimizer._weights if w is not whole]
-    return True
-
-
-def _object_ids(variables) -> set:
-    """ids of ``variables`` and of each ``ShardedVariable``'s shards."""
-    out = set()
-    for v in variables:
-        out.add(id(v))
-        out.update(id(p) for p in getattr(v, "variables", ()) if p is not v)
-    return out
-
-
-def legacy_sharded_slots_saved_elsewhere() -> bool:
-    """Makes tf_keras's legacy optimizers (``OptimizerV2.get_slot``, tf_keras
-    2.21.0) hand out the slot of a ``ShardedVariable`` marked by
-    :func:`tf_asyncps.compat.checkpoint.save_elsewhere` when all
-    its shards' slots are marked: ``get_slot`` builds a new
-    ``ShardedVariable`` over the shards' slots at each call, and a checkpoint
-    saves what it returns. Other slots are returned as they are. Hooks the
-    class once (idempotent).
-
-    Returns:
-      False if tf_keras is not installed.
-    """
-    from tf_asyncps.compat import tensorflow as tf_compat
-    from tf_asyncps.compat import checkpoint as checkpoint_compat
-    try:
-        from tf_keras.src.optimizers.legacy import optimizer_v2
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
-        return False
-
-    def make_hook(original):
-        def get_slot(self, var, slot_name):
-            slot = original(self, var, slot_name)
-            parts = tf_compat.shards(slot)
-            if parts and all(map(checkpoint_compat.saved_elsewhere, parts)):
-                checkpoint_compat.save_elsewhere(slot)
-            return slot
-        return get_slot
-
-    tf_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
-    return True
 
 
 def build_now(optimizer, variables) -> bool:

@@ -33,8 +33,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
-from tf_asyncps.compat import partitioned_slots
-from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.compat import sharded_slots
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import trace_context
 
@@ -152,8 +151,7 @@ def _hook(original, adapt_args):
         grads_and_vars, rebuild = adapt_args(self, args, kwargs)
         # Before the engine's before-update hooks, which need the slots.
         variables = [v for _, v in grads_and_vars]
-        tf_keras_compat.build_for_pending_restore(self, variables)
-        partitioned_slots.build_for_pending_restore(self, variables)
+        sharded_slots.build_for_pending_restore(self, variables)
 
         def run_original(gv):
             new_args, new_kwargs = rebuild(gv)

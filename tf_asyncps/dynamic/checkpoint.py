@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asyncps.compat import checkpoint as checkpoint_compat
+from tf_asyncps.compat import sharded_slots
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 from tf_asyncps.dynamic import slots as slots_lib
@@ -113,7 +114,7 @@ def track_optimizer(table, optimizer, variables=None) -> None:
         return
     with tf.init_scope():
         state.optimizer = optimizer
-        tf_keras_compat.legacy_sharded_slots_saved_elsewhere()
+        sharded_slots.legacy_sharded_slots_saved_elsewhere()
         sets = slot_sets(table)
         waiting = state.restored and bool(state.waiting.numpy())
         if not sets and waiting and variables is not None:

@@ -32,7 +32,7 @@ import keras
 
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
-from tf_asyncps.compat import partitioned_slots
+from tf_asyncps.compat import sharded_slots
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import lookup
 from tf_asyncps.callbacks import keras3 as callbacks_lib
@@ -248,8 +248,8 @@ class Keras3Trainer:
                 "partitioned: let fit build it (do not call optimizer.build), so that its "
                 "slots are made per shard, beside each shard.")
         # Built now, on the shards; a checkpoint read before applies by global
-        # row (compat.partitioned_slots: Keras alone matches slots by position).
-        partitioned_slots.build_for_pending_restore(model.optimizer, sources)
+        # row (compat.sharded_slots: Keras alone matches slots by position).
+        sharded_slots.build_for_pending_restore(model.optimizer, sources)
         return keras_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):

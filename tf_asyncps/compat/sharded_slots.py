@@ -1,7 +1,15 @@
-"""Keras 3 optimizer slots of partitioned weights in ``tf.train.Checkpoint``.
+"""An optimizer's slots of sharded (partitioned) weights in
+``tf.train.Checkpoint``, for tf_keras and Keras 3: saved whole, restored by
+global row onto any number of shards.
 
-Tested with Keras 3.15.1 and TensorFlow 2.21.0. Importing this module imports
-nothing; functions import Keras and TensorFlow when called. Private names
+Keras 3 tested with Keras 3.15.1 and TensorFlow 2.21.0; tf_keras (new and
+legacy optimizers, a restore before the slots exist:
+:func:`_tf_keras_build_for_pending_restore`,
+:func:`legacy_sharded_slots_saved_elsewhere`) with tf_keras 2.21.0.
+Importing this module imports nothing; functions import Keras, tf_keras and
+TensorFlow when called.
+
+Keras 3: private names
 used: Keras 3.15's ``TFOptimizer`` (``keras.src.backend.tensorflow.optimizer``),
 its ``_variables``/``_trainable_variables`` and ``add_variable_from_reference``;
 TensorFlow 2.21's ``ListWrapper``, ``Trackable._trackable_children``,
@@ -27,12 +35,12 @@ slot by this model's shards.
 import functools
 
 __all__ = ["TESTED_VERSIONS", "checkpoint_slots_whole", "build_for_pending_restore",
-           "WHOLE_SLOTS"]
+           "legacy_sharded_slots_saved_elsewhere", "WHOLE_SLOTS"]
 
-TESTED_VERSIONS = ("3.15.1",)
+TESTED_VERSIONS = ("3.15.1",)  # Keras 3
 
 #: The optimizer's checkpoint child holding the whole slots.
-WHOLE_SLOTS = "asyncps_partitioned_slots"
+WHOLE_SLOTS = "asyncps_sharded_slots"
 
 
 def _shard_of(variable):
@@ -206,6 +214,21 @@ def checkpoint_slots_whole() -> bool:
 
 
 def build_for_pending_restore(optimizer, variables) -> bool:
+    """Builds an optimizer's slots now, eagerly, if a checkpoint was restored
+    into it before it had them, so that the slots of sharded (partitioned)
+    variables come back whole, by global row: a tf_keras optimizer
+    (:func:`_tf_keras_build_for_pending_restore`) or a Keras 3 one
+    (:func:`_keras3_build_for_pending_restore`, which may raise ValueError);
+    anything else is left alone.
+
+    Returns:
+      True if it built the optimizer.
+    """
+    return _tf_keras_build_for_pending_restore(optimizer, variables) or \
+        _keras3_build_for_pending_restore(optimizer, variables)
+
+
+def _keras3_build_for_pending_restore(optimizer, variables) -> bool:
     """Builds an unbuilt Keras 3 optimizer on ``variables`` (a partitioned
     weight's shards in place of the weight) now, eagerly, applying a
     checkpoint restored into it before it had slots onto the checkpoint's
@@ -310,3 +333,136 @@ def _restore_or_defer(parent, children, key, positions):
         return
     for p in positions:
         p.restore(target)
+
+
+def _tf_keras_build_for_pending_restore(optimizer, variables) -> bool:
+    """Builds a tf_keras optimizer's slots now, eagerly, if a checkpoint was
+    restored into it before it had them, so that the slots of sharded
+    variables come back whole, by global row.
+
+    tf_keras (measured on 2.21.0) gets them wrong on its own: its new optimizers track
+    each slot twice (in a slot list, e.g. Adagrad's ``_accumulators``, and in
+    ``_variables``, where a variable's shards are one ``ShardedVariable``), and
+    a restore deferred until ``build`` matches the saved ``ShardedVariable`` to
+    the list's first shard: the slots come back wrong, with no error (Adagrad
+    accumulators off by up to 121 on a 6-row table, onto the same or another
+    shard count). Here the restore goes through ``_variables`` only.
+
+    Legacy optimizers (``tf_keras.optimizers.legacy``) restore such a slot
+    eagerly, as one whole variable under the ``ShardedVariable``'s key, which
+    their first step replaces by the shards' fresh slots (measured on 2.21.0:
+    Adagrad accumulators back at their initial 0.1 instead of 4.1, no error).
+    Here they create their slots now and take the whole slot's rows, by global
+    row, and the whole slot is dropped from ``optimizer.weights``.
+
+    Args:
+      optimizer: any optimizer (of a LossScaleOptimizer, its inner one); only
+        tf_keras's are built here.
+      variables: the model variables about to be updated (shards, not
+        ``ShardedVariable`` objects, as ``model.trainable_variables`` gives).
+
+    Returns:
+      True if it built the optimizer.
+    """
+    import tensorflow as tf
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    variables = list(variables)
+    if isinstance(optimizer, tf_keras.optimizers.Optimizer):
+        if getattr(optimizer, "_built", False) or not optimizer._deferred_dependencies:
+            return False
+        deferred = optimizer._deferred_dependencies
+        held = dict(deferred)
+        deferred.clear()
+        try:
+            with tf.name_scope(optimizer.name or "optimizer"), tf.init_scope():
+                optimizer.build(variables)
+        finally:
+            in_variables = _object_ids(optimizer.variables)
+            for name, positions in held.items():
+                value = getattr(optimizer, name, None)
+                if isinstance(value, (list, tuple)) and value and \
+                        all(id(v) in in_variables for v in value):
+                    continue  # restored through _variables
+                deferred.setdefault(name, []).extend(positions)
+                if value is not None and hasattr(value, "_maybe_initialize_trackable"):
+                    with tf.init_scope():
+                        optimizer._handle_deferred_dependencies(name, value)
+        return True
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        return _build_legacy_for_pending_restore(optimizer, variables)
+    return False
+
+
+def _build_legacy_for_pending_restore(optimizer, variables) -> bool:
+    """The legacy half of :func:`_tf_keras_build_for_pending_restore` (tf_keras
+    2.21.0's ``OptimizerV2``: ``_slots``, ``_weights``, ``_create_all_weights``)."""
+    import tensorflow as tf
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+    containers = {}
+    for v in variables:
+        container = getattr(v, "_sharded_container", None)
+        if container is not None:
+            sv = container()
+            containers.setdefault(optimizer_v2._var_key(sv), sv)
+    # A restored slot of a whole ShardedVariable sits where, once built, the
+    # ShardedVariable itself marks that its shards hold the slots.
+    restored = [(sv, name, slot) for key, sv in containers.items()
+                for name, slot in optimizer._slots.get(key, {}).items() if slot is not sv]
+    if not restored:
+        return False
+    with tf.name_scope(optimizer._name), tf.init_scope():
+        optimizer._create_all_weights(variables)
+        for sv, name, whole in restored:
+            # Same rows as the table: restoring the table itself checked them.
+            row = 0
+            for p in sv.variables:
+                n = int(p.shape[0])
+                optimizer.get_slot(p, name).assign(whole[row:row + n])
+                row += n
+            optimizer._weights[:] = [w for w in optimizer._weights if w is not whole]
+    return True
+
+
+def _object_ids(variables) -> set:
+    """ids of ``variables`` and of each ``ShardedVariable``'s shards."""
+    out = set()
+    for v in variables:
+        out.add(id(v))
+        out.update(id(p) for p in getattr(v, "variables", ()) if p is not v)
+    return out
+
+
+def legacy_sharded_slots_saved_elsewhere() -> bool:
+    """Makes tf_keras's legacy optimizers (``OptimizerV2.get_slot``, tf_keras
+    2.21.0) hand out the slot of a ``ShardedVariable`` marked by
+    :func:`tf_asyncps.compat.checkpoint.save_elsewhere` when all
+    its shards' slots are marked: ``get_slot`` builds a new
+    ``ShardedVariable`` over the shards' slots at each call, and a checkpoint
+    saves what it returns. Other slots are returned as they are. Hooks the
+    class once (idempotent).
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import checkpoint as checkpoint_compat
+    try:
+        from tf_keras.src.optimizers.legacy import optimizer_v2
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+
+    def make_hook(original):
+        def get_slot(self, var, slot_name):
+            slot = original(self, var, slot_name)
+            parts = tf_compat.shards(slot)
+            if parts and all(map(checkpoint_compat.saved_elsewhere, parts)):
+                checkpoint_compat.save_elsewhere(slot)
+            return slot
+        return get_slot
+
+    tf_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
+    return True
