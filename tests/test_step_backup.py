@@ -69,8 +69,11 @@ def test_fit_resumes_mid_epoch_from_its_step_backup(tmp_path):
     with the weights of one uninterrupted process; the global step goes on;
     a third run of the ended fit trains nothing."""
     cases = [dict(keras="tf_keras", spe=2, epochs=2, steps=7, every=5, crash_at=9),
-             dict(keras="3", spe=1, epochs=2, steps=7, every=5, crash_at=9)]
+             dict(keras="3", spe=1, epochs=2, steps=7, every=5, crash_at=9),
+             dict(keras="tf_keras_table", spe=1, epochs=2, steps=7, every=2, crash_at=9,
+                  full_every=5)]
     r = run_scenario("step_backup_resume", shared=(1, 2), tmpdir=str(tmp_path), cases=cases)
+    _deltas_resume(r["cases"].pop())
     # tf_keras, 2 steps per closure: backups land on closure ends (6, 11, 14).
     # Keras 3, 1 step per closure: at 5, 10 and the end (14).
     for got, (first, later, redone) in zip(r["cases"], [(6, 11, 3), (5, 10, 4)]):
@@ -93,3 +96,24 @@ def test_fit_resumes_mid_epoch_from_its_step_backup(tmp_path):
         assert again["global_step"] == again["iterations"] == 14
         assert again["summary"]["steps_redone"] == redone
         assert again["diff_to_reference"] < 1e-5
+
+
+def _deltas_resume(got):
+    """An Embedding table under Adagrad, a backup every 2 steps, full_every=5:
+    full at 2, deltas at 4, 6, 8; the crash at 9 resumes from base 2 + the
+    chain (4, 6, 8); then delta 10, full 12, delta 14; the re-run equals one
+    uninterrupted process (rows and Adagrad slots restored exactly)."""
+    crash, resumed, again = got["runs"]
+    assert got["moved"] > 1e-2
+    assert crash["crashed"] and crash["backups"] == [2, 4, 6, 8]
+    assert resumed["resume_step"] == 8 and resumed["backups"] == [10, 12, 14]
+    assert resumed["summary"]["steps_redone"] == 1
+    assert resumed["global_step"] == resumed["iterations"] == 14
+    assert resumed["diff_to_reference"] < 1e-5
+    # keep=2: both fulls (2 and 12) and their deltas stay.
+    assert resumed["dirs"] == [f"step-{n:012d}" for n in range(2, 15, 2)]
+    assert resumed["kinds"] == ["full", "delta", "delta", "delta", "delta", "full", "delta"]
+    # The ended fit restores from 14 (base 12 + delta 1) and trains nothing.
+    assert not again["started"] and again["resume_step"] == 14 and again["backups"] == []
+    assert again["global_step"] == again["iterations"] == 14
+    assert again["diff_to_reference"] < 1e-5

@@ -7,7 +7,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
-from tf_asyncps.callbacks import StepBackup
+from tf_asyncps.callbacks import StepBackup, step_backup
 
 from scenarios import cluster, scenario
 from scenarios.common import mlp, small_problem
@@ -50,9 +50,24 @@ def _tf_keras_model(spe):
     return model
 
 
-def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, batch=16):
+def _table_model(spe):
+    """An embedding table (50 rows) under Adagrad: StepBackup writes deltas."""
+    model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"),
+                                 tf_keras.layers.Embedding(50, 4),
+                                 tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+    model.compile(tf_keras.optimizers.Adagrad(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, batch=16,
+                   full_every=10):
     x, y = small_problem(n=steps * epochs * batch)
     make = _k3_model if keras == "3" else _tf_keras_model
+    if keras == "tf_keras_table":
+        make, keras = _table_model, "tf_keras"
+        x = (np.abs(x[:, :3]) * 10).astype(np.int64) % 50
 
     def data(skip):
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat().skip(skip)
@@ -78,9 +93,10 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
             model = make(spe)
         if run == 0:
             model.set_weights(w0)  # later runs start elsewhere: the restore must overwrite
-            backup = CrashAt(backup_dir, every, crash_at=crash_at, period_s=3600)
+            backup = CrashAt(backup_dir, every, crash_at=crash_at, period_s=3600,
+                             full_every=full_every)
         else:
-            backup = StepBackup(backup_dir, every, period_s=3600)
+            backup = StepBackup(backup_dir, every, period_s=3600, full_every=full_every)
         resume_step = backup.resume_step
         try:
             fit(model, backup, resume_step)
@@ -95,7 +111,9 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
             "global_step": int(strategy.staleness_tracker.global_step.numpy()),
             "iterations": int(model.optimizer.iterations.numpy()),
             "diff_to_reference": _max_diff(model.get_weights(), ref.get_weights()),
-            "dirs": sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json"))})
+            "dirs": sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json")),
+            "kinds": [step_backup._kind(os.path.join(backup_dir, d))
+                      for d in sorted(os.listdir(backup_dir)) if d.startswith("step-")]})
     return {"runs": runs, "moved": _max_diff(ref.get_weights(), w0)}
 
 

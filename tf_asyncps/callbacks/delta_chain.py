@@ -58,7 +58,8 @@ class DirtyRows:
     Args:
       variables: the table variables (each shard of a partitioned table;
         a 2-D ``tf.Variable`` each), in a strategy's scope or not: each mark
-        is created on its variable's device.
+        is created on its variable's device (in a strategy's scope,
+        ``colocate_vars_with`` it).
 
     Attributes:
       marks: ``{variable name: int8 tf.Variable [rows]}``.
@@ -74,7 +75,10 @@ class DirtyRows:
             if v.shape.rank != 2 or v.shape[0] is None:
                 raise ValueError(f"DirtyRows: {v.name} has shape {v.shape}; give 2-D table "
                                  "variables (rows, dim) with a known row count.")
-            with tf.init_scope(), tf.device(v.device):
+            # Under a strategy: on the shard's ps, never partitioned.
+            place = (tf.distribute.get_strategy().extended.colocate_vars_with(v)
+                     if tf.distribute.has_strategy() else tf.device(v.device))
+            with tf.init_scope(), place:
                 mark = tf.Variable(tf.zeros([v.shape[0]], tf.int8), trainable=False,
                                    name=v.name.split(":")[0].replace("/", "_") + "_dirty",
                                    synchronization=tf.VariableSynchronization.ON_WRITE,

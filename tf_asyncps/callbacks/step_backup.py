@@ -14,6 +14,11 @@ Layout of ``backup_dir``:
   optimizer and the strategy's global step) and ``meta.json``. It is written
   as ``.tmp-step-<N>-<pid>/``, ``meta.json`` last, then renamed: a backup
   dir without ``meta.json``, or a temp dir, is never read.
+  A delta backup (``kind`` "delta" in its ``meta.json``) holds no
+  ``ckpt``: the table rows written since the previous backup, their slot
+  rows and every other variable whole (tf_asyncps/callbacks/delta_chain.py);
+  it restores on top of its base (``base_id``, a full backup's folder name)
+  and the deltas before it.
 * ``progress.json``: worker steps done so far, chief runs and steps redone
   (the same record as :class:`tf_asyncps.callbacks.ResumeTracker`'s).
 """
@@ -26,7 +31,9 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
+from tf_asyncps.callbacks import delta_chain
 from tf_asyncps.callbacks.common import strategy_of
 from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
@@ -54,6 +61,10 @@ def _backups(backup_dir: str) -> List[Tuple[int, str]]:
         if m and os.path.isfile(os.path.join(path, META_FILE)):
             out.append((int(m.group(1)), path))
     return sorted(out)
+
+
+def _kind(path: str) -> str:
+    return (read_json(os.path.join(path, META_FILE)) or {}).get("kind", "full")
 
 
 def newest_backup(backup_dir: str) -> Optional[Tuple[str, Dict]]:
@@ -92,8 +103,20 @@ class StepBackup(tf_keras.callbacks.Callback):
     update is applied (under a policy with local steps, the copies are
     pushed, as at an epoch end), and nothing new is scheduled until the save
     returns. Cost: the workers idle from their last closure until the save
-    ends, i.e. the schedule's tail plus one checkpoint write of every
-    variable (every backup is a full save in this version).
+    ends, i.e. the schedule's tail plus one save.
+
+    Deltas (tf_keras fit, a model with embedding tables, ``full_every`` > 1):
+    a full save every ``full_every`` backups, and between them deltas: the
+    table rows written since the previous backup with their optimizer slot
+    rows (an int8 dirty mark per row beside each table shard, set on the ps
+    inside each update from its own row indices, cleared by each save: no
+    byte more per step on the wire) and every other variable whole. The
+    idea is DeepRec's incremental checkpoint (Alibaba, 2022). A resume reads
+    the base and applies the chain, refusing a gap, a duplicate, a delta of
+    another base or a half-written file (delta_chain.ChainError, naming
+    the file). A model without a table, Keras 3's fit, or a step traced
+    before this callback registered its marks (no row marked after steps
+    ran) get full saves. A chain restores onto the same number of ps tasks.
 
     Saved: the model, its optimizer (slots, ``iterations``) and the
     strategy's global step (``strategy.staleness_tracker.global_step``,
@@ -118,9 +141,10 @@ class StepBackup(tf_keras.callbacks.Callback):
     Args:
       backup_dir: str, the folder (made if missing); one per job.
       every_steps: int >= 1, worker steps between backups.
-      full_every: int >= 1, a full save every that many backups (deltas
-        between them are issue 41 item 2; every backup is full for now).
-      keep: int >= 1, complete backups kept (the oldest are removed).
+      full_every: int >= 1, a full save every that many backups, deltas
+        between them (1: every backup is full).
+      keep: int >= 1, full backups kept with their deltas (older ones are
+        removed).
       period_s: float > 0, seconds between ``progress.json`` writes.
 
     Attributes:
@@ -175,6 +199,9 @@ class StepBackup(tf_keras.callbacks.Callback):
         self._last_write = 0.0
         self._coordinator = None
         self._strategy = None
+        self._deltas = None  # delta_chain.ModelDeltas while deltas are written
+        self._base = None  # folder name of the chain's full backup
+        self._seq = 0  # deltas written on it
 
     # -- fit position ---------------------------------------------------------
     @property
@@ -260,9 +287,14 @@ class StepBackup(tf_keras.callbacks.Callback):
                     callable(getattr(optimizer, "build", None)) and \
                     tf_keras_compat.not_built(optimizer):
                 optimizer.build(self.model.trainable_variables)
-            self._checkpoint().read(os.path.join(path, "ckpt")).assert_existing_objects_matched()
+            self._restore(path, meta)
             self.resumed_from_step = int(meta["worker_steps"])
             self.steps_redone = self._prev_redone + max(0, self._prev_done - self.resumed_from_step)
+        if self.full_every > 1 and not keras3:
+            self._deltas = self._model_deltas()
+            if self._deltas is not None:
+                with self._strategy.scope():
+                    self._deltas.track()
         self._scheduled = self.resumed_from_step
         self._last_backup = self.resumed_from_step
         self._next_backup = (self.resumed_from_step // self.every_steps + 1) * self.every_steps
@@ -271,6 +303,47 @@ class StepBackup(tf_keras.callbacks.Callback):
             epoch, step = divmod(self.resumed_from_step, self._steps_per_epoch)
             tf_keras_compat.set_fit_resume_point(self.model, epoch, step)
         self._write_progress()
+
+    def _model_deltas(self):
+        """The model's ModelDeltas, or None without a table. Builds the
+        optimizer first (in the strategy's scope; tf_keras's build is
+        idempotent): its slots must exist to be written and restored."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and callable(getattr(optimizer, "build", None)):
+            with self._strategy.scope():
+                optimizer.build(self.model.trainable_variables)
+        try:
+            return delta_chain.ModelDeltas(self.model, optimizer,
+                                           [self._strategy.staleness_tracker.global_step])
+        except ValueError:
+            return None
+
+    def _restore(self, path: str, meta: Dict) -> None:
+        """Reads the backup at ``path``: a full one, or a delta's base and chain.
+
+        Raises:
+          delta_chain.ChainError: a delta's chain is broken (names the file).
+        """
+        if meta.get("kind", "full") == "full":
+            self._checkpoint().read(os.path.join(path, "ckpt")).assert_existing_objects_matched()
+            self._base, self._seq = os.path.basename(path), 0
+            return
+        base = str(meta["base_id"])
+        base_path = os.path.join(self.backup_dir, base)
+        if _kind(base_path) != "full" or not os.path.isfile(os.path.join(base_path, META_FILE)):
+            raise delta_chain.ChainError(
+                f"StepBackup: {path} is a delta of {base_path}, which is missing or not a full "
+                "backup; delete the deltas of that base or use a new backup_dir.")
+        deltas = self._deltas or self._model_deltas()  # slots made before the read
+        self._checkpoint().read(os.path.join(base_path, "ckpt")).assert_existing_objects_matched()
+        chain = [p for n, p in _backups(self.backup_dir)
+                 if n <= int(meta["worker_steps"]) and _kind(p) == "delta"
+                 and (read_json(os.path.join(p, META_FILE)) or {}).get("base_id") == base]
+        if deltas is None:
+            raise delta_chain.ChainError(f"StepBackup: {path} is a delta but the model has no "
+                                         "embedding table; use the model that wrote it.")
+        self._seq = deltas.restore(chain, base)
+        self._base = base
 
     def on_epoch_begin(self, epoch, logs=None):
         if not self._started:
@@ -304,24 +377,53 @@ class StepBackup(tf_keras.callbacks.Callback):
         final = os.path.join(self.backup_dir, f"step-{steps:012d}")
         if steps == self._last_backup and os.path.isdir(final):
             return final
+        global_step = int(self._strategy.staleness_tracker.global_step.numpy())
+        meta = {"format": _FORMAT, "worker_steps": steps,
+                "steps_per_epoch": self._steps_per_epoch, "global_step": global_step,
+                "time": time.time()}
+        if self._delta_due(steps):
+            self._seq += 1
+            self._deltas.write(final, base_id=self._base, seq=self._seq, extra=meta)
+        else:
+            self._write_full(final, steps, meta)
+        self._last_backup = steps
+        self.backups.append(steps)
+        self._prune()
+        self._write_progress()
+        return final
+
+    def _delta_due(self, steps: int) -> bool:
+        if self._deltas is None or self._base is None or self._seq + 1 >= self.full_every:
+            return False
+        if steps > self._last_backup and not any(
+                self._deltas.dirty.dirty_ids(v).size for v, _ in self._deltas.tables.values()):
+            logging.warning("StepBackup: no table row was marked in %d steps (the step was "
+                            "traced before the marks existed); full saves from now on.",
+                            steps - self._last_backup)
+            self._deltas = None
+            return False
+        return True
+
+    def _write_full(self, final: str, steps: int, meta: Dict) -> None:
         tmp = os.path.join(self.backup_dir, f".tmp-step-{steps:012d}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         self._checkpoint().write(os.path.join(tmp, "ckpt"))
-        global_step = int(self._strategy.staleness_tracker.global_step.numpy())
-        atomic_write_json(os.path.join(tmp, META_FILE), {
-            "format": _FORMAT, "kind": "full", "worker_steps": steps,
-            "steps_per_epoch": self._steps_per_epoch, "global_step": global_step,
-            "time": time.time()})
+        atomic_write_json(os.path.join(tmp, META_FILE), dict(meta, kind="full"))
         if os.path.isdir(final):  # a backup of these steps from an earlier run
             shutil.rmtree(final)
         os.rename(tmp, final)
-        self._last_backup = steps
-        self.backups.append(steps)
-        for _, old in _backups(self.backup_dir)[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        self._write_progress()
-        return final
+        if self._deltas is not None:
+            self._deltas.dirty.clear()
+        self._base, self._seq = os.path.basename(final), 0
+
+    def _prune(self) -> None:
+        """Removes every backup older than the ``keep``-th newest full one."""
+        found = _backups(self.backup_dir)
+        fulls = [i for i, (_, path) in enumerate(found) if _kind(path) == "full"]
+        if len(fulls) > self.keep:
+            for _, old in found[:fulls[-self.keep]]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def on_train_end(self, logs=None):
         if self._strategy is None:
