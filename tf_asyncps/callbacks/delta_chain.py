@@ -295,7 +295,9 @@ class ModelDeltas:
     ``Embedding`` of either Keras, ``EmbeddingCollection``), each shard of a
     sharded one, with the optimizer's slots of it (Adagrad ``accumulator``,
     Adam ``momentum``, ``velocity``). Dense: every other model and optimizer
-    variable, and ``extra`` (e.g. the strategy's global step), keyed by
+    variable (a slot of a table under another name, e.g. tf_keras SGD's
+    momentum, is saved whole there: larger, never lost), and ``extra``
+    (e.g. the strategy's global step), keyed by
     position, as a tf.train.Checkpoint matches by structure (the same model
     code gives the same keys; layer names may differ).
 
