@@ -207,7 +207,13 @@ def build_now(optimizer, variables) -> bool:
 def not_built(optimizer) -> bool:
     """Whether ``optimizer`` (of a LossScaleOptimizer, its inner one) has not
     made its slots yet: Keras 3's ``built``, tf_keras 2.21.0's ``_built``
-    (new optimizers); False for legacy ones, which make slots as needed."""
+    (new optimizers: absent until ``build`` sets it, so read as False);
+    False for legacy ones, which make slots as needed."""
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    return getattr(optimizer, "built", True) is False or \
-        getattr(optimizer, "_built", True) is False
+    if getattr(optimizer, "built", True) is False:
+        return True
+    import tf_keras
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        return False
+    return isinstance(optimizer, tf_keras.optimizers.Optimizer) and \
+        not getattr(optimizer, "_built", False)
