@@ -507,3 +507,161 @@ def test_bench_rejects_bad_settings_before_running(args, match):
                              timeout=60, check=False)
     assert rc != 0 and match in output and "Traceback" not in output
     assert "[1/" not in output  # nothing ran
+
+
+# -- the CTR runs (NAME@ctr) -----------------------------------------------------
+def test_ctr_runs_only_when_named_and_their_settings():
+    from tf_asyncps.app import bench_ctr
+    assert not any(r["model"] == "ctr" for r in bench.default_configs())
+    assert not any(r["model"] == "ctr" for r in bench.hosts_configs())
+    runs = bench.default_configs(num_workers=2, steps_per_execution=8, only=["ctr"],
+                                 ctr={"max_rows": 5000, "scale": 0.5})
+    assert [r["name"] for r in runs] == list(bench_ctr.CTR_RUNS) == [
+        "single@ctr", "vanilla@ctr", "vanilla_one_table@ctr", "async@ctr",
+        "async_one_table@ctr", "async_bf16@ctr", "best@ctr", "keras3@ctr"]
+    by = {r["name"]: r for r in runs}
+    assert all((r["max_rows"], r["scale"], r["spe"], r["model"]) == (5000, 0.5, 8, "ctr")
+               for r in runs)
+    assert (by["single@ctr"]["kind"], by["single@ctr"]["num_workers"]) == ("single", 0)
+    assert all(by[n]["num_workers"] == 2 and by[n]["num_ps"] == 2 for n in by if n != "single@ctr")
+    assert [by[n]["embedding"] for n in ("vanilla@ctr", "vanilla_one_table@ctr", "best@ctr")] \
+        == ["tables", "offset", "collection"]
+    assert by["vanilla@ctr"]["kind"] == by["vanilla_one_table@ctr"]["kind"] == "vanilla"
+    assert by["async_bf16@ctr"] == dict(by["async@ctr"], name="async_bf16@ctr",
+                                        wire_dtype="bfloat16")
+    assert by["keras3@ctr"] == dict(by["async@ctr"], name="keras3@ctr", keras="3")
+    best = by["best@ctr"]
+    assert (best["policy"], best["policy_args"], best["wire_dtype"]) == (
+        "route", {"sparse": "async", "local_steps": 16}, "bfloat16")
+    # Named one by one, beside other runs; on hosts too.
+    assert [r["name"] for r in bench.default_configs(only=["async", "best@ctr"])] == [
+        "async", "best@ctr"]
+    (h,) = bench.hosts_configs(only=["vanilla@ctr"])
+    assert h["hosts"] is True and h["num_ps"] == 2
+    with pytest.raises(ValueError, match="--bench_ctr_scale must be in"):
+        bench.default_configs(only=["ctr"], ctr={"max_rows": 10, "scale": 0.0})
+    with pytest.raises(ValueError, match="unknown run"):
+        bench.default_configs(only=["best@ctrr"])
+
+
+def test_ctr_limit_counts_distinct_feature_ids_and_the_dense_part_both_ways():
+    import numpy as np
+    from tf_asyncps.app import bench_ctr
+    # Bottom 13-64-16, interaction 16 + 27 * 26 / 2 = 367, top 367-256-128-1.
+    assert bench_ctr.dense_params(26) == (13 * 64 + 64) + (64 * 16 + 16) + (
+        367 * 256 + 256) + (256 * 128 + 128) + (128 + 1) == 129169
+    # Two batches of 3 examples, 2 features: equal ids of two features are two rows.
+    sparse = np.array([[[1, 1], [1, 2], [1, 1]],     # feature 0: {1}, 1: {1, 2} -> 3
+                       [[4, 5], [6, 5], [7, 5]]])    # feature 0: {4, 6, 7}, 1: {5} -> 4
+    assert bench_ctr.distinct_ids_per_step(sparse) == 3.5
+    # 3.5 x (8 B id + 4 B x 16) x 2 + 10 dense float32 x 4 B x 2.
+    assert bench_ctr.limit_bytes_per_step(3.5, dense=10) == 3.5 * 72 * 2 + 80
+    with pytest.raises(ValueError, match=r"\[batches, batch, F\]"):
+        bench_ctr.distinct_ids_per_step([[1, 2]])
+
+
+def test_ctr_socket_counters_are_read_per_connection_of_the_given_processes(monkeypatch):
+    from tf_asyncps.app import bench_ctr
+    out = ("0 0 127.0.0.1:5001 127.0.0.1:41000 users:((\"python\",pid=11,fd=7))\n"
+           "\t cubic bytes_sent:100 bytes_acked:101 bytes_received:2000 segs_out:3\n"
+           "0 0 127.0.0.1:41000 127.0.0.1:5001 users:((\"python\",pid=12,fd=9))\n"
+           "\t cubic bytes_sent:2000 bytes_received:100\n"
+           "0 0 127.0.0.1:41002 127.0.0.1:5002 users:((\"python\",pid=11,fd=8))\n"
+           "\t cubic bytes_received:50\n")
+    monkeypatch.setattr(bench_ctr.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, out, ""))
+    got = bench_ctr.socket_bytes([11])
+    assert got == {(11, "127.0.0.1:5001", "127.0.0.1:41000"): [100, 2000],
+                   (11, "127.0.0.1:41002", "127.0.0.1:5002"): [0, 50]}
+    # A connection seen only in the second reading counts from zero.
+    before = {(11, "127.0.0.1:5001", "127.0.0.1:41000"): [40, 500]}
+    assert bench_ctr._bytes_between(before, got) == (60, 1550)
+
+
+def _ctr_entry(name, cpu, nbytes, auc, loss, rates=(20.0, 22.0)):
+    reps = [dict(_result(name, r, acc=0.75), cpu_s_per_step={"chief": 0.001, "ps:0": c / 2,
+                                                              "worker:0": c / 2 - 0.001},
+                 cpu_s_per_step_total=c, bytes_per_step=b, bytes_sent_per_step=b / 2,
+                 bytes_received_per_step=b / 2, limit_bytes_per_step=1.6e6,
+                 test_auc=a, test_loss=lo, rows=[10, 20])
+            for r, c, b, a, lo in zip(rates, cpu, nbytes, auc, loss)]
+    return bench.aggregate_repeats({"name": name, "num_workers": 1, "spe": 16, "model": "ctr",
+                                    "max_rows": 20, "scale": 1.0}, reps)
+
+
+def test_ctr_report_ratios_targets_and_table():
+    settings = {"batch_size": 32, "learning_rate": 0.1, "seed": 0, "steps": 480,
+                "eval_every": 160, "target_accuracy": 0.9, "repeats": 2}
+    results = [_ctr_entry("vanilla@ctr", [0.050, 0.054], [2.2e6, 2.2e6], [0.63, 0.64],
+                          [0.55, 0.55]),
+               _ctr_entry("vanilla_one_table@ctr", [0.040, 0.040], [2.2e6, 2.2e6],
+                          [0.63, 0.63], [0.55, 0.55]),
+               _ctr_entry("async@ctr", [0.048, 0.056], [1.6e6, 1.6e6], [0.63, 0.64],
+                          [0.55, 0.55]),
+               _ctr_entry("best@ctr", [0.024, 0.026], [0.36e6, 0.38e6], [0.628, 0.641],
+                          [0.56, 0.5775])]
+    doc = bench_report.summarize(results, settings)
+    by = {r["name"]: r for r in doc["results"]}
+    best = by["best@ctr"]
+    assert best["cpu_s_per_step"]["ps:0"] == pytest.approx(0.0125)
+    assert best["cpu_s_per_step_range"]["ps:0"] == pytest.approx([0.012, 0.013])
+    assert best["x_vanilla_cpu"] == pytest.approx(0.025 / 0.052)
+    assert best["x_vanilla_cpu_range"] == pytest.approx([0.024 / 0.05, 0.026 / 0.054])
+    assert best["x_vanilla_bytes"] == pytest.approx(0.37 / 2.2)
+    assert best["x_limit"] == pytest.approx(0.37 / 1.6)
+    checks = {c["check"]: c for c in doc["checks"]}
+    c = checks["best@ctr CPU per worker step / vanilla PSS's"]
+    assert (c["aim"], c["verdict"]) == ("<= 0.5", "met")  # 0.48, paired 0.48 and 0.48
+    assert checks["best@ctr CPU per worker step / vanilla one-table's"]["verdict"] == "met"
+    # async: 1.04 median, paired 0.96 and 1.037: straddles 1.0.
+    assert checks["async@ctr CPU per worker step / vanilla PSS's"]["verdict"] == "unclear"
+    assert checks["best@ctr bytes per worker step / vanilla PSS's"]["verdict"] == "met"
+    # Log loss: paired 0.56 / 0.55 = 1.018 and 0.5775 / 0.55 = 1.05 straddle 1.03.
+    c = checks["best@ctr held-out log loss / vanilla PSS's"]
+    assert c["range"] == pytest.approx([0.56 / 0.55, 1.05]) and c["verdict"] == "unclear"
+    # AUC: -0.002 and +0.001 per repeat, both above -0.005.
+    c = checks["best@ctr held-out AUC - vanilla PSS's"]
+    assert c["range"] == pytest.approx([-0.002, 0.001]) and c["verdict"] == "met"
+    assert not any("Mbit" in k for k in checks)  # loopback: no steps/s target
+    md = bench_report.markdown(doc)
+    assert "| best@ctr | 21.0 (20.0-22.0) | 25.0 (24.0-26.0) | 0.48 (0.48-0.48) | 1.0 | " \
+           "12.5 (12.0-13.0) | 11.5 (11.0-12.0) | 370 (360-380) | 0.17 (0.16-0.17) | 1600 | " \
+           "0.23 (0.23-0.24) | 0.6345 (0.6280-0.6410) | 0.5688 (0.5600-0.5775) |" in md
+    assert "| target |" in md and "| <= 0.5 | met |" in md and "Digits MLP" not in md
+    assert "| best@ctr held-out AUC - vanilla PSS's | -0.0005 (-0.0020-0.0010) | >= -0.005 |" \
+        in md
+    assert bench_report.verdict(0.9, [0.8, 1.1], 1.0, at_most=True) == "unclear"
+    assert bench_report.verdict(1.2, [1.1, 1.3], 1.0, at_most=True) == "not met"
+
+
+@pytest.mark.cluster
+def test_tiny_ctr_bench_counts_at_least_the_limit_of_its_batches(tmp_path):
+    """One async@ctr run on 1 worker and 2 ps, tables of at most 300 rows: the
+    bytes counted on the worker's sockets are at least the limit recomputed
+    here from the worker's batches, and every reported field is there."""
+    import numpy as np
+    from tf_asyncps.app import bench_ctr, ctr_data
+    out = tmp_path / "bench"
+    run_command([sys.executable, "-m", "tf_asyncps", "bench", "--bench_only=async@ctr",
+                 "--num_workers=1", "--bench_ctr_max_rows=300", "--bench_steps=32",
+                 "--bench_eval_every=16", "--bench_repeats=1", f"--output_dir={out}"],
+                timeout=150)
+    doc = json.load(open(out / "bench.json"))
+    (r,) = doc["results"]
+    rows = ctr_data.table_rows(300)
+    data = ctr_data.make(rows, bench_ctr.ZIPF_A, 0)
+    x, _, _ = data.arrays(ctr_data.train_stream(0), bench_ctr.LIMIT_BATCHES * 512, 512)
+    sparse = x["sparse"].reshape(-1, 512, 26)
+    distinct = np.mean([sum(len(set(b[:, f])) for f in range(26)) for b in sparse])
+    limit = distinct * (8 + 4 * 16) * 2 + 2 * 4 * 129169
+    assert r["limit_bytes_per_step"] == pytest.approx(limit)
+    assert r["bytes_per_step"] >= limit, r
+    assert r["bytes_per_step"] == r["bytes_sent_per_step"] + r["bytes_received_per_step"]
+    assert set(r["cpu_s_per_step"]) == {"chief", "ps:0", "ps:1", "worker:0"}
+    assert r["cpu_s_per_step_total"] == pytest.approx(sum(r["cpu_s_per_step"].values()))
+    assert all(v > 0 for v in r["cpu_s_per_step"].values() if v is not None)
+    assert 0.0 <= r["test_auc"] <= 1.0 and r["test_loss"] > 0 and r["steps_per_sec"] > 0
+    assert r["staleness"]["global_step"] == 32 and r["repeats"][0]["rows"] == list(rows)
+    assert r["x_limit"] == pytest.approx(r["bytes_per_step"] / limit)
+    md = (out / "bench.md").read_text()
+    assert "| async@ctr |" in md and "× limit | AUC | log loss |" in md

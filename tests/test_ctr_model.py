@@ -31,7 +31,7 @@ def _inputs(rows, batch=8, raw=False, seed=0):
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "3"])
-@pytest.mark.parametrize("embedding", ["tables", "collection"])
+@pytest.mark.parametrize("embedding", ["tables", "offset", "collection"])
 def test_dlrm_builds_and_its_interaction_is_the_upper_triangle_of_x_xt(keras, embedding):
     k = _keras(keras)
     model = ctr_model.build(ROWS, dim=4, bottom=(8,), top=(16, 8), seed=0,
@@ -60,6 +60,10 @@ def test_dlrm_builds_and_its_interaction_is_the_upper_triangle_of_x_xt(keras, em
     else:
         (table,) = [w for w in model.weights if "embeddings" in w.name]
         assert tuple(table.shape) == (sum(ROWS), 4)
+    if embedding == "offset":
+        # Feature f's id i is row i + rows[0] + ... + rows[f-1] of the one table.
+        np.testing.assert_allclose(rows[:, 2], np.asarray(table)[
+            x["sparse"][:, 2] + ROWS[0] + ROWS[1]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "3"])

@@ -68,7 +68,8 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
                     only: Optional[List[str]] = None,
                     large_model: bool = True,
                     straggler_steps: Optional[int] = None,
-                    large_model_steps: Optional[int] = None) -> List[Dict[str, Any]]:
+                    large_model_steps: Optional[int] = None,
+                    ctr: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """The runs of one bench invocation (dicts, JSON-serialisable).
 
     Args:
@@ -88,6 +89,9 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
         worker makes its steps the slowest of the bench.
       large_model_steps: the "mlp_1m" runs' length in worker steps (None: the
         bench's); their steps are the bench's next slowest.
+      ctr: the CTR runs' table sizes, ``{"max_rows", "scale"}``; those runs
+        (NAME@ctr, :mod:`tf_asyncps.app.bench_ctr`) run only when ``only``
+        names them, or holds ``ctr`` (all of them).
 
     Raises:
       ValueError: an unknown name in ``only``.
@@ -120,7 +124,20 @@ def default_configs(num_workers: int = 2, sync_every: int = 16,
         more = {} if large_model_steps is None else {"steps": large_model_steps}
         runs += [dict(r, name=f"{r['name']}@1m", model="mlp_1m", **more) for r in runs
                  if r["name"] in LARGE_MODEL_RUNS]
-    return _only(runs, only)
+    return _with_ctr(runs, only, num_workers, steps_per_execution, ctr, hosts=False)
+
+
+def _with_ctr(runs, only, num_workers, steps_per_execution, ctr, hosts, mode=""):
+    """``runs`` and the CTR runs (NAME@ctr, bench_ctr.py), which run only when
+    named in ``only`` (``ctr``: all of them); ``ctr``: their
+    ``{"max_rows", "scale"}`` (default: the issue's scale)."""
+    from tf_asyncps.app import bench_ctr
+    only = bench_ctr.expand_only(only)
+    if not only or not any(o.endswith("@ctr") for o in only):
+        return _only(runs, only, mode)
+    runs = runs + bench_ctr.ctr_configs(num_workers, steps_per_execution, hosts=hosts,
+                                        **(ctr or {}))
+    return _only(runs, only, mode)
 
 
 def _only(runs, only, mode=""):
@@ -138,13 +155,15 @@ def _only(runs, only, mode=""):
 def hosts_configs(num_workers: int = 2, sync_every: int = 16,
                   steps_per_execution: int = 16,
                   only: Optional[List[str]] = None,
-                  local_sgd_steps: Optional[int] = None) -> List[Dict[str, Any]]:
+                  local_sgd_steps: Optional[int] = None,
+                  ctr: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """The runs of ``--bench_hosts=netns``: HOSTS_RUNS on "mlp_1m", named
     NAME@1m, and ``async+bf16@1m`` (``async``, ``wire_dtype="bfloat16"``),
     with ``num_workers`` workers and 1 ps, each task on its own host,
     then the embedding runs (:mod:`tf_asyncps.app.bench_emb`, NAME@emb, 2 ps;
     ``local_sgd@emb`` only when named). In ``only``, ``emb`` stands for the
-    default embedding runs.
+    default embedding runs; ``ctr`` the CTR runs (NAME@ctr, by name only, as
+    in :func:`default_configs`).
     ``local_sgd_steps`` (if set) is local_sgd's run length in worker steps
     (its ``"steps"``), in place of the bench's: at equal steps it lags (each
     worker sees the others' updates once per window), so its accuracy is
@@ -168,7 +187,8 @@ def hosts_configs(num_workers: int = 2, sync_every: int = 16,
     if not only:
         return [r for r in runs if r["model"] != "emb"
                 or r["name"] in bench_emb.DEFAULT_EMB_RUNS]
-    return _only(runs, bench_emb.expand_only(only), " for --bench_hosts=netns")
+    return _with_ctr(runs, bench_emb.expand_only(only), num_workers, steps_per_execution,
+                     ctr, hosts=True, mode=" for --bench_hosts=netns")
 
 
 def scaling_configs(steps_per_execution: int = 16,
@@ -226,9 +246,9 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
       the workers' link counters (bytes on the wire, headers included) over
       the steps measured, per worker step.
     """
-    if run.get("model") == "emb":
-        from tf_asyncps.app import bench_emb
-        out = bench_emb.run_one(run, settings)
+    if run.get("model") in ("emb", "ctr"):
+        from tf_asyncps.app import bench_ctr, bench_emb
+        out = (bench_emb if run["model"] == "emb" else bench_ctr).run_one(run, settings)
         out["peak_rss_mb"] = peak_rss_mb(dict(out["task_pids"], chief=os.getpid()))
         return out
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -411,6 +431,8 @@ def run_all(runs: List[Dict[str, Any]], settings: Dict[str, Any],
                     acc = result["test_accuracy"]
                     say(f"    {result['steps_per_sec']:.0f} steps/s"
                         + ("" if acc is None else f", test accuracy {acc:.3f}")
+                        + (f", held-out AUC {result['test_auc']:.4f}"
+                           if result.get("test_auc") is not None else "")
                         + f" ({time.perf_counter() - t0:.0f} s; "
                         f"{time.perf_counter() - t_start:.0f} s so far)")
     finally:
@@ -484,7 +506,7 @@ def _run_child(run, settings, timeout_s, hosts=None):
 SPREAD_KEYS = ("steps_per_sec", "examples_per_sec", "updates_per_sec", "test_accuracy",
                "steps_to_target", "seconds_to_target", "bytes_sent_per_step",
                "bytes_received_per_step", "bytes_per_step", "limit_bytes_per_step",
-               "all_links_bytes_per_step")
+               "all_links_bytes_per_step", "test_auc", "test_loss", "cpu_s_per_step_total")
 
 
 def spread(values) -> Optional[Dict[str, float]]:
@@ -527,6 +549,11 @@ def aggregate_repeats(run: Dict[str, Any], repeats: List[Dict[str, Any]]) -> Dic
     entry["peak_rss_mb"] = {  # per task: the highest over the repeats
         k: max((p[k] for p in peaks if p.get(k) is not None), default=None)
         for k in sorted({k for p in peaks for k in p})}
+    if any(r.get("cpu_s_per_step") for r in ok):  # NAME@ctr: CPU per step by task
+        tasks = sorted({t for r in ok for t in r.get("cpu_s_per_step") or {}})
+        sp = {t: spread((r.get("cpu_s_per_step") or {}).get(t) for r in ok) for t in tasks}
+        entry["cpu_s_per_step"] = {t: v and v["median"] for t, v in sp.items()}
+        entry["cpu_s_per_step_range"] = {t: v and [v["min"], v["max"]] for t, v in sp.items()}
     middle = sorted(ok, key=lambda r: r["steps_per_sec"])[(len(ok) - 1) // 2]
     entry["segments"] = middle["segments"]
     entry["staleness"] = middle.get("staleness")

@@ -17,7 +17,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), e.g. "
                   "single,vanilla,async,local_sgd; with --bench_hosts=netns, emb: the "
                   "embedding runs vanilla@emb,async@emb,async+dedup@emb (local_sgd@emb, "
-                  "dynamic@emb: by name).")
+                  "dynamic@emb: by name); ctr: the CTR runs (single@ctr, vanilla@ctr, "
+                  "vanilla_one_table@ctr, async@ctr, async_one_table@ctr, async_bf16@ctr, "
+                  "best@ctr, keras3@ctr; loopback or netns; only when named).")
 flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
 flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)
@@ -57,6 +59,12 @@ flags.DEFINE_float("bench_bandwidth_mbit", 100.0, "bench --bench_hosts=netns: ea
 flags.DEFINE_boolean("bench_scaling", False, "bench: instead of the policy runs, async on "
                      "the digits MLP with 1, 2 and 4 workers and 1 and 2 ps tasks: steps/s "
                      "and peak memory per task as the cluster grows.")
+flags.DEFINE_integer("bench_ctr_max_rows", 1_000_000, "bench NAME@ctr runs: rows per "
+                     "categorical feature at most (the Criteo Kaggle cardinalities capped; "
+                     "1000000: the issue's 5.57M rows; 20000 runs here in minutes).",
+                     lower_bound=1)
+flags.DEFINE_float("bench_ctr_scale", 1.0, "bench NAME@ctr runs: each feature's rows "
+                   "(after --bench_ctr_max_rows) times this, in (0, 1].")
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
                    "and reported as failed.", lower_bound=1.0)
 
@@ -90,6 +98,7 @@ def cmd_bench(argv):
     if FLAGS.bench_scaling and netns:
         raise ValueError("--bench_scaling runs on loopback; drop --bench_hosts=netns (or "
                          "--bench_scaling).")
+    ctr = {"max_rows": FLAGS.bench_ctr_max_rows, "scale": FLAGS.bench_ctr_scale}
     if FLAGS.bench_scaling:
         runs = bench.scaling_configs(steps_per_execution=FLAGS.bench_steps_per_execution,
                                      only=FLAGS.bench_only or None)
@@ -98,7 +107,7 @@ def cmd_bench(argv):
             num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
             steps_per_execution=FLAGS.bench_steps_per_execution,
             only=FLAGS.bench_only or None,
-            local_sgd_steps=FLAGS.bench_hosts_local_sgd_steps or None)
+            local_sgd_steps=FLAGS.bench_hosts_local_sgd_steps or None, ctr=ctr)
         # Bandwidth-bound steps are slow: shorter runs unless asked.
         if not FLAGS["bench_steps"].present:
             FLAGS.bench_steps = 320
@@ -111,7 +120,7 @@ def cmd_bench(argv):
             straggler_workers=FLAGS.bench_straggler_workers,
             straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None,
             straggler_steps=FLAGS.bench_straggler_steps or None,
-            large_model_steps=FLAGS.bench_1m_steps or None)
+            large_model_steps=FLAGS.bench_1m_steps or None, ctr=ctr)
     for r in runs:
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "

@@ -14,9 +14,18 @@ from typing import Any, Dict, List
 from tf_asyncps.app.bench import MODELS
 
 __all__ = ["summarize", "markdown", "write_outputs", "ratio", "verdict", "peak_by_kind",
-           "TARGETS",
+           "TARGETS", "CTR_TARGETS",
            "LOCAL_SGD_TARGETS", "BACKUP_TARGET", "HOSTS_TARGETS"]
 
+#: The CTR runs (NAME@ctr, issue 39 item 6): best@ctr's CPU and bytes per
+#: worker step at most these times vanilla PSS's (26 tables) and the one-table
+#: vanilla's, its held-out log loss at most 1.03x and AUC at least -0.005 from
+#: vanilla's; async's CPU at most vanilla's on each model; on rate-limited
+#: links best@ctr's steps/s at least 2x vanilla's.
+CTR_TARGETS = {"best_cpu_x_vanilla": 0.5, "best_cpu_x_one_table": 0.75,
+               "best_bytes_x_vanilla": 0.3, "best_loss_x_vanilla": 1.03,
+               "best_auc_vs_vanilla": -0.005, "async_cpu_x_vanilla": 1.0,
+               "best_x_vanilla_netns": 2.0}
 #: Throughput ratios to vanilla PSS (same model) that the project aims for.
 TARGETS = {"async": 0.95, "drop_stale": 0.95, "staleness_aware": 0.95,
            "dc_asgd": 0.85, "async+locking": 0.85}
@@ -54,12 +63,15 @@ def ratio(a, b, key="steps_per_sec"):
     return a[key] / b[key], _paired(a, b, key, lambda x, y: x / y if y else None)
 
 
-def verdict(value, value_range, target) -> str:
-    """"met" when the whole range clears ``target``, "not met" when all of
-    it falls short, "unclear" when it straddles; "no data" without a value."""
+def verdict(value, value_range, target, at_most: bool = False) -> str:
+    """"met" when the whole range clears ``target`` (is >= it; <= it with
+    ``at_most``), "not met" when all of it falls short, "unclear" when it
+    straddles; "no data" without a value."""
     if value is None:
         return "no data"
     lo, hi = value_range or (value, value)
+    if at_most:
+        lo, hi, target = -hi, -lo, -target
     if lo >= target:
         return "met"
     if hi < target:
@@ -72,7 +84,7 @@ def _by_name(results):
 
 
 def _suffix(model):
-    return {"mlp": "", "emb": "@emb"}.get(model, "@1m")
+    return {"mlp": "", "emb": "@emb", "ctr": "@ctr"}.get(model, "@1m")
 
 
 def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -89,6 +101,9 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
         base = ok.get("vanilla" + sfx)
         r["x_vanilla_bytes"], r["x_vanilla_bytes_range"] = (
             ratio(r, base, "bytes_per_step") if base else (None, None))
+        if r.get("cpu_s_per_step_total") is not None:
+            r["x_vanilla_cpu"], r["x_vanilla_cpu_range"] = (
+                ratio(r, base, "cpu_s_per_step_total") if base else (None, None))
         # Bytes over the limit of the run's id stream (one stream: one limit).
         lim = r.get("limit_bytes_per_step")
         if lim and r.get("bytes_per_step") is not None:
@@ -101,10 +116,13 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
                                       or [r["all_links_bytes_per_step"]] * 2]
     checks = []
 
-    def check(what, value, value_range, target):
-        v = verdict(value, value_range, target)
+    def check(what, value, value_range, target, at_most=False, spec=".2f"):
+        v = verdict(value, value_range, target, at_most)
         checks.append({"check": what, "value": value, "range": value_range,
-                       "target": target, "verdict": v, "met": v == "met"})
+                       "target": target, "aim": f"{'<=' if at_most else '>='} {target:g}",
+                       "verdict": v, "met": v == "met", "spec": spec})
+
+    _ctr_checks(ok, settings, check)
 
     for model in MODELS:
         sfx, label = _suffix(model), f" ({model})"
@@ -150,6 +168,38 @@ def summarize(results: List[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[s
     }
 
 
+def _ctr_checks(ok, settings, check) -> None:
+    """The CTR runs' targets (CTR_TARGETS): CPU and bytes per worker step and
+    held-out quality of best@ctr and async@ctr against vanilla PSS's."""
+    van, one, best = ok.get("vanilla@ctr"), ok.get("vanilla_one_table@ctr"), ok.get("best@ctr")
+    t = CTR_TARGETS
+    cpu = "cpu_s_per_step_total"
+    for name, base, what, target in (
+            ("best@ctr", van, "vanilla PSS's", t["best_cpu_x_vanilla"]),
+            ("best@ctr", one, "vanilla one-table's", t["best_cpu_x_one_table"]),
+            ("async@ctr", van, "vanilla PSS's", t["async_cpu_x_vanilla"]),
+            ("async_one_table@ctr", one, "vanilla one-table's", t["async_cpu_x_vanilla"])):
+        r = ok.get(name)
+        if r and base and r.get(cpu) is not None and base.get(cpu):
+            check(f"{name} CPU per worker step / {what}", *ratio(r, base, cpu), target,
+                  at_most=True)
+    if not (best and van):
+        return
+    if best.get("bytes_per_step") is not None and van.get("bytes_per_step"):
+        check("best@ctr bytes per worker step / vanilla PSS's",
+              *ratio(best, van, "bytes_per_step"), t["best_bytes_x_vanilla"], at_most=True)
+    if best.get("test_loss") is not None and van.get("test_loss"):
+        check("best@ctr held-out log loss / vanilla PSS's", *ratio(best, van, "test_loss"),
+              t["best_loss_x_vanilla"], at_most=True)
+    if best.get("test_auc") is not None and van.get("test_auc") is not None:
+        check("best@ctr held-out AUC - vanilla PSS's", best["test_auc"] - van["test_auc"],
+              _paired(best, van, "test_auc", lambda x, y: x - y), t["best_auc_vs_vanilla"],
+              spec=".4f")
+    if settings.get("bandwidth_mbit"):
+        check(f"best@ctr steps/s / vanilla PSS's ({settings['bandwidth_mbit']:g} Mbit/s "
+              f"links)", *ratio(best, van), t["best_x_vanilla_netns"])
+
+
 def _fmt(v, spec=".2f"):
     return "–" if v is None else format(v, spec)
 
@@ -178,13 +228,20 @@ def markdown(bench: Dict[str, Any]) -> str:
     """The bench table (and target checks) as markdown."""
     s = bench["settings"]
     emb = [r for r in bench["results"] if r.get("model") == "emb"]
-    bench = dict(bench, results=[r for r in bench["results"] if r.get("model") != "emb"])
-    if not bench["results"]:  # embedding runs only: their table, memory and time
-        lines = _emb_table(emb, s, bench["machine"]) + _memory_table(emb)
+    ctr = [r for r in bench["results"] if r.get("model") == "ctr"]
+    bench = dict(bench, results=[r for r in bench["results"]
+                                 if r.get("model") not in ("emb", "ctr")])
+    if not bench["results"]:  # embedding/CTR runs only: their tables, memory and time
+        lines = []
+        if emb:
+            lines += _emb_table(emb, s, bench["machine"]) + [""]
+        if ctr:
+            lines += _ctr_table(ctr, s, bench["machine"]) + [""]
+        lines += _memory_table(emb + ctr)
         if s.get("bench_wall_time_s") is not None:
             lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
-                      f"({len(emb)} runs x {s.get('repeats', 1)} repeat(s))."]
-        return "\n".join(lines) + "\n"
+                      f"({len(emb) + len(ctr)} runs x {s.get('repeats', 1)} repeat(s))."]
+        return "\n".join(lines + _checks_table(bench["checks"])) + "\n"
     net = any(r.get("bytes_sent_per_step") is not None for r in bench["results"])
     where = (f"each task on a host of its own (Linux network namespace), links limited "
              f"to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf); "
@@ -231,20 +288,87 @@ def markdown(bench: Dict[str, Any]) -> str:
     lines += _memory_table(bench["results"])
     if emb:
         lines += [""] + _emb_table(emb, s, bench["machine"])
+    if ctr:
+        lines += [""] + _ctr_table(ctr, s, bench["machine"])
     if s.get("bench_wall_time_s") is not None:
         lines += ["", f"The bench ran {s['bench_wall_time_s'] / 60:.1f} min "
                   f"({len(bench['results'])} runs x {s.get('repeats', 1)} repeat(s))."]
-    if bench["checks"]:
-        lines += ["", "| target | measured: median (range) | aim | verdict |",
-                  "|---|---|---|---|"]
-        for c in bench["checks"]:
-            v = c["verdict"]
-            lines.append(f"| {c['check']} | {_fmt_range(c['value'], c.get('range'))} | "
-                         f">= {c['target']} | {v if v == 'met' else '**' + v + '**'} |")
-        lines += ["", "A target is met when the whole range of the per-repeat values clears "
-                  "the aim, not met when all of it falls short, and unclear when it "
-                  "straddles the aim."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _checks_table(bench["checks"])) + "\n"
+
+
+def _checks_table(checks) -> List[str]:
+    """The target checks: value, range, aim and verdict."""
+    if not checks:
+        return []
+    lines = ["", "| target | measured: median (range) | aim | verdict |", "|---|---|---|---|"]
+    for c in checks:
+        v = c["verdict"]
+        lines.append(f"| {c['check']} | "
+                     f"{_fmt_range(c['value'], c.get('range'), c.get('spec', '.2f'))} | "
+                     f"{c.get('aim', '>= ' + str(c['target']))} | "
+                     f"{v if v == 'met' else '**' + v + '**'} |")
+    return lines + ["", "A target is met when the whole range of the per-repeat values "
+                    "clears the aim, not met when all of it falls short, and unclear when "
+                    "it straddles the aim."]
+
+
+def _ctr_table(results, s, machine) -> List[str]:
+    """The CTR runs (NAME@ctr): steps/s, CPU per worker step by task, bytes per
+    worker step beside vanilla's and the limit, held-out AUC and log loss."""
+    from tf_asyncps.app import bench_ctr as c
+    ok = [r for r in results if "error" not in r]
+    rows = next((r["repeats"][0].get("rows") for r in ok
+                 if r.get("repeats") and "rows" in r["repeats"][0]), None)
+    tasks = sorted({t for r in ok for t in r.get("cpu_s_per_step") or {}} - {"chief", "single"})
+    on = ("the workers' links (headers included)" if s.get("hosts") else
+          "the workers' TCP connections (payload, kernel counters)")
+    lines = [
+        f"DLRM (bottom MLP {'-'.join(map(str, c.BOTTOM))}-{c.DIM}, rows of {c.DIM}, top MLP "
+        f"{'-'.join(map(str, c.TOP))}-1) on the CTR job's Criteo-shaped data: 26 tables, "
+        f"{'?' if rows is None else format(sum(rows), ',')} rows (--bench_ctr_max_rows="
+        f"{ok[0]['max_rows'] if ok else '?'}, --bench_ctr_scale={ok[0]['scale'] if ok else '?'}"
+        f"), Zipf({c.ZIPF_A}) ids, Adagrad({c.LEARNING_RATE}), {c.BATCH} examples per worker "
+        f"step, {s['steps']} worker steps per run, {ok[0]['spe'] if ok else '?'} per closure, "
+        f"2 workers and {c.NUM_PS} ps"
+        + (f", links limited to {s['bandwidth_mbit']:g} Mbit/s" if s.get("bandwidth_mbit")
+           else "") + f"; {s.get('repeats', 1)} repeat(s) per run, interleaved: medians "
+        f"(min-max); {machine['cpus']} CPUs, TensorFlow {machine['tensorflow']}. CPU: ms of "
+        f"each process (/proc/PID/stat) per worker step after the first segment. Bytes: "
+        f"{on}, sent + received, per worker step. Limit: distinct (feature, id) pairs of a "
+        f"batch x (8 B id + 4 B x {c.DIM}) both ways, plus the dense part's float32 "
+        f"both ways. AUC and log loss: {c.TEST_EXAMPLES:,} held-out examples after the run.",
+        "",
+        "| run | steps/s | CPU ms / step | × vanilla CPU | chief (single) ms | "
+        + " | ".join(f"{t} ms" for t in tasks) + " | KB / step | × vanilla bytes | limit KB | "
+        "× limit | AUC | log loss |",
+        "|---" * (11 + len(tasks)) + "|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0]} |"
+                         + " |" * (9 + len(tasks)))
+            continue
+        cpu, rng = r.get("cpu_s_per_step") or {}, r.get("cpu_s_per_step_range") or {}
+        def ms(t):
+            return _fmt_range(None if cpu.get(t) is None else cpu[t] * 1e3,
+                              rng.get(t) and [x * 1e3 for x in rng[t]], ".1f")
+        tot, tot_rng = r.get("cpu_s_per_step_total"), r.get("cpu_s_per_step_total_range")
+        lim = r.get("limit_bytes_per_step")
+        total = _fmt_range(None if tot is None else tot * 1e3,
+                           tot_rng and [x * 1e3 for x in tot_rng], ".1f")
+        lines.append(
+            f"| {r['name']} | "
+            f"{_fmt_range(r['steps_per_sec'], r.get('steps_per_sec_range'), '.1f')} | "
+            f"{total} | "
+            f"{_fmt_range(r.get('x_vanilla_cpu'), r.get('x_vanilla_cpu_range'))} | "
+            f"{ms('chief') if 'chief' in cpu else ms('single')} | "
+            + "".join(f"{ms(t)} | " for t in tasks)
+            + f"{_kb(r, 'bytes_per_step', '.0f')} | "
+            f"{_fmt_range(r.get('x_vanilla_bytes'), r.get('x_vanilla_bytes_range'))} | "
+            f"{_fmt(None if lim is None else lim / 1e3, '.0f')} | "
+            f"{_fmt_range(r.get('x_limit'), r.get('x_limit_range'))} | "
+            f"{_fmt_range(r.get('test_auc'), r.get('test_auc_range'), '.4f')} | "
+            f"{_fmt_range(r.get('test_loss'), r.get('test_loss_range'), '.4f')} |")
+    return lines
 
 
 def _emb_table(results, s, machine) -> List[str]:

@@ -48,8 +48,9 @@ flags.DEFINE_float("ctr_scale", 1.0, "dlrm: each feature's (capped) rows times t
                    "least 1 (in (0, 1]; scales the tables down for tests).")
 flags.DEFINE_float("ctr_zipf", 1.1, "dlrm: Zipf exponent of each feature's ids (0: uniform).",
                    lower_bound=0.0)
-flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "collection", "dynamic"],
-                  "dlrm: one Embedding per feature (tables), one tf_asyncps.layers."
+flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "offset", "collection", "dynamic"],
+                  "dlrm: one Embedding per feature (tables), one Embedding read at ids "
+                  "offset per feature (offset), one tf_asyncps.layers."
                   "EmbeddingCollection for all (collection), or a DynamicEmbedding per "
                   "feature on raw 64-bit ids (dynamic; --dynamic_capacity, "
                   "--dynamic_evict_every).")

@@ -8,9 +8,12 @@ Model for Personalization and Recommendation Systems", 2019), tf_keras or Keras 
     X = [b, E] [batch, 27, dim];  Z = X X^T;  the 351 entries above Z's diagonal
     top MLP (ReLU, sizes top) on [b, those entries] -> Dense(1) -> logit [batch, 1]
 
-The rows come from one of three ``embedding`` kinds:
+The rows come from one of four ``embedding`` kinds:
 
 * ``tables``: one ``Embedding(rows[f], dim)`` per feature (as users write it);
+* ``offset``: one ``Embedding(sum(rows), dim)`` read at ``id + offset[f]``,
+  ``offset[f] = rows[0] + ... + rows[f-1]`` (the one-table model a user
+  writes in a few lines, without this project's layers);
 * ``collection``: one ``tf_asyncps.layers.EmbeddingCollection(rows, dim)``
   (the 26 tables as row ranges of one variable);
 * ``dynamic``: one ``tf_asyncps.layers.DynamicEmbedding(dim, capacity[f])``
@@ -27,7 +30,7 @@ from tf_asyncps.app.ctr_data import NUM_DENSE
 
 __all__ = ["EMBEDDINGS", "build", "interaction_width"]
 
-EMBEDDINGS = ("tables", "collection", "dynamic")
+EMBEDDINGS = ("tables", "offset", "collection", "dynamic")
 
 
 def interaction_width(num_features: int, dim: int) -> int:
@@ -93,6 +96,11 @@ def _rows(k, sparse, rows, dim, embedding, seed, dynamic):
                              f"--ctr_embedding=tables.") from None
         return EmbeddingCollection(list(rows), dim, embeddings_initializer=init,
                                    name="embedding_collection", keras=keras_name)(sparse)
+    if embedding == "offset":
+        offsets = np.cumsum([0] + list(rows[:-1])).astype(np.int32)
+        shifted = k.layers.Lambda(lambda x: x + offsets, name="offset_ids")(sparse)
+        return k.layers.Embedding(int(sum(rows)), dim, embeddings_initializer=init,
+                                  name="embedding")(shifted)
     stack = k.layers.Reshape((f, dim))
     parts = []
     if embedding == "dynamic":
@@ -121,7 +129,7 @@ def build(rows: Sequence[int], dim: int = 16, bottom=(64,), top=(256, 128), seed
       bottom: the bottom MLP's hidden sizes before its last layer (of ``dim``).
       top: the top MLP's hidden sizes; a Dense(1) follows.
       seed: initialiser seed.
-      embedding: "tables", "collection" or "dynamic" (module docstring).
+      embedding: "tables", "offset", "collection" or "dynamic" (module docstring).
       keras: tf_keras (default) or Keras 3 (``keras``).
       dynamic: for "dynamic": ``{"capacity": [rows per feature], "evict_every": int}``.
 
