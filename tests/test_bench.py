@@ -635,6 +635,7 @@ def test_ctr_report_ratios_targets_and_table():
 
 
 @pytest.mark.cluster
+@pytest.mark.long  # the socket counting path: test_tiny_embedding_bench_reads_distinct_rows_only_with_dedup
 def test_tiny_ctr_bench_counts_at_least_the_limit_of_its_batches(tmp_path):
     """One async@ctr run on 1 worker and 2 ps, tables of at most 300 rows: the
     bytes counted on the worker's sockets are at least the limit recomputed
