@@ -68,23 +68,6 @@ def check_arguments(input_dims, output_dim):
                            hint="the width of each row")
 
 
-def _check_keras_input(x, keras: str, layer) -> None:
-    """The other Keras's symbolic tensor is refused, naming the class to use."""
-    kind = type(x)
-    if kind.__name__ != "KerasTensor":
-        return
-    other = "keras3" if kind.__module__.startswith("keras.") else (
-        "tf_keras" if kind.__module__.startswith("tf_keras.") else None)
-    if other is None or other == keras:
-        return
-    use = ("tf_asyncps.keras3.EmbeddingCollection" if other == "keras3"
-           else "tf_asyncps.layers.embedding_collection.EmbeddingCollection")
-    raise TypeError(
-        f"{_NAME} {layer.name!r} is the {'tf_keras' if keras == 'tf_keras' else 'Keras 3'} "
-        f"layer and got a {'Keras 3' if other == 'keras3' else 'tf_keras'} KerasTensor: make "
-        f"it with tf_asyncps.layers.{_NAME}(..., keras=\"{other}\") or {use}(...).")
-
-
 class _Mixin:
     """What both Keras layers share: the checks, the offsets, the lookup, export."""
 
@@ -95,7 +78,7 @@ class _Mixin:
 
     def __call__(self, *args, **kwargs):
         if args:
-            _check_keras_input(args[0], self._keras, self)
+            keras_choice.check_input(args[0], self._keras, self, module=__name__, guide="")
         return super().__call__(*args, **kwargs)
 
     def _table_value(self):

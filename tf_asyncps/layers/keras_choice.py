@@ -89,13 +89,18 @@ def choose(keras=None, frame=None, layer: str = "DynamicEmbedding", frames: int 
     return "tf_keras"
 
 
-def check_input(x, keras: str, layer) -> None:
+def check_input(x, keras: str, layer, *,
+                module: str = "tf_asyncps.layers.dynamic_embedding",
+                guide: str = ' (which Keras tf_asyncps.layers.{name} picks: '
+                             'docs/guides/dynamic_embeddings.md, "Which Keras")') -> None:
     """Refuses the other Keras's symbolic tensor as a layer's input.
 
     Args:
       x: the input.
       keras: the Keras the layer is for ("tf_keras" or "keras3").
       layer: the layer (its class and name go in the error).
+      module: the module of the layer's tf_keras class (named in the error).
+      guide: said after the fix; ``{name}`` is the class name.
 
     Raises:
       TypeError: ``x`` is a symbolic tensor (``KerasTensor``) of the other
@@ -110,13 +115,12 @@ def check_input(x, keras: str, layer) -> None:
         return
     name = type(layer).__name__
     use = (f"tf_asyncps.keras3.{name}" if other == "keras3"
-           else f"tf_asyncps.layers.dynamic_embedding.{name}")
+           else f"{module}.{name}")
     raise TypeError(
         f"{name} {layer.name!r} is the {'tf_keras' if keras == 'tf_keras' else 'Keras 3'} "
         f"layer and got a {'Keras 3' if other == 'keras3' else 'tf_keras'} KerasTensor: make "
-        f"it with tf_asyncps.layers.{name}(..., keras=\"{other}\") or {use}(...) "
-        f"(which Keras tf_asyncps.layers.{name} picks: docs/guides/dynamic_embeddings.md, "
-        f"\"Which Keras\").")
+        f"it with tf_asyncps.layers.{name}(..., keras=\"{other}\") or {use}(...)"
+        f"{guide.format(name=name)}.")
 
 
 class _Picker(type):
