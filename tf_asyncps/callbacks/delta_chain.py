@@ -13,6 +13,12 @@ engine applies (a dense gradient marks every row). The mark is written on
 the ps inside the update from indices already there: no byte more on the
 wire. :meth:`DirtyRows.clear` zeroes the marks after a save.
 
+Several readers (the backups, a serving stream; as TorchRec's
+ModelDeltaTracker has consumers) share one mark per row: the update sets
+all 8 bits (one scatter, whatever the number of readers) and each reader
+(:class:`DirtyReader`, :func:`shared_reader`) owns one bit, reads the rows
+with its bit set and clears only its bit.
+
 On disk, one delta is a folder (``delta-<N>/``):
 
 * ``<i>.npz`` per table shard ``i``: ``ids`` (int64 ``[k]``), ``values``
@@ -32,6 +38,7 @@ final name; :func:`read_chain` refuses any that is wrong anyway.
 import hashlib
 import os
 import shutil
+import weakref
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -39,11 +46,14 @@ import tensorflow as tf
 
 from tf_asyncps.files import atomic_write_json, read_json
 
-__all__ = ["DirtyRows", "ModelDeltas", "write_delta", "read_chain", "apply_delta", "gather_rows",
-           "ChainError", "DELTA_FORMAT"]
+__all__ = ["DirtyRows", "DirtyReader", "shared_reader", "ModelDeltas", "write_delta",
+           "read_chain", "apply_delta", "gather_rows", "load_file", "shards_of", "ChainError",
+           "DELTA_FORMAT"]
 
 DELTA_FORMAT = 1
 _META = "meta.json"
+_ALL = -1  # int8 with its 8 bits set: every reader's
+_READER_BITS = 8
 
 
 class ChainError(ValueError):
@@ -71,6 +81,7 @@ class DirtyRows:
     def __init__(self, variables: Sequence[tf.Variable]):
         self.marks: Dict[str, tf.Variable] = {}
         self._by_id: Dict[int, tf.Variable] = {}
+        self.bits_taken = 0  # readers' bits (DirtyReader)
         for v in variables:
             if v.shape.rank != 2 or v.shape[0] is None:
                 raise ValueError(f"DirtyRows: {v.name} has shape {v.shape}; give 2-D table "
@@ -100,9 +111,9 @@ class DirtyRows:
             if isinstance(grad, tf.IndexedSlices):
                 ids = tf.cast(grad.indices, tf.int64)
                 op = mark.scatter_update(tf.IndexedSlices(
-                    tf.ones_like(ids, tf.int8), ids))
+                    tf.fill(tf.shape(ids), tf.constant(_ALL, tf.int8)), ids))
             else:
-                op = mark.assign(tf.ones_like(mark))
+                op = mark.assign(tf.fill(tf.shape(mark), tf.constant(_ALL, tf.int8)))
         with tf.control_dependencies([op]):
             if isinstance(grad, tf.IndexedSlices):
                 return tf.IndexedSlices(tf.identity(grad.values), grad.indices,
@@ -114,14 +125,107 @@ class DirtyRows:
         from tf_asyncps.core.table_seam import TableHooks
         return TableHooks(name=name, owns=self.owns, filter_gradient=self.mark)
 
+    def mark_of(self, var) -> tf.Variable:
+        """The mark variable of ``var`` (KeyError if not tracked)."""
+        return self._by_id[id(var)]
+
     def dirty_ids(self, var) -> np.ndarray:
         """Rows of ``var`` marked since the last :meth:`clear` (int64 ``[k]``, sorted)."""
         return np.flatnonzero(self._by_id[id(var)].numpy()).astype(np.int64)
 
     def clear(self) -> None:
-        """Zeroes every mark (after a save, at a quiet point)."""
+        """Zeroes every mark, every reader's bit (after a save, at a quiet point)."""
         for mark in self.marks.values():
             mark.assign(tf.zeros_like(mark))
+
+
+class DirtyReader:
+    """One reader's view of shared dirty marks: the rows written since this
+    reader's last :meth:`clear`, whatever the other readers cleared.
+
+    Args:
+      marks: ``[(variable, DirtyRows tracking it)]``.
+      bit: int in [0, 8), this reader's bit in each mark.
+      name: the reader's name, for messages.
+    """
+
+    def __init__(self, marks, bit: int, name: str):
+        self.name = name
+        self.bit = int(bit)
+        self._mask = np.int8(np.uint8(1 << self.bit).view(np.int8))
+        self._rows = {id(v): (v, rows) for v, rows in marks}
+
+    def owns(self, var) -> bool:
+        """Whether ``var`` is one of the variables read."""
+        return id(var) in self._rows
+
+    def mark(self, grad, var):
+        """``grad`` after its rows are marked (every reader's bit): for a
+        one-process loop without the strategy's table seam; ``grad`` as it
+        is for a variable not read."""
+        owner = self._rows.get(id(var))
+        return grad if owner is None else owner[1].mark(grad, var)
+
+    def dirty_ids(self, var) -> np.ndarray:
+        """Rows of ``var`` written since this reader's last :meth:`clear`
+        (int64 ``[k]``, sorted)."""
+        _, rows = self._rows[id(var)]
+        return np.flatnonzero(rows.mark_of(var).numpy() & self._mask).astype(np.int64)
+
+    def clear(self) -> None:
+        """Clears this reader's bit in every mark (on each mark's device);
+        the other readers' bits stay. Call it at a quiet point (no update
+        in flight), right after reading."""
+        keep = tf.constant(~self._mask, tf.int8)
+        for var, rows in self._rows.values():
+            mark = rows.mark_of(var)
+            with tf.device(mark.device):
+                mark.assign(tf.bitwise.bitwise_and(mark, keep))
+
+
+#: id(variable) -> (weak reference to it, the DirtyRows tracking it).
+_SHARED: Dict[int, Tuple[weakref.ref, DirtyRows]] = {}
+
+
+def shared_reader(variables: Sequence[tf.Variable], name: str) -> DirtyReader:
+    """A new reader of the dirty marks of ``variables``, shared by every
+    reader of the same variables: the marks are made (and registered with
+    the strategy's table seam in scope, when it is this package's) for the
+    variables without any yet, and the reader takes a bit free in all of
+    them. Call it before the step that updates the variables is traced
+    (a traced step marks only with the filters registered before).
+
+    Args:
+      variables: the table variables (2-D, each shard of a partitioned one).
+      name: the reader's name (messages).
+
+    Raises:
+      ValueError: 8 readers read these marks already; or a variable is not 2-D.
+    """
+    from tf_asyncps.core.table_seam import seam_in_scope
+    for key in [k for k, (ref, _) in _SHARED.items() if ref() is None]:
+        del _SHARED[key]
+    new = [v for v in variables
+           if id(v) not in _SHARED or _SHARED[id(v)][0]() is not v]
+    if new:
+        rows = DirtyRows(new)
+        seam = seam_in_scope()
+        if seam is not None:
+            seam.register_table(rows.hooks("dirty_rows"))
+        for v in new:
+            _SHARED[id(v)] = (weakref.ref(v), rows)
+    pairs = [(v, _SHARED[id(v)][1]) for v in variables]
+    owners = list({id(r): r for _, r in pairs}.values())
+    taken = 0
+    for r in owners:
+        taken |= r.bits_taken
+    free = [b for b in range(_READER_BITS) if not taken >> b & 1]
+    if not free:
+        raise ValueError(f"shared_reader({name!r}): {_READER_BITS} readers read these tables' "
+                         "dirty marks already; use fewer DeltaPublisher/StepBackup objects.")
+    for r in owners:
+        r.bits_taken |= 1 << free[0]
+    return DirtyReader(pairs, free[0], name)
 
 
 def gather_rows(var, ids: np.ndarray, slots: Mapping[str, tf.Variable]) -> Dict[str, np.ndarray]:
@@ -153,7 +257,8 @@ def _save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> str:
 
 def write_delta(folder: str, *, base_id: str, seq: int,
                 shards: Mapping[str, Mapping[str, np.ndarray]],
-                dense: Mapping[str, np.ndarray], extra: Optional[dict] = None) -> str:
+                dense: Mapping[str, np.ndarray], extra: Optional[dict] = None,
+                kind: str = "delta") -> str:
     """Writes one delta as ``folder`` (temp folder, ``meta.json`` last, rename).
 
     Args:
@@ -163,6 +268,8 @@ def write_delta(folder: str, *, base_id: str, seq: int,
       shards: ``{shard name: gather_rows(...)}``.
       dense: ``{variable name: array}``, dense variables whole.
       extra: more keys for ``meta.json``.
+      kind: ``meta.json``'s ``kind``: "delta" (a backup's), "serving"
+        (tf_asyncps.export's stream: no slots).
 
     Returns: ``folder``.
     """
@@ -180,7 +287,7 @@ def write_delta(folder: str, *, base_id: str, seq: int,
     digest = _save_npz(os.path.join(tmp, "dense.npz"),
                        {str(i): np.asarray(dense[n]) for i, n in enumerate(dense_names)})
     meta = dict(extra or {})
-    meta.update({"format": DELTA_FORMAT, "kind": "delta", "base_id": str(base_id),
+    meta.update({"format": DELTA_FORMAT, "kind": kind, "base_id": str(base_id),
                  "seq": int(seq), "prev_seq": int(seq) - 1, "shards": meta_shards,
                  "dense": {"file": "dense.npz", "names": dense_names, "sha256": digest}})
     atomic_write_json(os.path.join(tmp, _META), meta)
@@ -190,7 +297,12 @@ def write_delta(folder: str, *, base_id: str, seq: int,
     return folder
 
 
-def _load(folder: str, file: str, digest: str, what: str) -> Dict[str, np.ndarray]:
+def load_file(folder: str, file: str, digest: str, what: str) -> Dict[str, np.ndarray]:
+    """The arrays of ``folder/file`` after checking its sha256 against ``digest``.
+
+    Raises:
+      ChainError: the file is missing or its sha256 differs (names it and ``what``).
+    """
     path = os.path.join(folder, file)
     if not os.path.isfile(path):
         raise ChainError(f"delta chain: {path} is missing ({what}); the delta is incomplete.")
@@ -201,9 +313,11 @@ def _load(folder: str, file: str, digest: str, what: str) -> Dict[str, np.ndarra
         return {k: z[k] for k in z.files}
 
 
-def read_chain(folders: Sequence[str], base_id: str) -> List[Tuple[str, dict]]:
+def read_chain(folders: Sequence[str], base_id: str,
+               kind: str = "delta") -> List[Tuple[str, dict]]:
     """Checks the deltas in ``folders`` (any order) form the contiguous chain
-    1..n of ``base_id``; returns ``[(folder, meta)]`` in chain order.
+    1..n of ``base_id``, each of ``kind``; returns ``[(folder, meta)]`` in
+    chain order.
 
     Raises:
       ChainError: a folder without a readable ``meta.json`` (half-written),
@@ -218,8 +332,9 @@ def read_chain(folders: Sequence[str], base_id: str) -> List[Tuple[str, dict]]:
             raise ChainError(f"delta chain: {path} is missing or unreadable: the delta "
                              f"{folder} is half-written; delete it to restore up to the one "
                              "before.")
-        if meta.get("format") != DELTA_FORMAT or meta.get("kind") != "delta":
-            raise ChainError(f"delta chain: {path} is not a format {DELTA_FORMAT} delta.")
+        if meta.get("format") != DELTA_FORMAT or meta.get("kind") != kind:
+            raise ChainError(f"delta chain: {path} is not a format {DELTA_FORMAT} "
+                             f"{kind!r} delta.")
         if meta.get("base_id") != str(base_id):
             raise ChainError(f"delta chain: {path} is a delta of base {meta.get('base_id')!r}, "
                              f"not of {base_id!r}.")
@@ -254,7 +369,7 @@ def apply_delta(folder: str, meta: dict,
     """
     for shard in meta["shards"]:
         name = shard["name"]
-        arrays = _load(folder, shard["file"], shard["sha256"], f"table shard {name}")
+        arrays = load_file(folder, shard["file"], shard["sha256"], f"table shard {name}")
         if len(arrays["ids"]) != int(shard["rows"]):
             raise ChainError(f"delta chain: {os.path.join(folder, shard['file'])} holds "
                              f"{len(arrays['ids'])} rows, meta.json says {shard['rows']}.")
@@ -272,7 +387,7 @@ def apply_delta(folder: str, meta: dict,
                                      "which the optimizer has not.")
                 slot.scatter_update(tf.IndexedSlices(tf.constant(rows), ids))
     d = meta["dense"]
-    arrays = _load(folder, d["file"], d["sha256"], "dense variables")
+    arrays = load_file(folder, d["file"], d["sha256"], "dense variables")
     for i, name in enumerate(d["names"]):
         if name not in dense:
             raise ChainError(f"delta chain: {folder} holds dense variable {name}, which the "
@@ -281,8 +396,10 @@ def apply_delta(folder: str, meta: dict,
 
 
 
-def _shards(var):
-    """The tf.Variables behind a table variable (each shard of a sharded one)."""
+def shards_of(var):
+    """The tf.Variables behind a variable: each shard of a sharded one (in
+    order, rows split on axis 0), the variable itself otherwise; a Keras 3
+    variable's TensorFlow variable."""
     var = getattr(var, "value", var) if not isinstance(var, tf.Variable) else var
     return list(getattr(var, "variables", None) or [var])
 
@@ -319,7 +436,7 @@ class ModelDeltas:
             emb = getattr(layer, "embeddings", None)
             if emb is None:
                 continue
-            shards = _shards(emb)
+            shards = shards_of(emb)
             for shard in shards:
                 slots = {}
                 of = emb if len(shards) == 1 else shard  # Keras 3 looks up its own variable
@@ -339,21 +456,18 @@ class ModelDeltas:
         self.dense: Dict[str, tf.Variable] = {}
         others = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
         for v in others + list(extra):
-            for s in _shards(v):
+            for s in shards_of(v):
                 if id(s) not in taken:
                     taken.add(id(s))
                     self.dense[f"d{len(self.dense)}"] = s
-        self.dirty: Optional[DirtyRows] = None
+        self.dirty: Optional[DirtyReader] = None
 
-    def track(self) -> DirtyRows:
-        """Creates the dirty marks (beside each table shard) and registers
-        them with the strategy in scope when it is this package's; returns them."""
+    def track(self) -> DirtyReader:
+        """This object's reader of the dirty marks beside each table shard
+        (made, and registered with the strategy in scope when it is this
+        package's, if no other reader made them: :func:`shared_reader`)."""
         if self.dirty is None:
-            from tf_asyncps.core.table_seam import seam_in_scope
-            self.dirty = DirtyRows([v for v, _ in self.tables.values()])
-            seam = seam_in_scope()
-            if seam is not None:
-                seam.register_table(self.dirty.hooks("step_backup"))
+            self.dirty = shared_reader([v for v, _ in self.tables.values()], "step_backup")
         return self.dirty
 
     def write(self, folder: str, *, base_id: str, seq: int, extra: Optional[dict] = None) -> str:

@@ -1,0 +1,161 @@
+"""tf_asyncps.export: a DeltaPublisher's stream brings its base SavedModel to
+the trained model's predictions in a process with no cluster; its dirty
+marks are its own (a backup reading the same marks keeps its rows); a
+broken stream is refused naming the file (issue 41 item 3)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps import export
+from tf_asyncps.callbacks import delta_chain
+
+ROWS, DIM = 200, 4
+BATCHES = [[[1, 2, 2]], [[2, 40, 41]], [[41, 41, 1], [7, 8, 9]], [[150, 1, 3]], [[9, 9, 9]]]
+QUERY = np.array([[1, 2, 3], [40, 41, 7], [8, 9, 150], [100, 101, 102]], np.int64)
+
+
+def _model():
+    tf_keras.utils.set_random_seed(3)
+    model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"),
+                                 tf_keras.layers.Embedding(ROWS, DIM),
+                                 tf_keras.layers.GlobalAveragePooling1D(),
+                                 tf_keras.layers.Dense(2)])
+    opt = tf_keras.optimizers.Adagrad(0.5)
+    opt.build(model.trainable_variables)
+    return model, opt
+
+
+def _train(model, opt, pub, backup, batch):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.constant(batch, tf.int64)) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    # One process, no strategy: the marks are set here (the ps update sets them).
+    opt.apply_gradients([(pub.reader.mark(g, v) if pub.reader.owns(v) else g, v)
+                         for g, v in zip(grads, model.trainable_variables)])
+    assert backup.owns(model.trainable_variables[0])
+    return pub.step_done()
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    """5 steps, a delta every 2 (after steps 2 and 4) and one by hand after
+    step 5; the model's predictions after each delta; a backup reader of
+    the same marks beside the publisher."""
+    root = str(tmp_path_factory.mktemp("stream"))
+    model, opt = _model()
+    pub = export.DeltaPublisher(os.path.join(root, "pub"), every_steps=2)
+    pub.start(model)
+    backup = delta_chain.ModelDeltas(model, opt).track()  # a second reader
+    assert backup.bit != pub.reader.bit
+    want, backup_rows = [], None
+    for batch in BATCHES:
+        if _train(model, opt, pub, backup, batch) is not None:
+            want.append(model(QUERY).numpy())
+        if backup_rows is None and pub.published == 1:
+            # The publisher cleared its bit; the backup still sees its rows.
+            backup_rows = backup.dirty_ids(model.trainable_variables[0])
+            assert pub.reader.dirty_ids(model.trainable_variables[0]).size == 0
+    pub.publish()
+    want.append(model(QUERY).numpy())
+    return pub, want, backup_rows, backup.dirty_ids(model.trainable_variables[0])
+
+
+def test_the_stream_brings_the_base_to_each_delta_s_predictions(stream):
+    pub, want, backup_rows, backup_after = stream
+    assert pub.published == 3
+    base = tf.saved_model.load(pub.saved_model_dir)
+    assert np.max(np.abs(base(QUERY).numpy() - want[-1])) > 1e-3  # the deltas do the work
+    for upto, w in enumerate(want, start=1):
+        served = export.apply_deltas(pub.saved_model_dir, upto=upto)(QUERY).numpy()
+        np.testing.assert_allclose(served, w, rtol=0, atol=1e-6)
+    assert export.latest_base(os.path.dirname(pub.delta_dir)) == (pub.saved_model_dir,
+                                                                  pub.delta_dir)
+    # Rows written: steps 1-2 {1, 2, 40, 41}, 3-4 {1, 3, 7, 8, 9, 41, 150}, 5 {9}.
+    metas = [m for _, m in delta_chain.read_chain(
+        [os.path.join(pub.delta_dir, f"delta-{i:06d}") for i in (1, 2, 3)], pub.base_id,
+        kind="serving")]
+    assert [m["shards"][0]["rows"] for m in metas] == [4, 7, 1]
+    assert [m["steps"] for m in metas] == [2, 4, 5]
+    # The backup's own bit: every row of steps 1-2, then of 1-5, not cleared by the publisher.
+    np.testing.assert_array_equal(backup_rows, [1, 2, 40, 41])
+    np.testing.assert_array_equal(backup_after, [1, 2, 3, 7, 8, 9, 40, 41, 150])
+
+
+def test_a_loader_polls_new_deltas(stream):
+    pub, want, _, _ = stream
+    loader = export.DeltaLoader(pub.saved_model_dir)
+    assert loader.refresh(upto=1) == 1
+    np.testing.assert_allclose(loader.model(QUERY).numpy(), want[0], rtol=0, atol=1e-6)
+    assert loader.refresh() == 3
+    np.testing.assert_allclose(loader.model(QUERY).numpy(), want[-1], rtol=0, atol=1e-6)
+
+
+def _copy(pub, tmp_path):
+    dst = str(tmp_path / "copy")
+    shutil.copytree(pub.delta_dir, dst)
+    return dst
+
+
+def test_a_gap_is_refused_naming_the_file(stream, tmp_path):
+    pub, _, _, _ = stream
+    d = _copy(pub, tmp_path)
+    shutil.rmtree(os.path.join(d, "delta-000002"))
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta 2 of base .* is missing .*delta-000003.meta\.json"):
+        export.apply_deltas(os.path.join(d, "saved_model"))
+
+
+def test_a_duplicate_is_refused(stream, tmp_path):
+    pub, _, _, _ = stream
+    d = _copy(pub, tmp_path)
+    shutil.copytree(os.path.join(d, "delta-000002"), os.path.join(d, "delta-000004"))
+    with pytest.raises(delta_chain.ChainError, match=r"both hold sequence number 2 .*duplicate"):
+        export.apply_deltas(os.path.join(d, "saved_model"))
+
+
+def test_a_delta_of_another_base_is_refused(stream, tmp_path):
+    pub, _, _, _ = stream
+    d = _copy(pub, tmp_path)
+    stamp = os.path.join(d, "saved_model", export.BASE_FILE)
+    with open(stamp) as f:
+        meta = json.load(f)
+    with open(stamp, "w") as f:
+        json.dump(dict(meta, base_id="other"), f)
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta-000001.meta\.json is a delta of base 's0.*', not of 'other'"):
+        export.apply_deltas(os.path.join(d, "saved_model"))
+
+
+def test_a_truncated_file_is_refused(stream, tmp_path):
+    pub, _, _, _ = stream
+    d = _copy(pub, tmp_path)
+    path = os.path.join(d, "delta-000002", "0.npz")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(delta_chain.ChainError,
+                       match=r"delta-000002.0\.npz does not match its sha256"):
+        export.apply_deltas(os.path.join(d, "saved_model"))
+
+
+def test_a_saved_model_of_no_publisher_is_refused(stream, tmp_path):
+    pub, _, _, _ = stream
+    d = _copy(pub, tmp_path)
+    os.remove(os.path.join(d, "saved_model", export.BASE_FILE))
+    with pytest.raises(delta_chain.ChainError, match=r"tf_asyncps_delta_base\.json is missing"):
+        export.apply_deltas(os.path.join(d, "saved_model"))
+
+
+def test_bad_arguments_are_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"DeltaPublisher\(every_steps\) must be"):
+        export.DeltaPublisher(str(tmp_path), 0)
+    with pytest.raises(ValueError, match=r"publish_dir=''"):
+        export.DeltaPublisher("", 2)
+    dense = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="no embedding table"):
+        export.DeltaPublisher(str(tmp_path), 2).start(dense)

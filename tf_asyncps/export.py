@@ -1,0 +1,394 @@
+"""A serving stream of table deltas: the rows changed every N steps, written
+on the chief and applied to a SavedModel in a process with no cluster.
+
+Idea: Monolith (ByteDance, 2022) syncs the (id, embedding) pairs changed on
+its training parameter servers to serving every minute instead of shipping
+whole tables; TorchRec's ModelDeltaTracker (2025) lets several readers
+each take the rows changed since their own last read.
+
+:class:`DeltaPublisher` exports a base SavedModel when it starts, then
+every ``every_steps`` steps (at a quiet point: the schedule drained, no
+update in flight) writes one delta: per table the rows written since its
+previous delta (global row ids, values; no optimizer state) and every other
+model variable whole (they are small). The rows come from the per-row dirty
+marks beside each table shard on the ps (callbacks/delta_chain.py), which
+every update sets inside its own ps-side op: the publisher reads its own bit
+of those marks and clears only that bit, so a :class:`StepBackup` in the
+same fit keeps its rows (no second mark and no byte more on the wire per
+step, however many readers). :func:`apply_deltas` (or :class:`DeltaLoader`,
+which can poll) loads the base with ``tf.saved_model.load`` and writes the
+chain into its variables, refusing a gap, a duplicate, a delta of another
+base or a truncated file, naming the file.
+
+Layout of ``publish_dir``::
+
+    latest.json                     {"base_id", "saved_model", "delta_dir"}
+    <base_id>/saved_model/          the base (its own tf_asyncps_delta_base.json)
+    <base_id>/delta-000001/ ...     delta_chain's format, kind "serving"
+
+Each ``meta.json`` holds ``base_id``, ``seq``, ``prev_seq``, rows and sha256
+per file (as a backup delta's), and the steps and global step it reaches.
+Variables are matched by position in ``model.variables``, which the
+SavedModel keeps as its ``variables`` list (tf_keras ``tf.saved_model.save``,
+Keras 3 ``model.export``); a table's ids are global rows, so a base with
+another sharding (or none) takes them.
+"""
+
+import contextlib
+import os
+import re
+import shutil
+import uuid
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_asyncps.callbacks import delta_chain
+from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.files import atomic_write_json, read_json
+from tf_asyncps.validate import check_int
+
+__all__ = ["DeltaPublisher", "DeltaLoader", "apply_deltas", "latest_base", "BASE_FILE"]
+
+BASE_FILE = "tf_asyncps_delta_base.json"
+LATEST_FILE = "latest.json"
+_DELTA = re.compile(r"^delta-(\d+)$")
+_KIND = "serving"
+
+
+def _value(v):
+    """The TensorFlow variable behind a Keras 3 variable (itself otherwise)."""
+    return v if isinstance(v, tf.Variable) else getattr(v, "value", v)
+
+
+def _offsets(shards) -> np.ndarray:
+    return np.cumsum([0] + [int(s.shape[0]) for s in shards])[:-1].astype(np.int64)
+
+
+class _ServingVariables:
+    """A model's variables as the stream writes them: the tables (every
+    layer's ``embeddings``) by global row, the others whole, keyed
+    ``v<position in model.variables>``."""
+
+    def __init__(self, model):
+        tables = set()
+        for layer in keras_compat.layers_of(model):
+            emb = getattr(layer, "embeddings", None)
+            if emb is not None:
+                tables.add(id(emb))
+                tables.update(id(s) for s in delta_chain.shards_of(emb))
+        self.tables: Dict[str, Tuple[list, np.ndarray]] = {}
+        self.dense: Dict[str, object] = {}
+        self.count = len(model.variables)
+        for i, v in enumerate(model.variables):
+            if id(v) in tables:
+                shards = delta_chain.shards_of(v)
+                self.tables[f"v{i}"] = (shards, _offsets(shards))
+            else:
+                self.dense[f"v{i}"] = v
+        if not self.tables:
+            raise ValueError("DeltaPublisher: the model has no embedding table (a layer with "
+                             "`embeddings`); export whole SavedModels instead.")
+        self.reader: Optional[delta_chain.DirtyReader] = None
+
+    def track(self) -> delta_chain.DirtyReader:
+        if self.reader is None:
+            self.reader = delta_chain.shared_reader(
+                [s for shards, _ in self.tables.values() for s in shards], "delta_publisher")
+        return self.reader
+
+    def rows(self) -> Dict[str, Dict[str, np.ndarray]]:
+        """``{key: {"ids": int64 [k] global rows, "values": [k, dim]}}``: the
+        rows written since the last :meth:`clear`."""
+        reader = self.track()
+        out = {}
+        for key, (shards, offsets) in self.tables.items():
+            ids, values = [], []
+            for shard, off in zip(shards, offsets):
+                local = reader.dirty_ids(shard)
+                ids.append(local + off)
+                values.append(tf.gather(shard, tf.constant(local)).numpy())
+            out[key] = {"ids": np.concatenate(ids), "values": np.concatenate(values)}
+        return out
+
+    def whole(self) -> Dict[str, np.ndarray]:
+        return {k: tf.convert_to_tensor(_value(v)).numpy() for k, v in self.dense.items()}
+
+
+def default_export(model, path: str) -> None:
+    """``model.export(path)`` for Keras 3 (its ``serve`` endpoint), else
+    ``tf.saved_model.save(model, path)``."""
+    if keras_compat.is_keras3_model(model):
+        model.export(path, format="tf_saved_model", verbose=False)
+    else:
+        tf.saved_model.save(model, path)
+
+
+class DeltaPublisher(tf_keras.callbacks.Callback):
+    """Writes a serving stream: a base SavedModel at start, then every
+    ``every_steps`` worker steps the table rows changed since the previous
+    delta and the other model variables whole (see the module docstring).
+
+    In ``fit`` (tf_keras, or this package's Keras 3 fit) pass it as a
+    callback: it starts at train begin (after a :class:`StepBackup` listed
+    before it has restored its backup) and writes a last delta at train end.
+    In a custom loop: :meth:`start` once the model and its optimizer are
+    built and before the step function is traced (its marks must exist when
+    the update is traced), then :meth:`step_done` after scheduling each step
+    (or :meth:`publish` when you like). Without the strategy (one process),
+    pass each table gradient through ``publisher.reader.mark(grad, var)``.
+
+    Args:
+      publish_dir: str, the stream's folder (made if missing).
+      every_steps: int >= 1, worker steps between deltas.
+      export: ``fn(model, path)`` writing the base SavedModel (default:
+        Keras 3 ``model.export``, else ``tf.saved_model.save``); the
+        SavedModel must keep ``model.variables`` as its ``variables`` list
+        (both defaults do).
+
+    Attributes:
+      base_id: str, the current base's id (None before :meth:`start`).
+      saved_model_dir, delta_dir: str, where its base and deltas are.
+      published: int, deltas written on the current base.
+      reader: delta_chain.DirtyReader, this publisher's marks.
+
+    Raises:
+      ValueError: a bad argument (names it); at start, a model with no
+        embedding table.
+    """
+
+    #: Keras 3 fit (keras3/trainer.py) calls after_closures and fit_resume_point.
+    runs_between_closures = True
+
+    def __init__(self, publish_dir, every_steps, export: Optional[Callable] = None):
+        super().__init__()
+        if not isinstance(publish_dir, (str, os.PathLike)) or not str(publish_dir):
+            raise ValueError(f"DeltaPublisher(publish_dir={publish_dir!r}): give a folder path.")
+        tf_keras_compat.keep_batch_logs_remote(self)  # its batch hook never reads the logs
+        self.publish_dir = os.fspath(publish_dir)
+        self.every_steps = check_int(every_steps, "DeltaPublisher(every_steps)", min=1,
+                                     hint="worker steps between deltas")
+        self.export = export or default_export
+        self.base_id: Optional[str] = None
+        self.saved_model_dir: Optional[str] = None
+        self.delta_dir: Optional[str] = None
+        self.published = 0
+        self.reader: Optional[delta_chain.DirtyReader] = None
+        self._model = None
+        self._vars: Optional[_ServingVariables] = None
+        self._steps = 0  # steps scheduled since start
+        self._last = 0  # steps at the last delta
+        self._epoch = 0
+        self._seen = None  # Keras 3: (epoch, steps in epoch) at the last call
+
+    # -- custom loop ----------------------------------------------------------
+    def start(self, model) -> str:
+        """Makes this publisher's dirty marks, exports the base SavedModel of
+        ``model`` (at a quiet point) and points ``latest.json`` at it;
+        returns the SavedModel's folder."""
+        self._model = model
+        self._vars = _ServingVariables(model)
+        strategy = self._strategy()
+        # In the strategy's scope: the marks register with its table seam.
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            self.reader = self._vars.track()
+        self._drain()
+        self.reader.clear()  # rows before the base are in it
+        self.base_id = f"s{self._global_step():012d}-{uuid.uuid4().hex[:8]}"
+        self.delta_dir = os.path.join(self.publish_dir, self.base_id)
+        self.saved_model_dir = os.path.join(self.delta_dir, "saved_model")
+        os.makedirs(self.delta_dir, exist_ok=True)
+        tmp = os.path.join(self.delta_dir, f".tmp-saved_model-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.export(model, tmp)
+        atomic_write_json(os.path.join(tmp, BASE_FILE),
+                          {"base_id": self.base_id, "variables": self._vars.count,
+                           "global_step": self._global_step()})
+        os.rename(tmp, self.saved_model_dir)
+        atomic_write_json(os.path.join(self.publish_dir, LATEST_FILE),
+                          {"base_id": self.base_id, "saved_model": self.saved_model_dir,
+                           "delta_dir": self.delta_dir})
+        self.published, self._steps, self._last = 0, 0, 0
+        return self.saved_model_dir
+
+    def step_done(self, steps: int = 1) -> Optional[str]:
+        """Counts ``steps`` more scheduled worker steps; publishes when
+        ``every_steps`` have passed since the last delta (returns its folder)."""
+        self._steps += int(steps)
+        if self._steps - self._last >= self.every_steps:
+            return self.publish()
+        return None
+
+    def publish(self) -> str:
+        """Drains the schedule and writes one delta (the rows changed since
+        the previous one, the other variables whole); returns its folder."""
+        if self._vars is None:
+            raise ValueError("DeltaPublisher.publish before start(model).")
+        self._drain()
+        rows = self._vars.rows()
+        seq = self.published + 1
+        folder = delta_chain.write_delta(
+            os.path.join(self.delta_dir, f"delta-{seq:06d}"), base_id=self.base_id, seq=seq,
+            shards=rows, dense=self._vars.whole(), kind=_KIND,
+            extra={"steps": self._steps, "global_step": self._global_step()})
+        self.reader.clear()
+        self.published, self._last = seq, self._steps
+        return folder
+
+    def _strategy(self):
+        s = getattr(self._model, "distribute_strategy", None)
+        return s if s is not None and hasattr(s, "staleness_stats") else None
+
+    def _drain(self) -> None:
+        strategy = self._strategy()
+        if strategy is not None:
+            tf.distribute.coordinator.ClusterCoordinator(strategy).join()
+
+    def _global_step(self) -> int:
+        strategy = self._strategy()
+        if strategy is not None:
+            return int(strategy.staleness_tracker.global_step.numpy())
+        return self._steps
+
+    # -- fit ------------------------------------------------------------------
+    def fit_resume_point(self, steps_per_epoch: int):
+        """None: the publisher never moves the fit's start (Keras 3 fit asks)."""
+        return None
+
+    def on_train_begin(self, logs=None):
+        self.start(self.model)
+        self._seen = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        spe = getattr(self.model, "_steps_per_execution", None)  # tf_keras: a variable
+        self.step_done(int(spe.numpy()) if hasattr(spe, "numpy") else 1)
+
+    def after_closures(self, epoch: int, steps_in_epoch: int) -> None:
+        """Keras 3 fit: ``steps_in_epoch`` worker steps of ``epoch`` are scheduled."""
+        prev_epoch, prev = self._seen or (epoch, 0)
+        self._seen = (epoch, int(steps_in_epoch))
+        self.step_done(int(steps_in_epoch) - (prev if prev_epoch == epoch else 0))
+
+    def on_train_end(self, logs=None):
+        if self._vars is not None and self._steps > self._last:
+            self.publish()
+
+
+def latest_base(publish_dir: str) -> Tuple[str, str]:
+    """(saved_model_dir, delta_dir) of the newest base in ``publish_dir``.
+
+    Raises:
+      FileNotFoundError: no ``latest.json`` there (no publisher started).
+    """
+    latest = read_json(os.path.join(publish_dir, LATEST_FILE))
+    if latest is None:
+        raise FileNotFoundError(f"{os.path.join(publish_dir, LATEST_FILE)} is missing: no "
+                                "DeltaPublisher has started in this folder.")
+    return latest["saved_model"], latest["delta_dir"]
+
+
+def _write_rows(target, ids: np.ndarray, values: np.ndarray) -> None:
+    """Rows ``ids`` (global) of ``target`` (a variable, or one sharded on axis 0)."""
+    shards = delta_chain.shards_of(_value(target))
+    for shard, off in zip(shards, _offsets(shards)):
+        here = (ids >= off) & (ids < off + int(shard.shape[0]))
+        if here.any():
+            shard.scatter_update(tf.IndexedSlices(tf.constant(values[here]),
+                                                  tf.constant(ids[here] - off)))
+
+
+def _write_whole(target, value: np.ndarray) -> None:
+    shards = delta_chain.shards_of(_value(target))
+    for shard, off in zip(shards, _offsets(shards)):
+        shard.assign(value[off:off + int(shard.shape[0])] if len(shards) > 1 else value)
+
+
+class DeltaLoader:
+    """A SavedModel written by :class:`DeltaPublisher`, brought up to date
+    with its deltas, in any process (no cluster needed).
+
+    Args:
+      saved_model_dir: str, the base (``<publish_dir>/<base_id>/saved_model``).
+      delta_dir: str, its deltas' folder (default: the base's parent).
+
+    Attributes:
+      model: the ``tf.saved_model.load`` object; call its endpoints as usual.
+      applied: int, deltas applied so far.
+
+    Raises:
+      delta_chain.ChainError: the SavedModel has no base stamp, or its
+        ``variables`` list differs from the publisher's model.
+    """
+
+    def __init__(self, saved_model_dir: str, delta_dir: Optional[str] = None):
+        stamp_path = os.path.join(saved_model_dir, BASE_FILE)
+        stamp = read_json(stamp_path)
+        if stamp is None:
+            raise delta_chain.ChainError(
+                f"apply_deltas: {stamp_path} is missing: {saved_model_dir} was not exported by "
+                "tf_asyncps.export.DeltaPublisher (its deltas name the base they apply to).")
+        self.base_id = str(stamp["base_id"])
+        self.delta_dir = delta_dir or os.path.dirname(os.path.abspath(saved_model_dir))
+        self.model = tf.saved_model.load(saved_model_dir)
+        self._vars: List = list(getattr(self.model, "variables", None) or [])
+        if len(self._vars) != int(stamp["variables"]):
+            raise delta_chain.ChainError(
+                f"apply_deltas: {saved_model_dir} keeps {len(self._vars)} variables in its "
+                f"`variables` list, the publisher's model had {stamp['variables']}; export with "
+                "tf.saved_model.save (tf_keras) or model.export (Keras 3).")
+        self.applied = 0
+
+    def refresh(self, upto: Optional[int] = None) -> int:
+        """Applies the deltas after the last one applied (up to sequence
+        ``upto``, default all); returns the sequence number reached.
+
+        Raises:
+          delta_chain.ChainError: a gap, a duplicate, a delta of another base,
+            a missing or truncated file (names it).
+        """
+        folders = [os.path.join(self.delta_dir, n) for n in sorted(os.listdir(self.delta_dir))
+                   if _DELTA.match(n)]
+        chain = delta_chain.read_chain(folders, self.base_id, kind=_KIND)
+        for folder, meta in chain[self.applied:upto]:
+            self._apply(folder, meta)
+            self.applied = int(meta["seq"])
+        return self.applied
+
+    def _target(self, folder: str, key: str):
+        i = int(key[1:])
+        if not 0 <= i < len(self._vars):
+            raise delta_chain.ChainError(f"apply_deltas: {folder} holds variable {key}, which "
+                                         "the SavedModel has not.")
+        return self._vars[i]
+
+    def _apply(self, folder: str, meta: dict) -> None:
+        for shard in meta["shards"]:
+            arrays = delta_chain.load_file(folder, shard["file"], shard["sha256"],
+                                           f"table {shard['name']}")
+            _write_rows(self._target(folder, shard["name"]), arrays["ids"], arrays["values"])
+        d = meta["dense"]
+        arrays = delta_chain.load_file(folder, d["file"], d["sha256"], "dense variables")
+        for i, name in enumerate(d["names"]):
+            _write_whole(self._target(folder, name), arrays[str(i)])
+
+
+def apply_deltas(saved_model_dir: str, delta_dir: Optional[str] = None, upto: Optional[int] = None):
+    """The SavedModel at ``saved_model_dir`` (a :class:`DeltaPublisher`'s
+    base) loaded with ``tf.saved_model.load`` and brought up to its newest
+    delta in ``delta_dir`` (default: the base's parent), or to ``upto``.
+
+    Returns: the loaded object (its endpoints give the chief's predictions
+    at the delta's step).
+
+    Raises:
+      delta_chain.ChainError: see :class:`DeltaLoader`.
+    """
+    loader = DeltaLoader(saved_model_dir, delta_dir)
+    loader.refresh(upto)
+    return loader.model
