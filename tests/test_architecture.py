@@ -113,15 +113,15 @@ def _names_of_foreign_class(klass):
 def _foreign_names(bases):
     """(private names the non-tf_asyncps classes among ``bases``' MROs define,
     the names compat declares usable by subclasses of those bases)."""
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import strategy as strategy_compat
     foreign, allowed = set(), set()
     for base in bases:
         for klass in getattr(base, "__mro__", ()):
             if klass.__module__.split(".")[0] == "tf_asyncps" or klass.__module__ == "builtins":
                 continue
             foreign |= _names_of_foreign_class(klass)
-            if klass is tf_compat.pss_extended_base():
-                allowed |= tf_compat.PSS_EXTENDED_HOOKS
+            if klass is strategy_compat.pss_extended_base():
+                allowed |= strategy_compat.PSS_EXTENDED_HOOKS
     return foreign, allowed
 
 
@@ -302,8 +302,8 @@ def test_private_tensorflow_and_keras_attributes_live_in_compat_only():
       methods, and the ``self._x`` its source uses: so ``self._extended`` in a
       ParameterServerStrategy subclass is caught, ``self._tracker`` is not).
       Allowed exception: the hooks of ``ParameterServerStrategyV2Extended``
-      that compat lists in ``tf_compat.PSS_EXTENDED_HOOKS`` (tested
-      versions there), in a subclass of ``tf_compat.pss_extended_base()``;
+      that compat lists in ``strategy_compat.PSS_EXTENDED_HOOKS`` (tested
+      versions there), in a subclass of ``strategy_compat.pss_extended_base()``;
     * on a name bound by an import (a module or an imported class, e.g.
       ``sys._getframe``, a project module's ``_helper``): never allowed,
       except ``os._exit`` (documented public API);
@@ -361,7 +361,7 @@ def test_private_tensorflow_and_keras_attributes_live_in_compat_only():
 
 
 #: TensorFlow calls that log a deprecation warning each job, with the compat helper to use.
-_DEPRECATED = {"tf.compat.v1.colocate_with": "compat.tensorflow.colocated_with / colocate_only_with"}
+_DEPRECATED = {"tf.compat.v1.colocate_with": "compat.graph.colocated_with / colocate_only_with"}
 
 
 def test_no_module_calls_a_tensorflow_api_that_warns_deprecated():
@@ -484,7 +484,7 @@ def test_public_names_of_moved_modules_still_resolve():
 
 
 @pytest.mark.parametrize("module", ["tf_asyncps.cluster.config", "tf_asyncps.app.cli",
-                                    "tf_asyncps.compat.tensorflow"])
+                                    "tf_asyncps.compat.startup"])
 def test_tools_import_without_tensorflow(module):
     code = f"import sys, {module}; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

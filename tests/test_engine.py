@@ -253,19 +253,19 @@ def test_a_waiting_workers_own_closures_do_not_hold_its_release_back():
     sync_replicas fit with pss_evaluation_shards stalled for timeout_s)."""
     import queue
     import types
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import coordinator as coordinator_compat
     import threading
     q = types.SimpleNamespace(_queue=queue.Queue(), _tagged_queue={0: queue.Queue(),
                                                                    1: queue.Queue()},
                               _queue_lock=threading.Lock())
     coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(closure_queue=q))
-    assert not tf_compat.closure_queue_nonempty(coordinator)
+    assert not coordinator_compat.closure_queue_nonempty(coordinator)
     q._tagged_queue[1].put("create worker 1's dataset")
-    assert tf_compat.closure_queue_nonempty(coordinator)  # worker 1 is not waiting: it will run it
-    assert tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[0])
-    assert not tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[1])
+    assert coordinator_compat.closure_queue_nonempty(coordinator)  # worker 1 is not waiting: it will run it
+    assert coordinator_compat.closure_queue_nonempty(coordinator, ignore_workers=[0])
+    assert not coordinator_compat.closure_queue_nonempty(coordinator, ignore_workers=[1])
     q._queue.put("a step any worker can take")
-    assert tf_compat.closure_queue_nonempty(coordinator, ignore_workers=[0, 1])
+    assert coordinator_compat.closure_queue_nonempty(coordinator, ignore_workers=[0, 1])
 
 
 def test_after_step_runs_beside_the_policy_state():

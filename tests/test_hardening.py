@@ -146,7 +146,7 @@ def test_the_drain_probe_reads_the_closure_queue_under_its_lock():
     import collections
     import queue
     import types
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import coordinator as coordinator_compat
     lock = threading.Lock()
     tagged = collections.defaultdict(queue.Queue)
 
@@ -161,9 +161,9 @@ def test_the_drain_probe_reads_the_closure_queue_under_its_lock():
     tagged[1] = queue.Queue()
     q = types.SimpleNamespace(_queue=queue.Queue(), _tagged_queue=tagged, _queue_lock=lock)
     coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(closure_queue=q))
-    assert not tf_compat.closure_queue_nonempty(coordinator)
+    assert not coordinator_compat.closure_queue_nonempty(coordinator)
     tagged[1].put("create worker 1's dataset")
-    assert tf_compat.closure_queue_nonempty(coordinator)
+    assert coordinator_compat.closure_queue_nonempty(coordinator)
     assert not lock.locked()
 
 
@@ -261,7 +261,7 @@ def test_leaving_a_connected_cluster_closes_this_process_log_files(tmp_path, mon
     cluster.procs["ps:0"] = Alive()
     log = open(cluster.log_path("ps:0"), "ab")
     cluster._logs["ps:0"] = log
-    monkeypatch.setattr(launcher.tf_compat, "context_connected", lambda: True)
+    monkeypatch.setattr(launcher.startup_compat, "context_connected", lambda: True)
     cluster.stop(defer_if_connected=True)
     assert log.closed and cluster._logs == {}
 

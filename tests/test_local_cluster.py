@@ -166,9 +166,9 @@ def test_a_task_server_starts_without_tensorflows_api_package():
     port = portpicker.pick_unused_port()
     serve = (
         "import json, sys\n"
-        "from tf_asyncps.compat import tensorflow as tf_compat\n"
+        "from tf_asyncps.compat import startup as startup_compat\n"
         "from tf_asyncps.cluster import server_config\n"
-        "rt = tf_compat.serving_runtime()\n"
+        "rt = startup_compat.serving_runtime()\n"
         f"server = rt.Server({{'worker': ['localhost:{port}']}}, job_name='worker',\n"
         "                   task_index=0, protocol='grpc', config=server_config(1, 'worker'))\n"
         "print('MODULES', json.dumps(sorted({m.split('.')[0] for m in sys.modules}\n"

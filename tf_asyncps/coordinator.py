@@ -13,7 +13,8 @@ import threading
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import coordinator as coordinator_compat
+from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import faults
 
@@ -36,7 +37,7 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     def __init__(self, strategy):
         # ClusterCoordinator is one per strategy: tf_keras's later
         # ClusterCoordinator(strategy) returns this object and re-runs __init__.
-        first = not tf_compat.coordinator_initialized(self)
+        first = not coordinator_compat.coordinator_initialized(self)
         _check_tf_keras_evaluate()  # before evaluate builds its input
         super().__init__(strategy)
         if first:
@@ -46,10 +47,10 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._waiting_lock = threading.Lock()
             self.engine = strategy.extended.engine
             self.accounting = faults.attach(
-                self, faults.ClosureAccounting(tf_compat.num_workers(strategy.extended)))
+                self, faults.ClosureAccounting(strategy_compat.num_workers(strategy.extended)))
             # An input that ran out is raised with INPUT_RAN_OUT_MESSAGE (or
             # Keras 3's own): not also logged in full once per closure.
-            tf_compat.hide_closure_error_logs(tf.errors.OutOfRangeError)
+            coordinator_compat.hide_closure_error_logs(tf.errors.OutOfRangeError)
 
     def has_queued_closures(self, waiting_workers=()) -> bool:
         """True unless the caller is draining: inside ``join``/``done``/``fetch``
@@ -59,7 +60,7 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         empty for a moment between two ``schedule`` calls."""
         if self._waiting_callers <= 0:
             return True
-        return tf_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
+        return coordinator_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
 
     def schedule(self, fn, args=None, kwargs=None):
         try:
@@ -71,7 +72,7 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         # Waiting on the result (RemoteValue.fetch/get, as TensorFlow's tutorial
         # does) drains like join: a gated worker (ssp, sync_replicas) waiting for
         # one with nothing left to run must be released there too.
-        tf_compat.route_remote_value_get(out, self._translate)
+        coordinator_compat.route_remote_value_get(out, self._translate)
         return out
 
     def _translate(self, call, *args, **kwargs):

@@ -38,8 +38,9 @@ from tf_asyncps import policies as policies_lib
 from tf_asyncps.cluster import devices
 from tf_asyncps.compat import call_scopes
 from tf_asyncps.compat import keras as keras_compat
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import (gpu_replicas, lookup, mixed_precision, nonfinite_guard,
                              placement, table_seam, wire_reads)
 from tf_asyncps.coordinator import INPUT_RAN_OUT_MESSAGE
@@ -96,7 +97,7 @@ def _wire_dtype(wire_dtype):
     return tf.bfloat16 if name == "bfloat16" else None
 
 
-class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
+class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySeam):
     """The strategy's ``extended``: StrategyExtended hooks, the rest in
     ``engine``; the seam tables and layers talk to (core/table_seam.py)."""
 
@@ -181,7 +182,7 @@ class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
         trainable = kwargs.get("trainable", True) is not False
         # A partitioned variable is its shards to the engine: each shard is a
         # variable on one ps task, and its gradient arrives on its own.
-        for part in tf_compat.shards(var) or [var]:
+        for part in variables_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
                 self._track_for_the_engine(part, trainable)
         return var
@@ -258,7 +259,7 @@ class _AsyncExtended(tf_compat.pss_extended_base(), table_seam.StrategySeam):
     def _call_for_each_replica(self, fn, args, kwargs):
         # The policy's hooks see this strategy's cluster state while traced.
         with self.engine.policy_scope():
-            return self._worker_steps(tf_compat.autograph_convert(fn), args, kwargs)
+            return self._worker_steps(strategy_compat.autograph_convert(fn), args, kwargs)
 
     def _worker_steps(self, fn, args, kwargs):
         if gpu_replicas.in_single_update():
@@ -438,7 +439,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                               is_locking=is_locking, lock_timeout=lock_timeout, wire_dtype=wire)
         # Built once with its configuration; TensorFlow's constructor built
         # its own and takes none, so this one takes its place.
-        tf_compat.replace_extended(self, _AsyncExtended(
+        strategy_compat.replace_extended(self, _AsyncExtended(
             self, cluster_resolver, variable_partitioner, engine,
             deduplicate_lookups=deduplicate_lookups, wire_dtype=wire))
         if policy.local_copies and self.num_replicas_in_sync > 1:
@@ -464,7 +465,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def gpus_per_worker(self) -> int:
         """GPUs each worker task has (0: CPU workers); with K > 1 every worker
         step runs K replicas (``num_replicas_in_sync``) and makes one update."""
-        return tf_compat.num_gpus_per_worker(self.extended)
+        return strategy_compat.num_gpus_per_worker(self.extended)
 
     @property
     def staleness_tracker(self) -> StalenessTracker:

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 
 
 def stats_of(strategy):
@@ -162,5 +162,5 @@ def make_partitioner(name, num_ps):
 
 def full_value(var):
     """The full value of a ShardedVariable (its shards concatenated) or variable."""
-    return np.concatenate([np.asarray(p.numpy()) for p in tf_compat.shards(var) or [var]],
+    return np.concatenate([np.asarray(p.numpy()) for p in variables_compat.shards(var) or [var]],
                           axis=0)

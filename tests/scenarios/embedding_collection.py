@@ -8,7 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.layers import embedding_collection as ec_lib
 
 from scenarios import cluster, scenario
@@ -89,7 +89,7 @@ def _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, policy, wire_dtype, 
         lambda ctx: tf.data.Dataset.from_tensor_slices((ids, ys)).batch(BATCH).repeat())
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     var = model.get_layer("tables").embeddings
-    shards = tf_compat.shards(var) or [var]
+    shards = variables_compat.shards(var) or [var]
     out = {"shards": len(shards), "shard_rows": [int(s.shape[0]) for s in shards],
            "shard_tasks": sorted(_task(s.device) for s in shards),
            "table": full_value(var), "kernel": full_value(model.layers[-1].kernel),

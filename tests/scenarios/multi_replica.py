@@ -5,7 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 
 from scenarios import scenario
 from scenarios.common import (
@@ -113,5 +113,5 @@ def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(full, ref.get_weights())]
     moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
     return {"max_abs_diff": max(diffs), "moved": max(moved),
-            "shards": len(tf_compat.shards(model.layers[0].embeddings) or [None]),
+            "shards": len(variables_compat.shards(model.layers[0].embeddings) or [None]),
             "iterations": int(model.optimizer.iterations.numpy()), "stats": stats_of(strategy)}

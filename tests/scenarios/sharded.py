@@ -8,7 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 
 from scenarios import cluster, scenario
 from scenarios.common import full_value, make_optimizer, make_partitioner, stats_of
@@ -120,9 +120,9 @@ def _sharded_fit(c, num_ps, policy, policy_args, optimizer, lr, partitioner, loc
               steps_per_epoch=steps, verbose=0)
     emb_var = model.layers[0].embeddings
     table, kernel = full_value(emb_var), full_value(model.layers[2].kernel)
-    out = {"shards": len(tf_compat.shards(emb_var) or [emb_var]),
+    out = {"shards": len(variables_compat.shards(emb_var) or [emb_var]),
            "shard_tasks": sorted({tf.DeviceSpec.from_string(v.device).task
-                                  for v in (tf_compat.shards(emb_var)
+                                  for v in (variables_compat.shards(emb_var)
                                             or [emb_var])}),
            "untouched_rows_moved": float(np.max(np.abs(
                table[EMB_ROWS // 2:] - emb0[EMB_ROWS // 2:]))),
@@ -191,7 +191,7 @@ def sharded_checkpoint(num_ps, save_to, restore_from=None, steps=6, build_first=
         path = ckpt.write(save_to)
         model.fit(data(steps * EMB_BATCH, (steps + 1) * EMB_BATCH), epochs=1,
                   steps_per_epoch=1, verbose=0)
-        return {"path": path, "shards": len(tf_compat.shards(table) or [table]),
+        return {"path": path, "shards": len(variables_compat.shards(table) or [table]),
                 "saved": saved, "next": {"table": full_value(table).tolist(),
                                          "kernel": full_value(kernel).tolist()}}
 
@@ -216,7 +216,7 @@ def sharded_backup(backup_dir, num_ps=2, epochs=3, steps=4, crash_after_epoch=No
 
     def values(model):
         table = model.layers[0].embeddings
-        return {"shards": len(tf_compat.shards(table) or [table]),
+        return {"shards": len(variables_compat.shards(table) or [table]),
                 "iterations": int(model.optimizer.iterations.numpy()),
                 "table": full_value(table).tolist(),
                 "kernel": full_value(model.layers[2].kernel).tolist(),

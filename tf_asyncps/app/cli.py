@@ -234,11 +234,11 @@ def _apply_gpus_flag():
 
 def _serve(config):
     from tf_asyncps import cluster
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import startup as startup_compat
     address = config[config.task_type][config.task_id]
     try:
         server = cluster.start_server(config)
-    except tf_compat.serving_runtime().OpError as e:
+    except startup_compat.serving_runtime().OpError as e:
         raise RuntimeError(
             f"{config.task_type}:{config.task_id} could not serve at {address}: "
             f"{e.message.splitlines()[0]}. Is the port already in use (another task, "
@@ -373,8 +373,8 @@ def _launch(argv, quiet):
         FLAGS.num_workers, FLAGS.gpus_per_worker,
         devices.available_gpus() if FLAGS.gpus_per_worker else (),
         memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
-    from tf_asyncps.compat import tensorflow as tf_compat
-    tf_compat.import_without_keras()  # for the checks below; this process runs no Keras
+    from tf_asyncps.compat import startup as startup_compat
+    startup_compat.import_without_keras()  # for the checks below; this process runs no Keras
     backup_default = (FLAGS.restart_failed_tasks or FLAGS.backup_every_steps) and \
         not FLAGS.backup_dir
     if backup_default:

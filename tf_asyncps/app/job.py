@@ -25,7 +25,7 @@ from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies
 from tf_asyncps.app import datasets, dynamic_ids
 from tf_asyncps.app.flag_checks import check_writable_dir
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
@@ -288,7 +288,7 @@ def sharding(model) -> Dict[str, Any]:
     for layer in model.layers:
         for attr in ("embeddings", "kernel"):
             var = getattr(layer, attr, None)
-            parts = tf_compat.shards(var) or (var is not None and keras_compat.sharded_value(var))
+            parts = variables_compat.shards(var) or (var is not None and keras_compat.sharded_value(var))
             if parts:
                 out[f"{layer.name}/{attr}"] = [
                     tf.DeviceSpec.from_string(p.device).task for p in parts]

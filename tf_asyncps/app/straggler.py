@@ -49,14 +49,14 @@ def slow_dataset_fn(dataset_fn: Callable, slow_worker: int, delay_ms: float) -> 
 
     def wrapped(input_context):
         import tensorflow as tf
-        from tf_asyncps.compat import tensorflow as tf_compat
+        from tf_asyncps.compat import data as data_compat
         ds = dataset_fn(input_context)
         me = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
                      tf.int64)
         delay_us = tf.where(tf.equal(me, slow_worker),
                             tf.constant(int(delay_ms * 1000), tf.int64),
                             tf.constant(0, tf.int64))
-        return ds.apply(tf_compat.dataset_sleep(delay_us))
+        return ds.apply(data_compat.dataset_sleep(delay_us))
 
     return wrapped
 

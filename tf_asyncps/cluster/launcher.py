@@ -14,7 +14,7 @@ from absl import logging
 from tf_asyncps.cluster.config import ROLES, ClusterConfig, cluster_resolver
 from tf_asyncps.cluster.probe import wait_for_tasks
 from tf_asyncps.cluster.spawn import spawn
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import startup as startup_compat
 from tf_asyncps.validate import check_int, check_number
 
 __all__ = ["LocalCluster"]
@@ -344,7 +344,7 @@ class LocalCluster:
         and TensorFlow allows one cluster per process anyway.
         """
         self._stop_supervisor()
-        if defer_if_connected and tf_compat.context_connected() and self._alive_children():
+        if defer_if_connected and startup_compat.context_connected() and self._alive_children():
             logging.info("LocalCluster: tasks %s stop when this process exits.",
                          sorted(self.pids))
             self._close_logs()  # each task writes through its own descriptor

@@ -37,8 +37,8 @@ def server_config(num_workers: int, task_type: Optional[str] = None, num_gpus: i
       ValueError: bad logical-GPU settings in the environment.
     """
     from tf_asyncps.cluster import devices
-    from tf_asyncps.compat import tensorflow as tf_compat
-    config = tf_compat.serving_runtime().ConfigProto(
+    from tf_asyncps.compat import startup as startup_compat
+    config = startup_compat.serving_runtime().ConfigProto(
         inter_op_parallelism_threads=inter_op_threads(num_workers))
     if task_type is not None:
         devices.configure_server_gpus(config, task_type, num_gpus, environ)
@@ -81,13 +81,13 @@ def start_server(config: ClusterConfig):
     Raises:
       ValueError: if the task is not a ps or worker.
     """
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import startup as startup_compat
     if config.task_type not in ("ps", "worker"):
         raise ValueError(
             f'only "ps" and "worker" tasks serve; this task is {config.task_type!r}.')
     warn_evaluators(config)
     from tf_asyncps.cluster import devices
-    tf = tf_compat.serving_runtime()  # no TensorFlow API package: ~3 s less start-up
+    tf = startup_compat.serving_runtime()  # no TensorFlow API package: ~3 s less start-up
     num_gpus = 0
     if config.task_type == "ps":
         # Parameter servers keep variables on CPU; don't grab GPU memory.

@@ -9,21 +9,35 @@ per topic where a topic spans libraries, each stating the versions it was
 tested with:
 
 * :mod:`tf_asyncps.compat.versions`: the supported ranges, checked at import.
-* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.18.1-2.21.0
-  (ParameterServerStrategy internals and the ``extended`` hooks a subclass
-  may use, ClusterCoordinator internals and its RemoteValue's ``get``,
-  per-worker variables, resource-variable ops, autograph, graphs; and what
-  tf_asyncps adds to any TensorFlow/Keras object: method hooks and untracked
-  attributes).
+* :mod:`tf_asyncps.compat.startup`: TensorFlow 2.18.1-2.21.0 (TensorFlow
+  imported without its Keras import, a ps/worker task's server runtime
+  imported lean, whether the context is connected to a cluster).
+* :mod:`tf_asyncps.compat.strategy`: TensorFlow 2.18.1-2.21.0
+  (ParameterServerStrategy's ``extended``: the base class, the hooks a
+  subclass may use, its replacement, worker and GPU counts, autograph as
+  ``_call_for_each_replica`` does it, its creator's ``colocate_with``).
+* :mod:`tf_asyncps.compat.coordinator`: TensorFlow 2.18.1-2.21.0
+  (ClusterCoordinator's closure queue and worker threads, its error logs,
+  a RemoteValue's ``get``).
+* :mod:`tf_asyncps.compat.data`: TensorFlow 2.18.1-2.21.0 (a worker's own
+  dataset built by the coordinator, tf.data's test-only sleep).
+* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.21.0, tf_keras 2.21.0,
+  Keras 3.15.1 (what tf_asyncps adds to any TensorFlow/Keras object: method
+  hooks and untracked attributes).
 * :mod:`tf_asyncps.compat.variables`: TensorFlow 2.21.0's resource variable
   read path (a variable's dense reads replaced on one instance, redirected
   while one update is traced), an optimizer counter's ``assign_add`` made
-  conditional, and a row read recorded on the gradient tape.
+  conditional, and a row read recorded on the gradient tape; TensorFlow
+  2.18.1-2.21.0's ShardedVariable shards, CachingVariable, sparse read,
+  per-worker variables and resource-variable ops by handle.
 * :mod:`tf_asyncps.compat.checkpoint`: TensorFlow 2.21.0's ``Trackable``
   save/restore protocol (a dynamic table's metadata saved as whole-table
-  tensors; variables saved elsewhere, still whole in a SavedModel).
+  tensors; variables saved elsewhere, still whole in a SavedModel) and
+  whether a SavedModel export is tracing.
 * :mod:`tf_asyncps.compat.graph`: TensorFlow 2.21.0's ``Operation._set_device``
-  (constants moved beside their consumers) and a gather gradient's parts.
+  (constants moved beside their consumers) and a gather gradient's parts;
+  TensorFlow 2.18.1-2.21.0's tracing state (inside a function, the outermost
+  graph, the resources a function writes) and colocation.
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
   the loss-scaling allowlist, BackupAndRestore's training state, whether an
   optimizer has built its slots).

@@ -2,7 +2,9 @@
 restore protocol exists since TF 2.11): an object that writes tensors of
 its own making into a ``tf.train.Checkpoint`` and gets them back at restore,
 and variables that write nothing there (a dynamic table saves their live
-rows itself) but are still saved whole in a SavedModel.
+rows itself) but are still saved whole in a SavedModel; whether a
+SavedModel export is tracing functions now (TF 2.16-2.21's
+``save_context``).
 
 Importable without TensorFlow being imported first.
 """
@@ -11,7 +13,7 @@ import contextvars
 import functools
 
 __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
-           "writing_checkpoint", "sharded_container"]
+           "writing_checkpoint", "sharded_container", "in_save_context"]
 
 _CLASS = []
 
@@ -192,3 +194,11 @@ def sharded_container(var):
     ``_sharded_container`` reference on each shard), else None."""
     ref = getattr(var, "_sharded_container", None)
     return ref() if callable(ref) else None
+
+
+def in_save_context() -> bool:
+    """Whether a SavedModel export is tracing functions now
+    (``tf.saved_model.save`` and Keras saves; TF 2.16-2.21's
+    ``save_context.in_save_context``)."""
+    from tensorflow.python.saved_model import save_context
+    return save_context.in_save_context()

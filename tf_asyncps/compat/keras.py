@@ -117,8 +117,8 @@ def hook_loops(make_hook) -> bool:
     if optimizer_class() is None:
         return False
     from keras.src.models.model import Model
-    from tf_asyncps.compat import tensorflow as tf_compat
     from tf_asyncps.compat import call_scopes
+    from tf_asyncps.compat import tensorflow as tf_compat
 
     def make(original, name):
         checked = make_hook(original, name)
@@ -180,20 +180,20 @@ def build_layers(model, element_spec) -> None:
 def sharded_value(var):
     """The shards (tf.Variables) of a Keras 3 variable whose value is a
     ShardedVariable (variable_partitioner), else None."""
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import variables as variables_compat
     inner = getattr(var, "_value", None)
-    return tf_compat.shards(inner) if inner is not None else None
+    return variables_compat.shards(inner) if inner is not None else None
 
 
 def tf_variables(var) -> list:
     """The tf.Variables behind ``var``: a Keras 3 variable's value, or its
     shards under ``variable_partitioner`` (its ``_value``; Keras 3.10-3.15);
     ``[var]`` for any other variable."""
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import variables as variables_compat
     inner = getattr(var, "_value", None)
     if inner is None or not hasattr(inner, "dtype"):
         return [var]
-    return tf_compat.shards(inner) or [inner]
+    return variables_compat.shards(inner) or [inner]
 
 
 def tf_value(var):

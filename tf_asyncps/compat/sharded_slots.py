@@ -448,8 +448,9 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
     Returns:
       False if tf_keras is not installed.
     """
-    from tf_asyncps.compat import tensorflow as tf_compat
     from tf_asyncps.compat import checkpoint as checkpoint_compat
+    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import variables as variables_compat
     try:
         from tf_keras.src.optimizers.legacy import optimizer_v2
     except ImportError:  # pragma: no cover - tf_keras is a dependency
@@ -458,7 +459,7 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
     def make_hook(original):
         def get_slot(self, var, slot_name):
             slot = original(self, var, slot_name)
-            parts = tf_compat.shards(slot)
+            parts = variables_compat.shards(slot)
             if parts and all(map(checkpoint_compat.saved_elsewhere, parts)):
                 checkpoint_compat.save_elsewhere(slot)
             return slot

@@ -9,13 +9,22 @@ conditional while one update is traced. TensorFlow 2.21.0's gradient tape
 2.16-2.21; what ``tf.custom_gradient`` uses inside): a row read recorded as
 one operation on the variable.
 
+ParameterServerStrategy's variables (TF 2.18.1, 2.19.1, 2.20.0 and 2.21.0,
+:data:`tf_asyncps.compat.versions.TENSORFLOW_TESTED`): a ``ShardedVariable``'s
+shards, the variable under a ``CachingVariable``, a variable's sparse read
+replaced on one instance, and the per-worker variables and resource-variable
+ops by handle of ``local_sgd``'s local copies
+(``tf_asyncps/core/local_copies.py``).
+
 Importable without TensorFlow being imported first.
 """
 
 import contextlib
 
 __all__ = ["replace_dense_read", "adding_only_if", "reads_redirected",
-           "recorded_on_variable"]
+           "recorded_on_variable", "shards", "unwrap_caching_variable", "replace_sparse_read",
+           "per_worker_variable", "per_worker_values", "swap_handle", "read_handle",
+           "assign_handle", "assign_add_handle"]
 
 
 def replace_dense_read(var, after_read) -> bool:
@@ -156,3 +165,86 @@ def _instance_attribute(obj, name, value):
             setattr(obj, name, previous)
         else:
             delattr(obj, name)
+
+
+def shards(var):
+    """The ps shards of a ``ShardedVariable`` (``variable_partitioner``), else None."""
+    from tensorflow.python.distribute import sharded_variable
+    if isinstance(var, sharded_variable.ShardedVariable):
+        return list(var.variables)
+    return None
+
+
+def unwrap_caching_variable(var):
+    """The ResourceVariable under PSS's ``CachingVariable`` wrapper (else ``var``)."""
+    from tensorflow.python.distribute import ps_values
+    return var.get() if isinstance(var, ps_values.CachingVariable) else var
+
+
+def replace_sparse_read(var, gather) -> bool:
+    """Routes this variable's ``sparse_read`` (what ``tf.gather`` and
+    ``tf.nn.embedding_lookup`` call on a resource variable, TF 2.16-2.21's
+    ``array_ops.gather``) through ``gather(original_sparse_read, indices,
+    name)``: an instance attribute, this variable only. Idempotent; False
+    if ``var`` has no ``sparse_read``."""
+    original = getattr(var, "sparse_read", None)
+    if original is None:
+        return False
+    if getattr(original, "_asyncps_replaced", False):
+        return True
+
+    def sparse_read(indices, name=None):
+        return gather(original, indices, name=name)
+
+    sparse_read._asyncps_replaced = True
+    var.sparse_read = sparse_read
+    return True
+
+
+def per_worker_variable(strategy, initial_value, name):
+    """A ``PerWorkerVariable`` made with TensorFlow's default creator (a
+    tf.function's creator, active while a step is traced, cannot build
+    per-worker copies)."""
+    import functools
+    from tensorflow.python.distribute import ps_values
+    from tensorflow.python.ops import resource_variable_ops
+    creator = functools.partial(resource_variable_ops.default_variable_creator_v2, None)
+    return ps_values.PerWorkerVariable(strategy, creator, initial_value=initial_value,
+                                       trainable=False, name=name)
+
+
+def per_worker_values(var):
+    """The worker-side tf.Variables of a PerWorkerVariable, by worker index
+    (None if not built on the workers yet)."""
+    pw = getattr(var, "_per_worker_vars", None)
+    if pw is None:
+        return None
+    out = []
+    for rv in pw._values:
+        rv._wait_and_maybe_error()  # built before the first step: no wait
+        out.append(rv._get_values())  # the worker's tf.Variable, not a copy
+    return out
+
+
+def swap_handle(var, handle) -> None:
+    """Points ResourceVariable ``var`` at another resource ``handle`` (while a
+    local step is traced, ``local_sgd``'s per-worker copy)."""
+    var._handle = handle
+
+
+def read_handle(handle, dtype):
+    """Reads a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.read_variable_op(handle, dtype)
+
+
+def assign_handle(handle, value):
+    """Assigns ``value`` to a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.assign_variable_op(handle, value)
+
+
+def assign_add_handle(handle, value):
+    """Atomically adds ``value`` to a resource variable by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.assign_add_variable_op(handle, value)

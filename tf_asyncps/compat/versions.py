@@ -19,7 +19,8 @@ them equal).
 import os
 import sys
 
-__all__ = ["TENSORFLOW", "TESTED", "SKIP_ENV", "installed", "unsupported", "check", "describe"]
+__all__ = ["TENSORFLOW", "TENSORFLOW_TESTED", "TESTED", "SKIP_ENV", "installed",
+           "unsupported", "check", "describe"]
 
 #: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds.
 #: tf_keras follows TensorFlow's minor (each tf_keras release pins one).
@@ -28,6 +29,10 @@ __all__ = ["TENSORFLOW", "TESTED", "SKIP_ENV", "installed", "unsupported", "chec
 #: loss on resume, so 2.16 and 2.17 are refused (TF_ASYNCPS_SKIP_VERSION_CHECK=1
 #: runs them anyway).
 TENSORFLOW = ((2, 18), (2, 22))
+
+#: The TensorFlow releases the private TensorFlow APIs of the ``compat`` modules
+#: were run against (nothing they use differs between them).
+TENSORFLOW_TESTED = ("2.18.1", "2.19.1", "2.20.0", "2.21.0")
 
 #: TensorFlow minor -> (TensorFlow, tf_keras, Keras) releases the matrix ran.
 TESTED = {

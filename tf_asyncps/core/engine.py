@@ -31,8 +31,8 @@ from typing import Optional
 import tensorflow as tf
 from absl import logging
 
+from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import keras as keras_compat
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement, table_seam
 from tf_asyncps.core import update as update_lib
@@ -46,11 +46,11 @@ __all__ = ["PolicyEngine", "worker_index"]
 
 def worker_index() -> tf.Tensor:
     """The current worker's index (int64 scalar) inside a scheduled closure, else 0."""
-    if tf_compat.inside_function():
+    if graph_compat.inside_function():
         # Read in the scheduled function's own graph: TF does not feed a
         # call-time capture made inside a cond in a while body, which is
         # where tf_keras runs the step when steps_per_execution > 1.
-        with tf_compat.outermost_graph().as_default():
+        with graph_compat.outermost_graph().as_default():
             try:
                 return tf.cast(
                     tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
@@ -200,7 +200,7 @@ class PolicyEngine:
         overriding ``apply_gradients`` (``apply`` in Keras 3) without calling
         the base method bypasses the policy, τ and the global step."""
         trainable = {id(v.handle): v for v in self._trainable}
-        written = {id(h) for h in tf_compat.resources_written(ops)}
+        written = {id(h) for h in graph_compat.resources_written(ops)}
         names = sorted({v.name for k, v in trainable.items() if k in written})
         if names:
             logging.warning(

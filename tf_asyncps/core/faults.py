@@ -25,7 +25,8 @@ from typing import List
 
 from absl import logging
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import coordinator as coordinator_compat
+from tf_asyncps.compat import versions
 
 __all__ = ["ClosureAccounting", "attach"]
 
@@ -103,11 +104,11 @@ def attach(coordinator, accounting: ClosureAccounting) -> ClosureAccounting:
     def on_process(index):
         accounting._local.worker = index  # this thread serves worker ``index``
 
-    accounting.attached = tf_compat.instrument_closures(
+    accounting.attached = coordinator_compat.instrument_closures(
         coordinator, accounting._put_back, accounting._finished, on_process,
         accounting._failed)
     if not accounting.attached:  # pragma: no cover - TF internals moved
         logging.warning("tf_asyncps: closure retry accounting is off (TensorFlow's "
                         "ClusterCoordinator internals moved; tested with %s).",
-                        ", ".join(tf_compat.TESTED_VERSIONS))
+                        ", ".join(versions.TENSORFLOW_TESTED))
     return accounting

@@ -13,7 +13,6 @@ reads).
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import graph as graph_compat
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
@@ -125,11 +124,11 @@ def read_over_wire(value, wire_dtype, back_with=None):
     wire = wire_dtype_of(value.dtype, wire_dtype)
     if wire is None:
         return value
-    with tf_compat.colocate_only_with(value.op):
+    with graph_compat.colocate_only_with(value.op):
         value = tf.cast(value, wire)
     if back_with is None:
         return tf.cast(value, tf.float32)
-    with tf_compat.colocate_only_with(back_with):
+    with graph_compat.colocate_only_with(back_with):
         return tf.cast(value, tf.float32)
 
 

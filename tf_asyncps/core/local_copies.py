@@ -76,8 +76,11 @@ from typing import List
 import tensorflow as tf
 from absl import logging
 
+from tf_asyncps.compat import coordinator as coordinator_compat
+from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import keras as keras_compat
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
+from tf_asyncps.compat import versions
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core.locking import run_collecting_ops
 from tf_asyncps.core.step import WorkerStep, current_step
@@ -92,7 +95,7 @@ class _Copies:
         self.master = master
         # ParameterServerStrategy wraps its variables (CachingVariable); the
         # handle to swap is the wrapped ResourceVariable's.
-        self.inner = tf_compat.unwrap_caching_variable(master)
+        self.inner = variables_compat.unwrap_caching_variable(master)
         self.handle = self.inner.handle  # the PS handle, kept while swapped
         self.dtype = master.dtype
         # A worker (also a restarted one) pulls an exchanged copy at its first
@@ -104,8 +107,8 @@ class _Copies:
                 master.read_value())
         except (tf.errors.OpError, ValueError):  # lifted initializer not run yet
             init = tf.zeros(shape, dtype)
-        self.local = tf_compat.per_worker_variable(strategy, init, "asyncps_local")
-        self.anchor = tf_compat.per_worker_variable(strategy, init, "asyncps_anchor")
+        self.local = variables_compat.per_worker_variable(strategy, init, "asyncps_local")
+        self.anchor = variables_compat.per_worker_variable(strategy, init, "asyncps_anchor")
 
 
 _HANDLES = weakref.WeakKeyDictionary()  # function graph -> {id(variable): handle}
@@ -122,7 +125,7 @@ class TracedStep:
     """
 
     def __init__(self, copies: "LocalCopies"):
-        self.top = tf_compat.outermost_graph()
+        self.top = graph_compat.outermost_graph()
         self.since = self._handle(copies._since)
         self.copies, self.local, self.anchor = [], [], []
 
@@ -153,14 +156,14 @@ class TracedStep:
         """Points the copies' model variables at the local copies."""
         handles = [(self._handle(c.local), self._handle(c.anchor)) for c in copies]
         for c, (lh, ah) in zip(copies, handles):
-            tf_compat.swap_handle(c.inner, lh)
+            variables_compat.swap_handle(c.inner, lh)
             self.copies.append(c)
             self.local.append(lh)
             self.anchor.append(ah)
 
     def undo(self) -> None:
         for c in self.copies:
-            tf_compat.swap_handle(c.inner, c.handle)
+            variables_compat.swap_handle(c.inner, c.handle)
 
 
 class LocalCopies:
@@ -211,11 +214,11 @@ class LocalCopies:
             # after a restart (variables re-created) and after each drain.
             self._fresh = tf.Variable(False, trainable=False,
                                       per_worker_variable=True, name="asyncps_fresh")
-        if not tf_compat.run_before_closures(strategy, self.before_closure):
+        if not coordinator_compat.run_before_closures(strategy, self.before_closure):
             raise RuntimeError(  # pragma: no cover - TF internals moved
                 f"{self.policy.name}: the exchange runs before each closure through "
                 "ClusterCoordinator internals that moved; tested with "
-                f"TensorFlow {', '.join(tf_compat.TESTED_VERSIONS)}.")
+                f"TensorFlow {', '.join(versions.TENSORFLOW_TESTED)}.")
 
     def add_variable(self, var, trainable: bool = True) -> None:
         """Creates the local copy and anchor of a PS variable whose mode is
@@ -326,10 +329,10 @@ class LocalCopies:
         counted (a worker-local op) after ``after`` (ops). Returns the int64
         scalar local steps since the last exchange."""
         with tf.control_dependencies(after):
-            add = tf_compat.assign_add_handle(step.local_state.since,
+            add = variables_compat.assign_add_handle(step.local_state.since,
                                               tf.constant(1, tf.int64))
         with tf.control_dependencies([add]):
-            return tf_compat.read_handle(step.local_state.since, tf.int64)
+            return variables_compat.read_handle(step.local_state.since, tf.int64)
 
     def _record_exchange(self, last_g):
         """The counters of one exchange (after its adds), on the PS: local_sgd
@@ -371,12 +374,12 @@ class LocalCopies:
                 values = []
                 for c in copies:
                     with tf.device(c.handle.device):
-                        values.append(tf_compat.read_handle(c.handle, c.dtype))
+                        values.append(variables_compat.read_handle(c.handle, c.dtype))
             for lh, ah, new in zip(local, anchor, values):
-                ops += [tf_compat.assign_handle(lh, new), tf_compat.assign_handle(ah, new)]
-            ops += [tf_compat.assign_handle(last_v.handle, g_now),
-                    tf_compat.assign_handle(since_v.handle, tf.constant(0, tf.int64)),
-                    tf_compat.assign_handle(fresh_v.handle, tf.constant(True))]
+                ops += [variables_compat.assign_handle(lh, new), variables_compat.assign_handle(ah, new)]
+            ops += [variables_compat.assign_handle(last_v.handle, g_now),
+                    variables_compat.assign_handle(since_v.handle, tf.constant(0, tf.int64)),
+                    variables_compat.assign_handle(fresh_v.handle, tf.constant(True))]
             with tf.control_dependencies(ops):
                 return tf.constant(0, tf.int64)
 
@@ -389,26 +392,26 @@ class LocalCopies:
             ops = []
             for gc, vc, guard, slots in guarded:
                 values, generations = guard.read()
-                old = tf_compat.read_handle(vc.anchor.handle, tf.int64)
+                old = variables_compat.read_handle(vc.anchor.handle, tf.int64)
                 with tf.control_dependencies([old]):
                     for c, new in ((gc, values), (vc, generations)):
-                        ops += [tf_compat.assign_handle(c.local.handle, new),
-                                tf_compat.assign_handle(c.anchor.handle, new)]
+                        ops += [variables_compat.assign_handle(c.local.handle, new),
+                                variables_compat.assign_handle(c.anchor.handle, new)]
                 changed = tf.not_equal(generations, old)
                 for sc, initial in slots:
-                    value = tf_compat.read_handle(sc.local.handle, sc.dtype)
+                    value = variables_compat.read_handle(sc.local.handle, sc.dtype)
                     rows = tf.reshape(changed, [-1] + [1] * (value.shape.rank - 1))
-                    ops.append(tf_compat.assign_handle(sc.local.handle, tf.where(
+                    ops.append(variables_compat.assign_handle(sc.local.handle, tf.where(
                         rows, tf.cast(initial, sc.dtype), value)))
             return ops
 
         def push_guarded(g_after):
             pushes = []
             for gc, vc, guard, _ in guarded:
-                delta = (tf_compat.read_handle(gc.local.handle, gc.dtype)
-                         - tf_compat.read_handle(gc.anchor.handle, gc.dtype))
+                delta = (variables_compat.read_handle(gc.local.handle, gc.dtype)
+                         - variables_compat.read_handle(gc.anchor.handle, gc.dtype))
                 pushes.append(guard.push(
-                    delta, tf_compat.read_handle(vc.anchor.handle, tf.int64), g_after))
+                    delta, variables_compat.read_handle(vc.anchor.handle, tf.int64), g_after))
             return pushes
 
         def pull_fn():
@@ -419,19 +422,19 @@ class LocalCopies:
             local, anchor = handles()
             pushes, merged = [], []
             for c, lh, ah in zip(copies, local, anchor):
-                delta = tf_compat.read_handle(lh, c.dtype) - tf_compat.read_handle(ah, c.dtype)
+                delta = variables_compat.read_handle(lh, c.dtype) - variables_compat.read_handle(ah, c.dtype)
                 with tf.device(c.handle.device):
                     # Read just before this worker's add, so the model comes
                     # down while Δ goes up (both directions of the link busy);
                     # the copy is that value + Δ, what the add makes of it.
-                    before = tf_compat.read_handle(c.handle, c.dtype)
+                    before = variables_compat.read_handle(c.handle, c.dtype)
                     with tf.control_dependencies([before]):
-                        pushes.append(tf_compat.assign_add_handle(c.handle, delta))
-                with tf_compat.colocated_with(delta.op):  # on the worker
+                        pushes.append(variables_compat.assign_add_handle(c.handle, delta))
+                with graph_compat.colocated_with(delta.op):  # on the worker
                     merged.append(before + delta)
             with tf.control_dependencies(pushes):
-                g_after = self._record_exchange(tf_compat.read_handle(last_v.handle, tf.int64))
-                counted = tracker.add_local_steps(tf_compat.read_handle(since_v.handle, tf.int64))
+                g_after = self._record_exchange(variables_compat.read_handle(last_v.handle, tf.int64))
+                counted = tracker.add_local_steps(variables_compat.read_handle(since_v.handle, tf.int64))
             with tf.control_dependencies([counted]):
                 # After the global step moved: an eviction pass due at it runs
                 # in the guard's push, before the masked add.
@@ -439,8 +442,8 @@ class LocalCopies:
                 return pull(local, anchor, g_after, pushed, merged)
 
         def check_fn():
-            fresh = tf_compat.read_handle(fresh_v.handle, tf.bool)
-            due = self.policy.exchange_due(tf_compat.read_handle(since_v.handle, tf.int64))
+            fresh = variables_compat.read_handle(fresh_v.handle, tf.bool)
+            due = self.policy.exchange_due(variables_compat.read_handle(since_v.handle, tf.int64))
             return tf.where(fresh, tf.where(due, 2, 0), 1)
 
         with tf.init_scope():
@@ -507,9 +510,9 @@ class LocalCopies:
             ok = applied()
         traced = step.local_state
         with tf.control_dependencies([ok]):
-            add = tf_compat.assign_add_handle(traced.since, tf.constant(1, tf.int64))
+            add = variables_compat.assign_add_handle(traced.since, tf.constant(1, tf.int64))
         with tf.control_dependencies([add]):
-            return tf_compat.read_handle(traced.since, tf.int64)
+            return variables_compat.read_handle(traced.since, tf.int64)
 
     # -- host side ---------------------------------------------------------------
     def flush(self) -> int:
@@ -526,20 +529,20 @@ class LocalCopies:
         if self.strategy is None or not self._copies:
             return 0
         with self._flush_lock:
-            since_all = tf_compat.per_worker_values(self._since)
+            since_all = variables_compat.per_worker_values(self._since)
             if since_all is None:  # no worker step has run yet
                 return 0
             views = {id(c) for _, c, _, _ in self._guarded()}
             copies = [c for c in self.exchanged(self._copies.values())
-                      if tf_compat.per_worker_values(c.local) is not None
+                      if variables_compat.per_worker_values(c.local) is not None
                       and id(c) not in views]
-            locals_ = [tf_compat.per_worker_values(c.local) for c in copies]
-            anchors = [tf_compat.per_worker_values(c.anchor) for c in copies]
+            locals_ = [variables_compat.per_worker_values(c.local) for c in copies]
+            anchors = [variables_compat.per_worker_values(c.anchor) for c in copies]
             per_worker = [(since, last, fresh,
                            [(lv[w], av[w]) for lv, av in zip(locals_, anchors)])
                           for w, (since, last, fresh) in enumerate(zip(
-                              since_all, tf_compat.per_worker_values(self._last_g),
-                              tf_compat.per_worker_values(self._fresh)))]
+                              since_all, variables_compat.per_worker_values(self._last_g),
+                              variables_compat.per_worker_values(self._fresh)))]
             # Rebuilt when workers re-created their variables or copies were added.
             key = tuple(id(v) for _, _, _, pairs in per_worker for pair in pairs for v in pair)
             key += tuple(id(s) for s, _, _, _ in per_worker)
@@ -552,7 +555,7 @@ class LocalCopies:
         tracker = self.tracker
         # A guarded variable's delta is pushed by its guard, against the
         # generations the worker last pulled (no eviction pass here).
-        guards = {id(gc): (guard, tf_compat.per_worker_values(vc.anchor))
+        guards = {id(gc): (guard, variables_compat.per_worker_values(vc.anchor))
                   for gc, vc, guard, _ in self._guarded()}
 
         @tf.function(autograph=False)
@@ -574,7 +577,7 @@ class LocalCopies:
                         pushes.append(guard.push(delta, view, None))
                     else:
                         with tf.device(c.handle.device):
-                            pushes.append(tf_compat.assign_add_handle(c.handle, delta))
+                            pushes.append(variables_compat.assign_add_handle(c.handle, delta))
                     with tf.device(local.device), tf.control_dependencies(pushes[-1:]):
                         pushes.append(anchor.assign(value, read_value=False))
 

@@ -23,7 +23,7 @@ Every path that reads rows of such a variable goes through its
 ``sparse_read`` (``tf.gather``, ``tf.nn.embedding_lookup``, tf_keras's
 ``Embedding``; Keras 3's ``Embedding`` through ``tf.nn.embedding_lookup``,
 see keras3/trainer.py), so that is the one method replaced, on these
-variables only (``compat.tensorflow.replace_sparse_read``). In eager code
+variables only (``compat.variables.replace_sparse_read``). In eager code
 (the chief reading a table) nothing changes.
 
 With ``AsyncParameterServerStrategy(wire_dtype="bfloat16")`` the rows read
@@ -37,7 +37,7 @@ import functools
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import trace_context
@@ -89,7 +89,7 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
       as ``sparse_read(indices)`` returns them.
     """
     indices = tf.convert_to_tensor(indices)
-    op = getattr(indices, "op", None) if tf_compat.inside_function() else None
+    op = getattr(indices, "op", None) if graph_compat.inside_function() else None
     if op is None:  # eager: a read on the chief, nothing to save
         return sparse_read(indices, name=name)
     if trace_context.EVERY_ID.get() or not distinct:
@@ -106,7 +106,7 @@ def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_
     shape = variable.shape
 
     def backward(dy):
-        with tf_compat.colocate_only_with(op):  # on the worker, beside the ids
+        with graph_compat.colocate_only_with(op):  # on the worker, beside the ids
             if shape[1:].is_fully_defined():
                 rows = tf.reshape(dy, [-1] + shape[1:].as_list())
             else:
@@ -124,11 +124,11 @@ def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_
 def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
-    with tf_compat.colocate_only_with(op):
+    with graph_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
         unique = grads_lib.narrow_indices(unique, num_rows)  # int32 on the wire
     rows = grads_lib.read_over_wire(sparse_read(unique, name=name), wire_dtype, back_with=op)
-    with tf_compat.colocate_only_with(op):
+    with graph_compat.colocate_only_with(op):
         # The rows on the worker first: the gather's gradient takes the shape
         # of its params beside them, which would be one more transfer from
         # the ps every step if they were the ps's tensor.
@@ -154,6 +154,6 @@ def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
     """
     if var.shape.rank is None or var.shape.rank < 2:
         return False
-    return tf_compat.replace_sparse_read(var, functools.partial(
+    return variables_compat.replace_sparse_read(var, functools.partial(
         distinct_rows_gather, distinct=distinct, wire_dtype=wire_dtype,
         num_rows=var.shape[0], variable=var))

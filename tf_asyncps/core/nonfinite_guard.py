@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import trace_context
 
@@ -51,9 +51,9 @@ class _Gate:
             return read()
         key = (id(hoisted), var.device)
         if key not in self.copies or self.copies[key].graph is not graph:
-            with graph.as_default(), tf_compat.colocate_only_with(None):
+            with graph.as_default(), graph_compat.colocate_only_with(None):
                 value = read()
-                with tf_compat.colocated_with(var):
+                with graph_compat.colocated_with(var):
                     self.copies[key] = tf.identity(value)
         return self.copies[key]
 

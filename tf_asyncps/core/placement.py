@@ -27,8 +27,8 @@ import uuid
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import graph as graph_compat
+from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.core import trace_context
 
 __all__ = ["beside", "beside_inputs", "creating_beside", "fifo_queue", "critical_section",
@@ -58,7 +58,7 @@ def beside(var):
     depth = trace_context.BESIDE_DEPTH.get()
     with trace_context.entered(trace_context.BESIDE_DEPTH, depth + 1), tf.init_scope():
         if tf.distribute.has_strategy():
-            with tf.variable_creator_scope(tf_compat.colocating_creator(var)):
+            with tf.variable_creator_scope(strategy_compat.colocating_creator(var)):
                 yield
         else:
             with tf.device(var.device):
@@ -181,7 +181,7 @@ def one_per_device(ops) -> list:
     for device, group in by_device.items():
         # Colocated, not tf.device: beside_inputs' device function would
         # move an op with no inputs to its default device.
-        with tf_compat.colocated_with(group[0]):
+        with graph_compat.colocated_with(group[0]):
             out.append(tf.group(*group))
     return out
 

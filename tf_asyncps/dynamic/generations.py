@@ -32,6 +32,7 @@ import functools
 
 import tensorflow as tf
 
+from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.dynamic import eviction as eviction_lib
 
@@ -52,7 +53,7 @@ def add_generations(shard, var, name: str, local_copies: bool) -> None:
     with placement.beside(var):
         untracked("gen", tf.Variable(zeros, trainable=False, name=f"{name}_generation"))
     # Not beside: the strategy tracks it, so local_sgd gives it local copies.
-    with tf.init_scope(), tf.variable_creator_scope(tf_compat.colocating_creator(var)):
+    with tf.init_scope(), tf.variable_creator_scope(strategy_compat.colocating_creator(var)):
         untracked("gen_view", tf.Variable(zeros, trainable=False,
                                           name=f"{name}_generation_pulled"))
 

@@ -10,8 +10,8 @@ import re
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import checkpoint as checkpoint_compat
+from tf_asyncps.compat import variables as variables_compat
 
 __all__ = ["optimizer_slots", "tracked_slots"]
 
@@ -63,7 +63,7 @@ def optimizer_slots(optimizer, var, any_device: bool = False) -> list:
     candidates = []
     for v in variables:
         v = getattr(v, "value", v) if not hasattr(v, "device") else v
-        for part in tf_compat.shards(v) or [v]:
+        for part in variables_compat.shards(v) or [v]:
             if part is var or getattr(part, "shape", None) != var.shape or (
                     not any_device and getattr(part, "device", None) != var.device):
                 continue
@@ -96,7 +96,7 @@ def tracked_slots(optimizer, parts) -> list:
     variables = variables() if callable(variables) else variables
     for v in variables:
         value = v if hasattr(v, "device") else getattr(v, "value", v)
-        if any(id(x) in ids for x in [value] + (tf_compat.shards(value) or [])):
+        if any(id(x) in ids for x in [value] + (variables_compat.shards(value) or [])):
             out.append(v)
     seen, unique = set(), []
     for obj in out:

@@ -51,8 +51,9 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import checkpoint as checkpoint_compat
+from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement, table_seam
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
@@ -283,7 +284,7 @@ class DynamicTable(tf.Module):
         self.capacity, self.output_dim = int(table.shape[0]), int(table.shape[1])
         self.eviction, self.evict_every, self.ttl_steps = eviction, evict_every, ttl_steps
         self.initializer = initializer
-        parts = tf_compat.shards(table) or [table]
+        parts = variables_compat.shards(table) or [table]
         self.shards: List[_Shard] = []
         offset = 0
         for i, var in enumerate(parts):

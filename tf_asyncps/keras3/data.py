@@ -10,7 +10,7 @@ shards by batch, one closure per shard (``trainer.py``).
 
 import tensorflow as tf
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import data as data_compat
 
 __all__ = ["DatasetFn", "is_input", "as_input", "train_iterator", "eval_datasets", "check_eval_input",
            "chief_dataset"]
@@ -104,9 +104,9 @@ def eval_datasets(inp, steps, coordinator):
     or all of a finite dataset), as one value for ``coordinator.schedule``.
     Callers check the input first (:func:`check_eval_input`)."""
     if isinstance(inp, DatasetFn):
-        return tf_compat.per_worker_datasets(
+        return data_compat.per_worker_datasets(
             coordinator, lambda: _take(inp(tf.distribute.InputContext(1, 0, 1)), steps))
-    return tf_compat.per_worker_datasets(coordinator, _take(inp, steps))
+    return data_compat.per_worker_datasets(coordinator, _take(inp, steps))
 
 
 def check_eval_input(inp, steps, field):

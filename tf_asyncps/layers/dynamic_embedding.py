@@ -11,6 +11,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import table_seam
 from tf_asyncps.dynamic import checkpoint as dynamic_state
@@ -81,7 +82,7 @@ class _Mixin:
         # An export traces inference only (tf_keras also traces training=True
         # calls): the served function captures nothing of the cluster (no
         # global step, no lock), so it runs in a process with no cluster.
-        serving = tf_compat.in_save_context()
+        serving = checkpoint_compat.in_save_context()
         if serving:  # the served function then reads the index only
             dynamic_reshard.prepare_export(self.dynamic_table)
         training = bool(training) and not serving
@@ -281,9 +282,9 @@ def keras3_layer():
         return _KERAS3_CLASS[0]
     import keras
 
+    from tf_asyncps.compat import checkpoint as checkpoint_compat
     from tf_asyncps.compat import keras as keras_compat
     from tf_asyncps.compat import keras_layers
-    from tf_asyncps.compat import checkpoint as checkpoint_compat
 
     class DynamicEmbedding(_Mixin, keras.layers.Layer):
         __doc__ = _tf_keras_doc()
