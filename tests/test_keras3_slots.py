@@ -10,8 +10,10 @@ import tensorflow as tf
 
 keras = pytest.importorskip("keras")
 
+from tf_asyncps.compat import call_scopes  # noqa: E402
 from tf_asyncps.compat import keras as keras_compat  # noqa: E402
 from tf_asyncps.compat import sharded_slots  # noqa: E402
+from tf_asyncps.compat import tensorflow as tf_compat  # noqa: E402
 
 SV = tf.__internal__.distribute.ShardedVariable
 ROWS = 6
@@ -19,7 +21,11 @@ ROWS = 6
 
 @pytest.fixture(autouse=True, scope="module")
 def _hooks():
-    assert keras_compat.checkpoint_partitioned_whole()  # what the strategy installs
+    # What the strategy installs, in its order: call_scopes hooks the same
+    # add_variable_from_reference first (its slots went untagged, so
+    # positional, until hook_method kept both hooks).
+    call_scopes.install()
+    assert keras_compat.checkpoint_partitioned_whole()
 
 
 def _model(sizes):
@@ -215,3 +221,54 @@ def test_nothing_partitioned_nothing_built():
     model, opt = _model([6]), keras.optimizers.Adagrad(0.1)
     assert not sharded_slots.build_for_pending_restore(opt, _sources(model))
     assert not opt.built
+
+
+def test_slot_creation_runs_both_hooks_of_the_strategy():
+    """call_scopes (installed first, as the strategy does) and sharded_slots
+    hook the same ``TFOptimizer.add_variable_from_reference``: every slot is
+    made with CREATING_SLOT set and the shards' slots are tagged (so saved
+    whole). Since 7e63bfa until hook_method kept both, only the first hook
+    ran: no tag, the shards' slots saved by position, and a restore onto 3
+    shards put the Dense kernel's slot into a table shard's."""
+    model, opt = _model([3, 3]), keras.optimizers.Adam(0.1)
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append((kwargs["name"], call_scopes.CREATING_SLOT.get() is opt))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        opt.build(_sources(model))
+    assert [s for _, s in seen] == [True] * 8, seen  # 4 weights (2 shards), 2 slots each
+    tags = [(v.name, sharded_slots._shard_of(v)) for v in opt.variables]
+    assert [(n, t[1]) for n, t in tags if t is not None] == [
+        ("emb_embeddings_part_0_0_momentum", "momentum"),
+        ("emb_embeddings_part_0_0_velocity", "velocity"),
+        ("emb_embeddings_part_1_0_momentum", "momentum"),
+        ("emb_embeddings_part_1_0_velocity", "velocity")]
+
+
+def test_hook_method_keeps_each_hook_once():
+    """Two hooks on one method both run (the later one outside); the same
+    hook again (same function or same key), on the class or on a subclass
+    that inherits the method, is not added twice."""
+    class Base:
+        def f(self):
+            return ["f"]
+
+    class Sub(Base):
+        pass
+
+    def tag(original):
+        return lambda self: original(self) + ["tag"]
+
+    def scope(original):
+        return lambda self: ["scope"] + original(self)
+
+    assert tf_compat.hook_method(Base, "f", scope)
+    assert tf_compat.hook_method(Base, "f", tag)
+    assert not tf_compat.hook_method(Base, "f", scope)
+    assert not tf_compat.hook_method(Sub, "f", tag)
+    assert tf_compat.hook_method(Base, "f", lambda original: original, key="k")
+    assert not tf_compat.hook_method(Base, "f", lambda original: None, key="k")
+    assert Sub().f() == ["scope", "f", "tag"]

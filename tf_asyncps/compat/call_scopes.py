@@ -66,9 +66,14 @@ def _evaluate_call(original):
     return value
 
 
-def _scope(var, value_of):
-    """A ``make_hook`` for ``hook_method``: the call runs with ``var`` set to
-    ``value_of(original)(self, args, kwargs)``, restored on return."""
+def _scope(cls, name, var, value_of) -> None:
+    """Hooks ``cls.name`` (``hook_method``) so that the call runs with ``var``
+    set to ``value_of(original)(self, args, kwargs)``, restored on return.
+    The hook's key names ``var``: another hook on the same method (the slot
+    tagging of :mod:`tf_asyncps.compat.sharded_slots`) wraps it, not
+    replaces it."""
+    from tf_asyncps.compat import tensorflow as tf_compat
+
     def make_hook(original):
         value = value_of(original)
 
@@ -80,26 +85,23 @@ def _scope(var, value_of):
             finally:
                 var.reset(token)
         return hooked
-    return make_hook
+    tf_compat.hook_method(cls, name, make_hook, key=f"{__name__}.{var.name}")
 
 
 def install() -> None:
     """Wraps the methods listed in the module's docstring (those of the
     installed libraries), once; idempotent."""
-    from tf_asyncps.compat import tensorflow as tf_compat
     with _lock:
         try:
             from keras.src.trainers import trainer as keras3_trainer
         except ImportError:  # pragma: no cover - no Keras 3
             keras3_trainer = None
         if keras3_trainer is not None:
-            tf_compat.hook_method(keras3_trainer.Trainer, "compile",
-                                  _scope(KERAS3_COMPILE, _self))
+            _scope(keras3_trainer.Trainer, "compile", KERAS3_COMPILE, _self)
             from keras.src.backend.tensorflow import optimizer as keras3_tf_optimizer
             from keras.src.optimizers import base_optimizer
             for cls in (base_optimizer.BaseOptimizer, keras3_tf_optimizer.TFOptimizer):
-                tf_compat.hook_method(cls, "add_variable_from_reference",
-                                      _scope(CREATING_SLOT, _self))
+                _scope(cls, "add_variable_from_reference", CREATING_SLOT, _self)
         try:
             from tf_keras.src.engine import training as tf_keras_training
             from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
@@ -107,10 +109,8 @@ def install() -> None:
         except ImportError:  # pragma: no cover - tf_keras is a dependency
             return
         for cls in (tf_keras_optimizer._BaseOptimizer, tf_keras_optimizer.Optimizer):
-            tf_compat.hook_method(cls, "add_variable_from_reference",
-                                  _scope(CREATING_SLOT, _self))
-        tf_compat.hook_method(optimizer_v2.OptimizerV2, "add_slot", _scope(CREATING_SLOT, _self))
-        tf_compat.hook_method(tf_keras_training.Model, "_configure_steps_per_execution",
-                              _scope(TF_KERAS_STEPS_PER_EXECUTION, _self))
-        tf_compat.hook_method(tf_keras_training.Model, "evaluate",
-                              _scope(TF_KERAS_EVALUATE, _evaluate_call))
+            _scope(cls, "add_variable_from_reference", CREATING_SLOT, _self)
+        _scope(optimizer_v2.OptimizerV2, "add_slot", CREATING_SLOT, _self)
+        _scope(tf_keras_training.Model, "_configure_steps_per_execution",
+               TF_KERAS_STEPS_PER_EXECUTION, _self)
+        _scope(tf_keras_training.Model, "evaluate", TF_KERAS_EVALUATE, _evaluate_call)

@@ -24,6 +24,7 @@ for:
 import functools
 import sys
 import weakref
+from typing import Optional
 
 __all__ = [
     "TESTED_VERSIONS", "context_connected", "pss_extended_base", "autograph_convert",
@@ -552,23 +553,41 @@ def per_worker_datasets(coordinator, dataset_fn):
 
 
 # -- What tf_asyncps adds to TensorFlow/Keras objects -----------------------------
-def hook_method(cls, name: str, make_hook) -> bool:
+def hook_method(cls, name: str, make_hook, key: Optional[str] = None) -> bool:
     """Replaces method ``name`` of class ``cls`` by ``make_hook(original)``,
-    once: a method already replaced here is left as it is (idempotent).
+    once per hook: a method that already runs this hook (on ``cls`` or on
+    the base class it inherits it from) is left as it is (idempotent); a
+    method replaced by another hook is wrapped again, so both run (the last
+    one outermost).
 
     Used on tf_keras's and Keras 3's optimizer classes
     (:func:`tf_asyncps.compat.optimizers.hook_apply_gradients`,
-    :func:`tf_asyncps.compat.optimizers.hook_apply`). The replacement keeps the
-    original as ``_asyncps_original``.
+    :func:`tf_asyncps.compat.optimizers.hook_apply`) and on Keras' calls
+    (:mod:`tf_asyncps.compat.call_scopes`). The replacement keeps the
+    original as ``_asyncps_original`` and its key as ``_asyncps_hook``.
+
+    Args:
+      cls: the class.
+      name: the method's name.
+      make_hook: ``original -> replacement``.
+      key: what makes two hooks the same; defaults to ``make_hook``'s module
+        and qualified name. A factory that makes several hooks (one
+        ``make_hook`` code for different values) passes its own.
 
     Returns:
       True if the method was replaced by this call.
     """
+    if key is None:
+        key = f"{make_hook.__module__}.{make_hook.__qualname__}"
     original = getattr(cls, name)
-    if hasattr(original, "_asyncps_original"):
-        return False
+    f = original
+    while f is not None:
+        if getattr(f, "_asyncps_hook", None) == key:
+            return False
+        f = getattr(f, "_asyncps_original", None)
     hooked = make_hook(original)
     hooked._asyncps_original = original
+    hooked._asyncps_hook = key
     setattr(cls, name, hooked)
     return True
 
