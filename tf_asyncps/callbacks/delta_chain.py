@@ -61,6 +61,11 @@ class ChainError(ValueError):
     and what is wrong or missing."""
 
 
+def _backing(var):
+    """The tf.Variable behind a Keras 3 variable (its ``value``), else ``var``."""
+    return var if isinstance(var, tf.Variable) else getattr(var, "value", var)
+
+
 class DirtyRows:
     """Per-row dirty marks of embedding table variables, set on the ps by
     each update (see the module docstring).
@@ -97,14 +102,18 @@ class DirtyRows:
             self.marks[v.name] = mark
             self._by_id[id(v)] = mark
 
+    def _key(self, var) -> int:
+        # Keras 3 updates its Variable; the mark is keyed by the tf.Variable behind it.
+        return id(var) if id(var) in self._by_id else id(_backing(var))
+
     def owns(self, var) -> bool:
-        """Whether ``var`` is one of the tracked variables."""
-        return id(var) in self._by_id
+        """Whether ``var`` (or the tf.Variable behind a Keras 3 one) is tracked."""
+        return self._key(var) in self._by_id
 
     def mark(self, grad, var):
         """``grad`` after its rows are marked dirty on ``var``'s device:
         a gradient filter (core/table_seam.TableHooks.filter_gradient)."""
-        mark = self._by_id.get(id(var))
+        mark = self._by_id.get(self._key(var))
         if mark is None or grad is None:
             return grad
         with tf.device(mark.device):
@@ -127,11 +136,11 @@ class DirtyRows:
 
     def mark_of(self, var) -> tf.Variable:
         """The mark variable of ``var`` (KeyError if not tracked)."""
-        return self._by_id[id(var)]
+        return self._by_id[self._key(var)]
 
     def dirty_ids(self, var) -> np.ndarray:
         """Rows of ``var`` marked since the last :meth:`clear` (int64 ``[k]``, sorted)."""
-        return np.flatnonzero(self._by_id[id(var)].numpy()).astype(np.int64)
+        return np.flatnonzero(self.mark_of(var).numpy()).astype(np.int64)
 
     def clear(self) -> None:
         """Zeroes every mark, every reader's bit (after a save, at a quiet point)."""
@@ -155,21 +164,25 @@ class DirtyReader:
         self._mask = np.int8(np.uint8(1 << self.bit).view(np.int8))
         self._rows = {id(v): (v, rows) for v, rows in marks}
 
+    def _get(self, var):
+        return self._rows.get(id(var)) or self._rows.get(
+            id(_backing(var)))
+
     def owns(self, var) -> bool:
-        """Whether ``var`` is one of the variables read."""
-        return id(var) in self._rows
+        """Whether ``var`` (or the tf.Variable behind a Keras 3 one) is read."""
+        return self._get(var) is not None
 
     def mark(self, grad, var):
         """``grad`` after its rows are marked (every reader's bit): for a
         one-process loop without the strategy's table seam; ``grad`` as it
         is for a variable not read."""
-        owner = self._rows.get(id(var))
+        owner = self._get(var)
         return grad if owner is None else owner[1].mark(grad, var)
 
     def dirty_ids(self, var) -> np.ndarray:
         """Rows of ``var`` written since this reader's last :meth:`clear`
         (int64 ``[k]``, sorted)."""
-        _, rows = self._rows[id(var)]
+        _, rows = self._get(var)
         return np.flatnonzero(rows.mark_of(var).numpy() & self._mask).astype(np.int64)
 
     def clear(self) -> None:
@@ -446,6 +459,7 @@ class ModelDeltas:
                     except (AttributeError, KeyError, ValueError):
                         s = None
                     if s is not None:
+                        s = shards_of(s)[0]  # a Keras 3 slot: its tf.Variable
                         slots[name] = s
                         taken.add(id(s))
                 taken.add(id(shard))
