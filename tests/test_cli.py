@@ -107,8 +107,8 @@ def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):
     import keras
     from tf_asyncps.app import job
     monkeypatch.setattr(keras, "__version__", "3.99.0")
-    from tf_asyncps.compat.keras import SUPPORTED_RANGE
-    (lo_a, lo_b), (hi_a, hi_b) = SUPPORTED_RANGE
+    from tf_asyncps.compat.versions import KERAS3
+    (lo_a, lo_b), (hi_a, hi_b) = KERAS3
     with pytest.raises(ValueError, match=rf"--keras=3: Keras 3\.99\.0 is outside "
                                          rf".*>= {lo_a}\.{lo_b}, < {hi_a}\.{hi_b}"):
         job.JobConfig(keras="3").validate()

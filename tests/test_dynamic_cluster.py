@@ -213,7 +213,7 @@ def test_keras3_checkpoint_round_trip(optimizer, slots):
     """A Keras 3 model with a partitioned table could not be written at all
     (Keras handed the saver the ShardedVariable: "'ShardedVariable' object
     has no attribute 'device'"); now the table is saved whole
-    (compat.keras.checkpoint_partitioned_whole) and so are its optimizer's
+    (compat.sharded_slots.checkpoint_partitioned_whole) and so are its optimizer's
     slots (compat.sharded_slots): restored onto the same 2 shards, onto 3, and
     from 3 onto 2, one step on each equals the same step on the saved model,
     exactly (ids, rows, every slot, iterations, predictions). Before the slots were saved

@@ -261,7 +261,8 @@ def test_a_waiting_workers_own_closures_do_not_hold_its_release_back():
     coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(closure_queue=q))
     assert not coordinator_compat.closure_queue_nonempty(coordinator)
     q._tagged_queue[1].put("create worker 1's dataset")
-    assert coordinator_compat.closure_queue_nonempty(coordinator)  # worker 1 is not waiting: it will run it
+    # worker 1 is not waiting: it will run it
+    assert coordinator_compat.closure_queue_nonempty(coordinator)
     assert coordinator_compat.closure_queue_nonempty(coordinator, ignore_workers=[0])
     assert not coordinator_compat.closure_queue_nonempty(coordinator, ignore_workers=[1])
     q._queue.put("a step any worker can take")

@@ -65,8 +65,8 @@ def test_custom_loop_over_keras3_layers_and_optimizer_equals_one_process():
 
 
 def test_keras3_misuse_fails_at_once_with_its_message():
-    from tf_asyncps.compat.keras import SUPPORTED_RANGE
-    (lo_a, lo_b), (hi_a, hi_b) = SUPPORTED_RANGE
+    from tf_asyncps.compat.versions import KERAS3
+    (lo_a, lo_b), (hi_a, hi_b) = KERAS3
     r = run_scenario("keras3_fit_errors", shared=(1, 1))
     a = r["attempts"]
     for name, want, words in [

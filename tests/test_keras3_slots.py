@@ -11,9 +11,9 @@ import tensorflow as tf
 keras = pytest.importorskip("keras")
 
 from tf_asyncps.compat import call_scopes  # noqa: E402
-from tf_asyncps.compat import keras as keras_compat  # noqa: E402
 from tf_asyncps.compat import sharded_slots  # noqa: E402
 from tf_asyncps.compat import tensorflow as tf_compat  # noqa: E402
+from tf_asyncps.compat import variables as variables_compat  # noqa: E402
 
 SV = tf.__internal__.distribute.ShardedVariable
 ROWS = 6
@@ -25,7 +25,7 @@ def _hooks():
     # add_variable_from_reference first (its slots went untagged, so
     # positional, until hook_method kept both hooks).
     call_scopes.install()
-    assert keras_compat.checkpoint_partitioned_whole()
+    assert sharded_slots.checkpoint_partitioned_whole()
 
 
 def _model(sizes):
@@ -50,7 +50,7 @@ def _sources(model):
     """The trainer's order: each partitioned weight replaced by its shards."""
     out = []
     for v in model.trainable_variables:
-        out.extend(keras_compat.sharded_value(v) or [v])
+        out.extend(variables_compat.sharded_value(v) or [v])
     return out
 
 
@@ -83,8 +83,8 @@ def _state(model, opt):
             table.setdefault(name, []).append(v.numpy())
     return ({k: np.concatenate(v) for k, v in table.items()},
             [v.numpy() for v in opt.variables[2:] if "emb" not in v.name],
-            [np.asarray(keras_compat.tf_value(v)) if not keras_compat.sharded_value(v) else
-             np.concatenate([p.numpy() for p in keras_compat.sharded_value(v)])
+            [np.asarray(variables_compat.tf_value(v)) if not variables_compat.sharded_value(v) else
+             np.concatenate([p.numpy() for p in variables_compat.sharded_value(v)])
              for v in model.trainable_variables],
             int(opt.iterations.numpy()))
 

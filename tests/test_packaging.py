@@ -10,7 +10,6 @@ import tomllib
 import pytest
 
 from conftest import ROOT, run_command
-from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import versions
 
 
@@ -37,7 +36,7 @@ def test_pyproject_states_the_ranges_the_import_check_enforces():
     assert _requirement("tensorflow") == "tensorflow>=2.18,<2.22"
     assert _requirement("tf_keras") == "tf_keras>=2.18,<2.22"
     assert versions.TENSORFLOW == ((2, 18), (2, 22))
-    (lo_a, lo_b), (hi_a, hi_b) = keras_compat.SUPPORTED_RANGE
+    (lo_a, lo_b), (hi_a, hi_b) = versions.KERAS3
     assert _requirement("keras") == f"keras>={lo_a}.{lo_b},<{hi_a}.{hi_b}"
     gpu = _pyproject()["project"]["optional-dependencies"]["gpu"]
     assert gpu == ["tensorflow[and-cuda]>=2.18,<2.22"]
@@ -105,7 +104,7 @@ def test_version_flag_prints_the_versions_without_importing_tensorflow():
                           "print('tensorflow imported:', 'tensorflow' in sys.modules, code)"],
                          capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
-    (lo_a, lo_b), (hi_a, hi_b) = keras_compat.SUPPORTED_RANGE
+    (lo_a, lo_b), (hi_a, hi_b) = versions.KERAS3
     assert out.stdout.splitlines() == [
         f"tf-asyncps {tf_asyncps.__version__} (TensorFlow {tf.__version__}, tf_keras "
         f"{tf_keras.__version__}, Keras {keras.__version__}; supported: TensorFlow "

@@ -37,7 +37,9 @@ from tf_asyncps import cluster as cluster_lib
 from tf_asyncps import policies as policies_lib
 from tf_asyncps.cluster import devices
 from tf_asyncps.compat import call_scopes
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
+from tf_asyncps.compat import sharded_slots
 from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.compat import variables as variables_compat
@@ -192,7 +194,7 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
         variables come here) gets fit/evaluate/predict that schedule
         closures; one created here and not compiled here is refused
         (_attach_hooks)."""
-        model = keras_compat.compiling_model()
+        model = models_compat.compiling_model()
         if model is not None:
             from tf_asyncps import keras3
             keras3.attach(model, self._container_strategy())
@@ -283,7 +285,7 @@ def _attach_hooks() -> None:
     Keras 3's own loops for a model created in the scope but not compiled in
     it."""
     call_scopes.install()
-    if keras_compat.optimizer_class() is not None:
+    if optimizers_compat.optimizer_class() is not None:
         from tf_asyncps.keras3 import trainer as keras3_trainer
         keras3_trainer.refuse_unattached(AsyncParameterServerStrategy)
 
@@ -448,7 +450,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         engine.build(PS_DEVICE)
         install_optimizer_hooks()
         _attach_hooks()
-        keras_compat.checkpoint_partitioned_whole()
+        sharded_slots.checkpoint_partitioned_whole()
         mixed_precision.allow_loss_scaling(AsyncParameterServerStrategy)
         # Model.fit and user code get this coordinator (one per strategy).
         self._coordinator = _AsyncCoordinator(self)
@@ -504,6 +506,6 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._coordinator.accounting.reset()
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        if keras_compat.in_keras3_loop():
+        if models_compat.in_keras3_loop():
             raise NotImplementedError(KERAS3_FIT_MESSAGE)
         return super().experimental_distribute_dataset(dataset, options)

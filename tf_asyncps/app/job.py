@@ -284,11 +284,12 @@ def _local_copy(cfg, data, model):
 def sharding(model) -> Dict[str, Any]:
     """Partitioned variables of ``model``: name -> ps task of each shard."""
     out = {}
-    from tf_asyncps.compat import keras as keras_compat
+    from tf_asyncps.compat import variables as variables_compat
     for layer in model.layers:
         for attr in ("embeddings", "kernel"):
             var = getattr(layer, attr, None)
-            parts = variables_compat.shards(var) or (var is not None and keras_compat.sharded_value(var))
+            parts = variables_compat.shards(var) or (
+                var is not None and variables_compat.sharded_value(var))
             if parts:
                 out[f"{layer.name}/{attr}"] = [
                     tf.DeviceSpec.from_string(p.device).task for p in parts]

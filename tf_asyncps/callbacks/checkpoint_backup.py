@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from tf_asyncps.callbacks.dynamic import dynamic_layers
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
 
 __all__ = ["CheckpointBackup"]
 
@@ -64,7 +64,7 @@ class CheckpointBackup(keras.callbacks.Callback):
 
     def set_model(self, model):
         # Here, not at train begin: tf_keras's CallbackList calls set_model first.
-        if not keras_compat.is_keras3_model(model):
+        if not models_compat.is_keras3_model(model):
             raise ValueError("CheckpointBackup is for Keras 3 models; a tf_keras model's "
                              "tf_keras.callbacks.BackupAndRestore(backup_dir) writes a "
                              "TensorFlow checkpoint already.")
@@ -83,13 +83,13 @@ class CheckpointBackup(keras.callbacks.Callback):
         # Under the strategy fit builds it per shard, and the slots read here
         # go in then (compat.sharded_slots); in one process as Keras does.
         if optimizer is not None and not optimizer.built and \
-                keras_compat.model_strategy(self.model) is None:
+                models_compat.model_strategy(self.model) is None:
             optimizer.build(self.model.trainable_variables)
         checkpoint.read(path).assert_existing_objects_matched()
         for layer in dynamic_layers(self.model):
             if optimizer is not None and not layer.under_strategy:  # (the strategy's
                 layer.use_optimizer(optimizer, self.model.trainable_variables)  # updates do)
-        keras_compat.set_initial_epoch(self.model, int(path.rsplit("-", 1)[1]))
+        models_compat.set_initial_epoch(self.model, int(path.rsplit("-", 1)[1]))
 
     def on_epoch_end(self, epoch, logs=None):
         self._manager.save(checkpoint_number=epoch + 1)

@@ -14,7 +14,7 @@ import time
 import keras
 
 from tf_asyncps.callbacks.common import format_value
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
 
 __all__ = ["BATCH_HOOKS", "check_callbacks", "EpochLine"]
 
@@ -35,7 +35,7 @@ def _epoch_level_builtin(cb):
         if cb.update_freq != "epoch":
             return (f"update_freq={cb.update_freq!r} ('batch' is 1) writes every N batches; "
                     f"use update_freq='epoch'")
-        if keras_compat.tensorboard_profiles(cb):
+        if models_compat.tensorboard_profiles(cb):
             return "profile_batch profiles batches; use profile_batch=0"
         return None
     if isinstance(cb, (c.ProgbarLogger,)):

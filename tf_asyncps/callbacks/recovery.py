@@ -24,7 +24,7 @@ from typing import Dict
 
 import tf_keras
 
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.files import atomic_write_json, read_json
 
@@ -146,9 +146,9 @@ class ResumeTracker(tf_keras.callbacks.Callback):
             # No epoch ran: the restored checkpoint is already at or past the
             # last epoch (BackupAndRestore keeps its state on the model).
             saved = tf_keras_compat.checkpoint_saved_epoch(self.model)
-            if saved is None and keras_compat.is_keras3_model(self.model):
+            if saved is None and models_compat.is_keras3_model(self.model):
                 # Keras 3's BackupAndRestore keeps the next epoch instead.
-                nxt = keras_compat.initial_epoch(self.model)
+                nxt = models_compat.initial_epoch(self.model)
                 saved = nxt - 1 if nxt else None
             if saved is not None and saved >= 0:
                 self.resumed_from_step = (saved + 1) * self.steps_per_epoch

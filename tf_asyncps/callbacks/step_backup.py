@@ -35,7 +35,7 @@ from absl import logging
 
 from tf_asyncps.callbacks import delta_chain
 from tf_asyncps.callbacks.common import strategy_of
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.files import atomic_write_json, read_json
 from tf_asyncps.validate import check_int, check_number
@@ -272,7 +272,7 @@ class StepBackup(tf_keras.callbacks.Callback):
         if not self.model.built:
             raise ValueError("StepBackup: build the model before fit (call it on a batch, or "
                              "give it an Input), as Keras's BackupAndRestore needs.")
-        keras3 = keras_compat.is_keras3_model(self.model)
+        keras3 = models_compat.is_keras3_model(self.model)
         if self._resume is not None:
             path, meta = self._resume
             if int(meta["steps_per_epoch"]) != self._steps_per_epoch:
@@ -348,7 +348,7 @@ class StepBackup(tf_keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if not self._started:
             self._started = True
-            if not keras_compat.is_keras3_model(self.model) and \
+            if not models_compat.is_keras3_model(self.model) and \
                     not tf_keras_compat.fit_resume_point_taken(self.model):
                 raise ValueError("StepBackup and tf_keras BackupAndRestore both resume the "
                                  "fit: pass one of them.")
@@ -432,5 +432,5 @@ class StepBackup(tf_keras.callbacks.Callback):
             self.backup_now()
         else:
             self._write_progress()
-        if not keras_compat.is_keras3_model(self.model):
+        if not models_compat.is_keras3_model(self.model):
             tf_keras_compat.set_fit_resume_point(self.model, None)

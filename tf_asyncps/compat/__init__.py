@@ -8,7 +8,8 @@ checks it). One module per library for what is that library's alone, one
 per topic where a topic spans libraries, each stating the versions it was
 tested with:
 
-* :mod:`tf_asyncps.compat.versions`: the supported ranges, checked at import.
+* :mod:`tf_asyncps.compat.versions`: the supported ranges (TensorFlow checked at
+  import, Keras 3 where ``tf_asyncps/keras3`` is used) and the tested releases.
 * :mod:`tf_asyncps.compat.startup`: TensorFlow 2.18.1-2.21.0 (TensorFlow
   imported without its Keras import, a ps/worker task's server runtime
   imported lean, whether the context is connected to a cluster).
@@ -29,28 +30,36 @@ tested with:
   while one update is traced), an optimizer counter's ``assign_add`` made
   conditional, and a row read recorded on the gradient tape; TensorFlow
   2.18.1-2.21.0's ShardedVariable shards, CachingVariable, sparse read,
-  per-worker variables and resource-variable ops by handle.
+  per-worker variables and resource-variable ops by handle; Keras
+  3.10.0-3.15.1's variables (the tf.Variable behind one, atomic adds).
 * :mod:`tf_asyncps.compat.checkpoint`: TensorFlow 2.21.0's ``Trackable``
   save/restore protocol (a dynamic table's metadata saved as whole-table
   tensors; variables saved elsewhere, still whole in a SavedModel) and
-  whether a SavedModel export is tracing.
+  whether a SavedModel export is tracing; Keras 3's savers given whole values.
 * :mod:`tf_asyncps.compat.graph`: TensorFlow 2.21.0's ``Operation._set_device``
   (constants moved beside their consumers) and a gather gradient's parts;
   TensorFlow 2.18.1-2.21.0's tracing state (inside a function, the outermost
   graph, the resources a function writes) and colocation.
-* :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (LossScaleOptimizer,
-  the loss-scaling allowlist, BackupAndRestore's training state, whether an
-  optimizer has built its slots).
-* :mod:`tf_asyncps.compat.keras`: Keras 3.10.0-3.15.1 (Keras 3 variables,
-  TensorBoard's profiling range, the refusal hook on Keras 3's own loops).
+* :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (what is tf_keras's
+  alone: BackupAndRestore's training state, its evaluate's call, its
+  optimizer classes, whether an optimizer has built its slots).
+* :mod:`tf_asyncps.compat.keras_models`: Keras 3.10.0-3.15.1 (Keras 3 models in
+  training: compile, symbolic build, train step, the refusal hook on Keras
+  3's own loops, layers, BackupAndRestore's epoch, TensorBoard's profiling
+  range).
+* :mod:`tf_asyncps.compat.mixed_precision`: tf_keras 2.18.0-2.21.0 and Keras
+  3.10.0-3.15.1 (a LossScaleOptimizer's dynamic scale and its update,
+  tf_keras's loss-scaling allowlist and AutoCastVariable).
 * :mod:`tf_asyncps.compat.sharded_slots`: Keras 3.15.1 and tf_keras 2.21.0
   with TensorFlow 2.21.0 (an optimizer's slots of sharded or partitioned
-  weights saved whole in ``tf.train.Checkpoint``, restored by global row
-  onto any number of shards, also when restored before the slots exist).
+  weights, and Keras 3's partitioned weights themselves, saved whole in
+  ``tf.train.Checkpoint``, restored by global row onto any number of
+  shards, also when restored before the slots exist).
 * :mod:`tf_asyncps.compat.optimizers`: tf_keras 2.18.0-2.21.0 and Keras
   3.10.0-3.15.1 (the optimizers' ``apply_gradients``/``apply`` hooks, Keras
   3's counter made atomic, a tf_keras optimizer's strategy, the optimizers
-  whose sparse updates touch every row; Keras 3.15.1: a slot of one
+  whose sparse updates touch every row, the optimizer and LossScaleOptimizer
+  classes, an optimizer creating a slot; Keras 3.15.1: a slot of one
   variable, ``update_step`` replaced while an update is traced).
 * :mod:`tf_asyncps.compat.call_scopes`: Keras 3.10.0-3.15.1 and tf_keras
   2.18.0-2.21.0: which Keras call runs on this thread (a compile, a tf_keras

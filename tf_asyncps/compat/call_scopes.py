@@ -19,7 +19,7 @@ Hooked (tested with Keras 3.10.0, 3.12.4 and 3.15.1, tf_keras 2.18-2.21):
   tf_keras's ``optimizers.Optimizer`` (and its base), ``add_slot`` of
   tf_keras's legacy ``OptimizerV2``: :data:`CREATING_SLOT`;
 * Keras 3 ``keras.Model.fit``/``evaluate``/``predict``, Keras 3's own loops
-  (:func:`tf_asyncps.compat.keras.hook_loops`): :data:`KERAS3_LOOP`.
+  (:func:`tf_asyncps.compat.keras_models.hook_loops`): :data:`KERAS3_LOOP`.
 
 A thread started inside such a call sees the defaults (Python 3.11 gives
 a new thread a fresh context); the calls above create their variables and

@@ -4,16 +4,19 @@ its own making into a ``tf.train.Checkpoint`` and gets them back at restore,
 and variables that write nothing there (a dynamic table saves their live
 rows itself) but are still saved whole in a SavedModel; whether a
 SavedModel export is tracing functions now (TF 2.16-2.21's
-``save_context``).
+``save_context``). Keras 3.10.0-3.15.1's savers: a partitioned Keras 3
+variable's value seen whole while saving.
 
 Importable without TensorFlow being imported first.
 """
 
+import contextlib
 import contextvars
 import functools
 
 __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
-           "writing_checkpoint", "sharded_container", "in_save_context"]
+           "writing_checkpoint", "sharded_container", "in_save_context",
+           "whole_values"]
 
 _CLASS = []
 
@@ -202,3 +205,24 @@ def in_save_context() -> bool:
     ``save_context.in_save_context``)."""
     from tensorflow.python.saved_model import save_context
     return save_context.in_save_context()
+
+
+@contextlib.contextmanager
+def whole_values(variables):
+    """While saving: each partitioned Keras 3 variable's value is its whole
+    tensor (read once from the ps), since Keras' savers call ``np.asarray``
+    on the value and a ShardedVariable has no ``__array__``. Restored on
+    exit. Loading needs nothing: ``assign`` of a whole value works on a
+    ShardedVariable."""
+    import tensorflow as tf
+    from tf_asyncps.compat.variables import sharded_value
+    swapped = []
+    try:
+        for v in variables:
+            if sharded_value(v):
+                swapped.append((v, v._value))
+                v._value = tf.convert_to_tensor(v._value)
+        yield
+    finally:
+        for v, value in swapped:
+            v._value = value

@@ -14,7 +14,8 @@ when called.
 
 import weakref
 
-__all__ = ["coordinator_initialized", "closure_queue_nonempty", "instrument_closures", "run_before_closures", "hide_closure_error_logs", "route_remote_value_get"]
+__all__ = ["coordinator_initialized", "closure_queue_nonempty", "instrument_closures",
+           "run_before_closures", "hide_closure_error_logs", "route_remote_value_get"]
 
 
 def coordinator_initialized(coordinator) -> bool:

@@ -37,13 +37,13 @@ def outside_stateless_scope():
 def in_train_step(frames: int = 200) -> bool:
     """Whether this thread runs (traces) a Keras 3 model's ``train_step``:
     Keras 3's own (``fit``), a model's override, or this package's
-    (``compat.keras.train_step_on``). Keras 3's ``train_step`` calls
+    (``compat.keras_models.train_step_on``). Keras 3's ``train_step`` calls
     ``model(x)`` without ``training`` when the model's ``call`` takes no
     ``training`` argument, and then no layer call gets ``training=True`` (its
     call context holds None)."""
     if "keras.src.models.model" not in sys.modules:
         return False
-    from tf_asyncps.compat.keras import is_keras3_model
+    from tf_asyncps.compat.keras_models import is_keras3_model
     f = sys._getframe(1)
     for _ in range(frames):
         if f is None:

@@ -2,16 +2,21 @@
 optimizer's slots and ``update_step``, its counter, its strategy, and the
 optimizers whose sparse updates touch every row.
 
-* tf_keras 2.18.0-2.21.0: ``apply_gradients`` of the optimizer base classes
-  and LossScaleOptimizers hooked; ``Optimizer._distribution_strategy``;
-  ``SGD``'s dense momentum on sparse gradients.
-* Keras 3.10.0-3.15.1: ``Optimizer.apply`` and ``LossScaleOptimizer.apply``
-  hooked; the iteration counter's ``assign_add`` made atomic; which update
-  rules are dense tensor math.
+* tf_keras 2.18.0-2.21.0: its LossScaleOptimizer classes; ``apply_gradients``
+  of the optimizer base classes and LossScaleOptimizers hooked;
+  ``Optimizer._distribution_strategy``; ``SGD``'s dense momentum on sparse
+  gradients.
+* Keras 3.10.0-3.15.1: its ``Optimizer`` and ``LossScaleOptimizer`` classes;
+  ``Optimizer.apply`` and ``LossScaleOptimizer.apply`` hooked; the iteration
+  counter's ``assign_add`` made atomic; which update rules are dense tensor
+  math.
 * Keras 3.15.1 optimizer internals (TensorFlow backend; the same in
   3.10-3.15): an optimizer's slot of one variable, and its ``update_step``
   replaced while an update is traced (tf_asyncps/core/rowwise.py, which
   applies an embedding table's update on the rows a step touched).
+
+* Keras 3.15.1 and tf_keras 2.21.0: whether an optimizer is creating a
+  slot variable on this thread (hooked: :mod:`tf_asyncps.compat.call_scopes`).
 
 Importing this module imports nothing; functions import tf_keras or Keras
 when called.
@@ -20,7 +25,9 @@ when called.
 import contextlib
 
 __all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
-           "make_iterations_atomic", "optimizer_strategy", "dense_on_sparse_gradients"]
+           "make_iterations_atomic", "optimizer_strategy", "dense_on_sparse_gradients",
+           "optimizer_class", "loss_scale_optimizer_class", "loss_scale_optimizer_classes",
+           "creating_optimizer_slot"]
 
 #: The optimizer attribute holding each slot list, by slot name.
 _SLOT_LISTS = {"accumulator": "_accumulators", "momentum": "_momentums",
@@ -78,7 +85,6 @@ def hook_apply_gradients(make_hook) -> bool:
       False if tf_keras is not installed.
     """
     from tf_asyncps.compat import tensorflow as tf_compat
-    from tf_asyncps.compat.tf_keras import loss_scale_optimizer_classes
     try:
         import tf_keras
     except ImportError:  # pragma: no cover - tf_keras is a dependency
@@ -100,7 +106,6 @@ def hook_apply(make_hook, make_loss_scale_hook) -> bool:
       False if Keras 3 is not installed.
     """
     from tf_asyncps.compat import tensorflow as tf_compat
-    from tf_asyncps.compat.keras import loss_scale_optimizer_class, optimizer_class
     base = optimizer_class()
     if base is None:
         return False
@@ -114,12 +119,12 @@ def make_iterations_atomic(optimizer) -> None:
 
     Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
     a write, which loses increments when workers update at once (measured
-    133/200 with 2 workers). :func:`tf_asyncps.compat.keras.make_assign_add_atomic` on this one
+    133/200 with 2 workers). :func:`tf_asyncps.compat.variables.make_assign_add_atomic` on this one
     counter (``optimizer._iterations``), and on a wrapper's inner optimizer's
     (a LossScaleOptimizer counts its steps in ``inner_optimizer``). tf_keras
     counters are already atomic; other objects are left alone.
     """
-    from tf_asyncps.compat.keras import make_assign_add_atomic
+    from tf_asyncps.compat.variables import make_assign_add_atomic
     while optimizer is not None:
         counter = getattr(optimizer, "_iterations", None)
         if counter is not None:
@@ -183,7 +188,6 @@ def _keras3_dense_on_sparse_gradients(optimizer):
     table over 2 ps, one worker: SGD 135 steps/s, 125 at 10K rows; Adagrad
     12.9, 84.9 at 10K rows).
     """
-    from tf_asyncps.compat.keras import optimizer_class
     cls = optimizer_class()
     if cls is None or not isinstance(optimizer, cls):
         return None
@@ -196,3 +200,39 @@ def _keras3_dense_on_sparse_gradients(optimizer):
             f"use keras.optimizers.SGD without momentum or keras.optimizers.Adagrad (this "
             f"strategy updates only the rows of the batch for those), or "
             f"tf_asyncps.keras3.LazyAdam for Adam")
+
+
+def optimizer_class():
+    """``keras.optimizers.Optimizer`` when Keras 3 is installed, else None."""
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return None
+    return keras.optimizers.Optimizer if keras.__version__.startswith("3") else None
+
+
+def loss_scale_optimizer_class():
+    """``keras.optimizers.LossScaleOptimizer`` when Keras 3 is installed, else None."""
+    return optimizer_class() and __import__("keras").optimizers.LossScaleOptimizer
+
+
+def loss_scale_optimizer_classes() -> tuple:
+    """tf_keras's LossScaleOptimizer classes (``LossScaleOptimizerV3`` and the
+    legacy ``LossScaleOptimizer``); empty if tf_keras is missing."""
+    try:
+        from tf_keras.src.mixed_precision import loss_scale_optimizer as lso_lib
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return ()
+    return tuple(getattr(lso_lib, n) for n in ("LossScaleOptimizerV3", "LossScaleOptimizer")
+                 if hasattr(lso_lib, n))
+
+
+def creating_optimizer_slot() -> bool:
+    """Whether an optimizer is creating a slot variable on this thread: its
+    ``add_variable_from_reference`` (Keras 3.15.1's BaseOptimizer and TF
+    backend optimizer, tf_keras 2.21's Optimizer) or ``add_slot`` (tf_keras's
+    legacy OptimizerV2) is running (hooked:
+    :mod:`tf_asyncps.compat.call_scopes`), lazily inside a step or eagerly in
+    a build before the first one."""
+    from tf_asyncps.compat import call_scopes
+    return call_scopes.CREATING_SLOT.get() is not None

@@ -26,7 +26,7 @@ no error (tests/test_keras3_slots.py: Adagrad accumulators up to 106.0 back
 at 0.1). Here such an optimizer's checkpoint holds, instead, each
 partitioned weight's slots whole (one tensor per slot name and weight, rows
 in global order, like the weight itself:
-:func:`tf_asyncps.compat.keras.checkpoint_partitioned_whole`), and its
+:func:`checkpoint_partitioned_whole`), and its
 position lists without the shards and their slots, so that every position
 means the same thing on any number of shards. A restore splits the whole
 slot by this model's shards.
@@ -34,7 +34,8 @@ slot by this model's shards.
 
 import functools
 
-__all__ = ["TESTED_VERSIONS", "checkpoint_slots_whole", "build_for_pending_restore",
+__all__ = ["TESTED_VERSIONS", "checkpoint_partitioned_whole", "checkpoint_slots_whole",
+           "build_for_pending_restore",
            "legacy_sharded_slots_saved_elsewhere", "WHOLE_SLOTS"]
 
 TESTED_VERSIONS = ("3.15.1",)  # Keras 3
@@ -466,4 +467,51 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
         return get_slot
 
     tf_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
+    return True
+
+
+def checkpoint_partitioned_whole() -> bool:
+    """Makes ``tf.train.Checkpoint`` save a partitioned Keras 3 variable (its
+    value a ShardedVariable, under ``variable_partitioner``) as one whole
+    tensor, and restore it onto any number of shards. Keras 3.15's TensorFlow
+    ``Variable._serialize_to_tensors`` hands the saver the ShardedVariable
+    itself, which fails there (``'ShardedVariable' object has no attribute
+    'device'``), so no such model could be written. Other variables are left
+    to Keras. Hooks the class once (idempotent). The optimizer's slots of
+    such a weight are saved whole too (:func:`checkpoint_slots_whole`).
+
+    Returns:
+      False if Keras 3 is not installed.
+    """
+    from tf_asyncps.compat.optimizers import optimizer_class
+    from tf_asyncps.compat.variables import sharded_value
+    if optimizer_class() is None:
+        return False
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import core
+    from tf_asyncps.compat import tensorflow as tf_compat
+
+    def make_serialize(original):
+        def _serialize_to_tensors(self):
+            shards = sharded_value(self)
+            if not shards:
+                return original(self)
+            return {"VARIABLE_VALUE": tf.concat([s.read_value() for s in shards], 0)}
+        return _serialize_to_tensors
+
+    def make_restore(original):
+        def _restore_from_tensors(self, restored_tensors):
+            shards = sharded_value(self)
+            if not shards:
+                return original(self, restored_tensors)
+            value, ops, row = restored_tensors["VARIABLE_VALUE"], [], 0
+            for s in shards:  # the saved rows split by this model's shards
+                ops.append(s.assign(value[row:row + s.shape[0]]))
+                row += s.shape[0]
+            return tf.group(ops)
+        return _restore_from_tensors
+
+    tf_compat.hook_method(core.Variable, "_serialize_to_tensors", make_serialize)
+    tf_compat.hook_method(core.Variable, "_restore_from_tensors", make_restore)
+    checkpoint_slots_whole()  # and the optimizer's slots of such a weight
     return True

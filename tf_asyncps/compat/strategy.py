@@ -14,7 +14,8 @@ Importing this module imports nothing; each function imports TensorFlow
 when called.
 """
 
-__all__ = ["pss_extended_base", "PSS_EXTENDED_HOOKS", "replace_extended", "num_workers", "num_gpus_per_worker", "autograph_convert", "colocating_creator"]
+__all__ = ["pss_extended_base", "PSS_EXTENDED_HOOKS", "replace_extended", "num_workers",
+           "num_gpus_per_worker", "autograph_convert", "colocating_creator"]
 
 
 def pss_extended_base():

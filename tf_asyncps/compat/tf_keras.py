@@ -6,68 +6,13 @@ Importing this module imports nothing; each function imports tf_keras when
 called.
 """
 
-import functools
-from typing import Callable, List, Optional
+from typing import Optional
 
-__all__ = ["TESTED_VERSIONS", "loss_scale_optimizer_classes", "optimizer_classes", "update_loss_scale",
-           "autocast_inner_variable", "extend_loss_scaling_allowlist", "checkpoint_saved_epoch",
+__all__ = ["TESTED_VERSIONS", "optimizer_classes", "checkpoint_saved_epoch",
            "evaluate_call",
            "pss_evaluation_shards", "build_now", "not_built"]
 
 TESTED_VERSIONS = ("2.18.0", "2.19.0", "2.20.1", "2.21.0")
-
-
-def loss_scale_optimizer_classes() -> tuple:
-    """tf_keras's LossScaleOptimizer classes (``LossScaleOptimizerV3`` and the
-    legacy ``LossScaleOptimizer``); empty if tf_keras is missing."""
-    try:
-        from tf_keras.src.mixed_precision import loss_scale_optimizer as lso_lib
-    except ImportError:  # pragma: no cover - tf_keras is a dependency
-        return ()
-    return tuple(getattr(lso_lib, n) for n in ("LossScaleOptimizerV3", "LossScaleOptimizer")
-                 if hasattr(lso_lib, n))
-
-
-def update_loss_scale(lso, values) -> List:
-    """Ops updating ``lso``'s dynamic loss scale (``lso._loss_scale.update``)
-    from a skipped step's gradient tensors; empty for a fixed scale."""
-    state = getattr(lso, "_loss_scale", None)
-    if not callable(getattr(state, "update", None)):
-        return []  # a fixed loss scale has nothing to update
-    update_op, _ = state.update(values)
-    return [update_op] if update_op is not None else []
-
-
-def autocast_inner_variable(var):
-    """The float32 variable under a tf_keras ``AutoCastVariable`` (else ``var``)."""
-    inner = getattr(var, "_variable", None)
-    return inner if type(var).__name__ == "AutoCastVariable" and inner is not None else var
-
-
-def extend_loss_scaling_allowlist(allows: Callable[[], bool]) -> bool:
-    """Makes tf_keras's ``strategy_supports_loss_scaling`` also answer True
-    when ``allows()`` is True; other strategies get tf_keras's answer.
-
-    tf_keras looks the function up on its module at each call (layers'
-    policy check and LossScaleOptimizer's), so replacing it there suffices.
-
-    Returns:
-      False if tf_keras's module was not found.
-    """
-    try:
-        from tf_keras.src.mixed_precision import loss_scale_optimizer as lso_lib
-    except ImportError:  # pragma: no cover
-        return False
-    original = getattr(lso_lib.strategy_supports_loss_scaling, "_asyncps_original",
-                       lso_lib.strategy_supports_loss_scaling)
-
-    @functools.wraps(original)
-    def strategy_supports_loss_scaling():
-        return allows() or original()
-
-    strategy_supports_loss_scaling._asyncps_original = original
-    lso_lib.strategy_supports_loss_scaling = strategy_supports_loss_scaling
-    return True
 
 
 def checkpoint_saved_epoch(model) -> Optional[int]:

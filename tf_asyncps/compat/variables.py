@@ -16,6 +16,12 @@ replaced on one instance, and the per-worker variables and resource-variable
 ops by handle of ``local_sgd``'s local copies
 (``tf_asyncps/core/local_copies.py``).
 
+Keras 3's variables (Keras 3.10.0, 3.12.4 and 3.15.1,
+:data:`tf_asyncps.compat.versions.KERAS3_TESTED`): the tf.Variable or
+ShardedVariable behind one (its ``_value``), whether a ``StatelessScope`` is
+active, and a variable's ``assign_add``/``assign_sub`` and a
+``SeedGenerator``'s advance made one atomic op.
+
 Importable without TensorFlow being imported first.
 """
 
@@ -24,7 +30,9 @@ import contextlib
 __all__ = ["replace_dense_read", "adding_only_if", "reads_redirected",
            "recorded_on_variable", "shards", "unwrap_caching_variable", "replace_sparse_read",
            "per_worker_variable", "per_worker_values", "swap_handle", "read_handle",
-           "assign_handle", "assign_add_handle"]
+           "assign_handle", "assign_add_handle", "backing_variable", "tf_value",
+           "sharded_value", "tf_variables", "in_stateless_scope", "make_assign_add_atomic",
+           "make_seed_generator_atomic"]
 
 
 def replace_dense_read(var, after_read) -> bool:
@@ -248,3 +256,96 @@ def assign_add_handle(handle, value):
     """Atomically adds ``value`` to a resource variable by handle."""
     from tensorflow.python.ops import gen_resource_variable_ops
     return gen_resource_variable_ops.assign_add_variable_op(handle, value)
+
+
+def backing_variable(var):
+    """The tf.Variable behind a Keras 3 ``Variable`` (its ``value``), else ``var``."""
+    inner = getattr(var, "value", None)
+    return inner if getattr(inner, "device", None) else var
+
+
+def tf_value(var):
+    """The TensorFlow variable behind a Keras 3 variable: a tf.Variable, or
+    a ShardedVariable under ``variable_partitioner`` (its ``_value``; Keras
+    3.10-3.15)."""
+    return var._value
+
+
+def sharded_value(var):
+    """The shards (tf.Variables) of a Keras 3 variable whose value is a
+    ShardedVariable (variable_partitioner), else None."""
+    inner = getattr(var, "_value", None)
+    return shards(inner) if inner is not None else None
+
+
+def tf_variables(var) -> list:
+    """The tf.Variables behind ``var``: a Keras 3 variable's value, or its
+    shards under ``variable_partitioner`` (its ``_value``; Keras 3.10-3.15);
+    ``[var]`` for any other variable."""
+    inner = getattr(var, "_value", None)
+    if inner is None or not hasattr(inner, "dtype"):
+        return [var]
+    return shards(inner) or [inner]
+
+
+def in_stateless_scope() -> bool:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as inside
+    return inside()
+
+
+def make_assign_add_atomic(var) -> None:
+    """Makes a Keras 3 variable's ``assign_add``/``assign_sub`` one atomic op.
+
+    Keras 3's ``Variable.assign_add`` is ``assign(self + value)``: a read then
+    a write, so concurrent workers lose increments of metric totals and counts
+    (docs/design.md#9-keras-3-on-parameter-servers). This instance (only) gets the backing tf.Variable's
+    atomic ``assign_add``; inside a ``keras.StatelessScope`` (exact
+    evaluation's worker-local state) the original, recorded update is kept.
+    """
+    backing = getattr(var, "_value", None)
+    if backing is None or getattr(var, "_asyncps_atomic", False) or \
+            not callable(getattr(backing, "assign_add", None)):
+        return
+    import tensorflow as tf
+    plain_add, plain_sub = var.assign_add, var.assign_sub
+
+    def assign_add(value):
+        if in_stateless_scope():
+            return plain_add(value)
+        return backing.assign_add(tf.cast(value, backing.dtype))
+
+    def assign_sub(value):
+        if in_stateless_scope():
+            return plain_sub(value)
+        return backing.assign_sub(tf.cast(value, backing.dtype))
+
+    var.assign_add, var.assign_sub = assign_add, assign_sub
+    var._asyncps_atomic = True
+
+
+def make_seed_generator_atomic(generator) -> None:
+    """Makes a Keras 3 ``SeedGenerator.next()`` advance its state atomically.
+
+    Keras 3 reads the state, then assigns ``state + [0, 1]``; two workers can
+    read the same state and both write it (a lost advance). Here the state
+    advances by one atomic ``assign_add`` and the seed is the state read back
+    minus the increment: with one worker exactly the state before this
+    advance, as in one process; with several, the counter never loses an
+    advance, but a read back that includes another worker's advance can
+    repeat a seed. Only ``ordered=True`` (Keras' default) is changed.
+    """
+    state = getattr(generator, "state", None)
+    backing = getattr(state, "_value", None)
+    if backing is None or getattr(generator, "_asyncps_atomic", False):
+        return
+    import tensorflow as tf
+    plain_next = generator.next
+
+    def next_seed(ordered=True):
+        if not ordered or in_stateless_scope():
+            return plain_next(ordered)
+        inc = tf.constant([0, 1], dtype=backing.dtype)
+        return backing.assign_add(inc, read_value=True) - inc
+
+    generator.next = next_seed
+    generator._asyncps_atomic = True

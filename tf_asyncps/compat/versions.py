@@ -6,7 +6,7 @@ an ImportError naming the supported range and the install command, before
 anything fails deep inside a private API. Versions are read from the
 installed packages' metadata, so the check imports neither TensorFlow nor
 Keras (``tf-asyncps --help`` stays fast). Keras 3 is checked where it is used
-(``tf_asyncps/keras3``: :data:`tf_asyncps.compat.keras.SUPPORTED_RANGE`), as a
+(``tf_asyncps/keras3``: :data:`KERAS3`), as a
 tf_keras user does not need it.
 
 What differs between the supported TensorFlow minors lives in the other
@@ -19,8 +19,8 @@ them equal).
 import os
 import sys
 
-__all__ = ["TENSORFLOW", "TENSORFLOW_TESTED", "TESTED", "SKIP_ENV", "installed",
-           "unsupported", "check", "describe"]
+__all__ = ["TENSORFLOW", "TENSORFLOW_TESTED", "KERAS3", "KERAS3_TESTED", "TESTED", "SKIP_ENV",
+           "installed", "unsupported", "check", "describe", "keras3_version", "keras3_supported"]
 
 #: TensorFlow releases supported, as ``[low, high)`` (major, minor) bounds.
 #: tf_keras follows TensorFlow's minor (each tf_keras release pins one).
@@ -33,6 +33,16 @@ TENSORFLOW = ((2, 18), (2, 22))
 #: The TensorFlow releases the private TensorFlow APIs of the ``compat`` modules
 #: were run against (nothing they use differs between them).
 TENSORFLOW_TESTED = ("2.18.1", "2.19.1", "2.20.0", "2.21.0")
+
+# tests/test_keras3.py passed whole on each (TensorFlow 2.21.0).
+KERAS3_TESTED = ("3.10.0", "3.12.4", "3.15.1")
+# Keras 3 changed the fit loop's iteration protocol in 3.7 and 3.11 and
+# _symbolic_build's arguments in 3.5 (docs/design.md#9-keras-3-on-parameter-servers): only releases this
+# module was run against are accepted. Below 3.10: Keras 3.5.0 fails
+# tests/test_keras3.py (mixed_float16 loss scaling counts 0 of 60 steps, two
+# replicas differ from one process by 0.08); 3.6-3.9 were not run whole.
+# 3.10-3.13: get_metrics_result() sorts its keys (metrics_in_order).
+KERAS3 = ((3, 10), (3, 16))  # [3.10, 3.16)
 
 #: TensorFlow minor -> (TensorFlow, tf_keras, Keras) releases the matrix ran.
 TESTED = {
@@ -127,9 +137,28 @@ def check():
 def describe(version):
     """One line for ``tf-asyncps --version``: tf_asyncps's ``version``, the
     installed TensorFlow/tf_keras/Keras and the supported ranges."""
-    from tf_asyncps.compat import keras as keras_compat
     v = installed()
     found = ", ".join(f"{name} {v[key] or 'not installed'}" for name, key in
                       (("TensorFlow", "tensorflow"), ("tf_keras", "tf_keras"), ("Keras", "keras")))
     return (f"tf-asyncps {version} ({found}; supported: TensorFlow {_range_text(TENSORFLOW)} "
-            f"with its tf_keras, Keras 3 {_range_text(keras_compat.SUPPORTED_RANGE)})")
+            f"with its tf_keras, Keras 3 {_range_text(KERAS3)})")
+
+
+def keras3_version():
+    """The installed Keras version string, or None without Keras 3."""
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return None
+    v = getattr(keras, "__version__", "")
+    return v if v.startswith("3") else None
+
+
+def keras3_supported(v) -> bool:
+    """Whether Keras version string ``v`` lies in :data:`KERAS3`."""
+    try:
+        major_minor = tuple(int(p) for p in str(v).split(".")[:2])
+    except ValueError:
+        return False
+    lo, hi = KERAS3
+    return lo <= major_minor < hi

@@ -32,7 +32,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_asyncps.compat import graph as graph_compat
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement, table_seam
 from tf_asyncps.core import update as update_lib
@@ -299,7 +299,7 @@ class PolicyEngine:
         extended = tf.distribute.get_strategy().extended
         if not (isinstance(extended, table_seam.StrategySeam) and extended.gates_updates):
             return False
-        keras3 = keras_compat.optimizer_class()
+        keras3 = optimizers_compat.optimizer_class()
         families = tf_keras_compat.optimizer_classes() + ((keras3,) if keras3 else ())
         if not isinstance(optimizer, families) or getattr(optimizer, "use_ema", False):
             return False

@@ -78,7 +78,7 @@ from absl import logging
 
 from tf_asyncps.compat import coordinator as coordinator_compat
 from tf_asyncps.compat import graph as graph_compat
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.compat import versions
 from tf_asyncps.core import grads as grads_lib
@@ -147,7 +147,7 @@ class TracedStep:
         local = {id(c.master) for c in self.copies}
         per_step, pairs = [], []
         for g, v in grads_and_vars:
-            parts = keras_compat.tf_variables(v)
+            parts = variables_compat.tf_variables(v)
             mine = bool(parts) and all(id(p) in local for p in parts)
             (pairs if mine else per_step).append((g, v))
         return per_step, pairs
@@ -233,7 +233,7 @@ class LocalCopies:
         """
         if not (var.dtype.is_floating or var.dtype.is_integer):
             return  # e.g. bool flags: stay shared on the PS
-        slot = keras_compat.creating_optimizer_slot()
+        slot = optimizers_compat.creating_optimizer_slot()
         if self.policy.variable_mode(var.name, trainable, slot) != "local_copies":
             return
         if slot:
@@ -376,7 +376,8 @@ class LocalCopies:
                     with tf.device(c.handle.device):
                         values.append(variables_compat.read_handle(c.handle, c.dtype))
             for lh, ah, new in zip(local, anchor, values):
-                ops += [variables_compat.assign_handle(lh, new), variables_compat.assign_handle(ah, new)]
+                ops += [variables_compat.assign_handle(lh, new),
+                        variables_compat.assign_handle(ah, new)]
             ops += [variables_compat.assign_handle(last_v.handle, g_now),
                     variables_compat.assign_handle(since_v.handle, tf.constant(0, tf.int64)),
                     variables_compat.assign_handle(fresh_v.handle, tf.constant(True))]
@@ -422,7 +423,8 @@ class LocalCopies:
             local, anchor = handles()
             pushes, merged = [], []
             for c, lh, ah in zip(copies, local, anchor):
-                delta = variables_compat.read_handle(lh, c.dtype) - variables_compat.read_handle(ah, c.dtype)
+                delta = (variables_compat.read_handle(lh, c.dtype)
+                         - variables_compat.read_handle(ah, c.dtype))
                 with tf.device(c.handle.device):
                     # Read just before this worker's add, so the model comes
                     # down while Δ goes up (both directions of the link busy);
@@ -433,8 +435,10 @@ class LocalCopies:
                 with graph_compat.colocated_with(delta.op):  # on the worker
                     merged.append(before + delta)
             with tf.control_dependencies(pushes):
-                g_after = self._record_exchange(variables_compat.read_handle(last_v.handle, tf.int64))
-                counted = tracker.add_local_steps(variables_compat.read_handle(since_v.handle, tf.int64))
+                g_after = self._record_exchange(
+                    variables_compat.read_handle(last_v.handle, tf.int64))
+                counted = tracker.add_local_steps(
+                    variables_compat.read_handle(since_v.handle, tf.int64))
             with tf.control_dependencies([counted]):
                 # After the global step moved: an eviction pass due at it runs
                 # in the guard's push, before the masked add.
@@ -494,7 +498,7 @@ class LocalCopies:
         step.applied = True
         if optimizer is not None:
             for _, v in grads_and_vars:
-                for part in keras_compat.tf_variables(v):
+                for part in variables_compat.tf_variables(v):
                     if id(part) in self._guards:
                         self._optimizer_of[id(part)] = optimizer
 

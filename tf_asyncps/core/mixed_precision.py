@@ -31,9 +31,9 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import mixed_precision as precision_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import tensorflow as tf_compat
-from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.core import placement
 
 __all__ = ["PRECISIONS", "resolve", "loss_scale_optimizer", "update_loss_scale",
@@ -70,8 +70,8 @@ def resolve(name: str, worker_gpus: int) -> str:
 def loss_scale_optimizer(optimizer):
     """``optimizer`` if it is a LossScaleOptimizer (tf_keras's, either kind, or
     Keras 3's), else None."""
-    classes = tuple(tf_keras_compat.loss_scale_optimizer_classes() or ()) + tuple(
-        c for c in [keras_compat.loss_scale_optimizer_class()] if c is not None)
+    classes = tuple(optimizers_compat.loss_scale_optimizer_classes() or ()) + tuple(
+        c for c in [optimizers_compat.loss_scale_optimizer_class()] if c is not None)
     return optimizer if classes and isinstance(optimizer, classes) else None
 
 
@@ -95,15 +95,15 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
       A list of ops (empty for a fixed loss scale).
     """
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    k3 = keras_compat.loss_scale_optimizer_class()
+    k3 = optimizers_compat.loss_scale_optimizer_class()
     if k3 is None or not isinstance(lso, k3):
-        return tf_keras_compat.update_loss_scale(lso, values)
+        return precision_compat.update_tf_keras_loss_scale(lso, values)
 
     def update():
-        with tf.control_dependencies(keras_compat.update_loss_scale(lso, values)):
+        with tf.control_dependencies(precision_compat.update_keras3_loss_scale(lso, values)):
             return tf.constant(True)
 
-    lock = _scale_lock(lso, keras_compat.loss_scale_variable(lso))
+    lock = _scale_lock(lso, precision_compat.loss_scale_variable(lso))
     return [lock.execute(update, exclusive_resource_access=False)]
 
 
@@ -119,7 +119,7 @@ def _scale_lock(lso, scale) -> tf.CriticalSection:
 
 def base_variable(var):
     """The variable under a tf_keras ``AutoCastVariable`` (else ``var``)."""
-    return tf_keras_compat.autocast_inner_variable(var)
+    return precision_compat.autocast_inner_variable(var)
 
 
 _allowed = False
@@ -144,7 +144,7 @@ def allow_loss_scaling(strategy_class: type) -> None:
         return tf.distribute.has_strategy() and isinstance(
             tf.distribute.get_strategy(), strategy_class)
 
-    _allowed = tf_keras_compat.extend_loss_scaling_allowlist(under_this_strategy)
+    _allowed = precision_compat.extend_loss_scaling_allowlist(under_this_strategy)
 
 
 LOCAL_COPIES_MESSAGE = (

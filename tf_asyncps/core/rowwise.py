@@ -53,8 +53,8 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
+from tf_asyncps.compat import variables as variables_compat
 
 __all__ = ["RULES", "rule_for", "distinct_sums", "distinct_rows", "applying", "apply_rows"]
 
@@ -73,7 +73,7 @@ def rule_for(optimizer) -> Optional[str]:
     (``LazyAdam``); Keras 3's ``SGD`` (momentum 0) and ``Adagrad`` have one
     unless a subclass overrides ``update_step``.
     """
-    cls = keras_compat.optimizer_class()
+    cls = optimizers_compat.optimizer_class()
     if cls is None or not isinstance(optimizer, cls):
         return None
     if any(getattr(optimizer, name, None) for name in _ROW_TRANSFORMS):
@@ -167,13 +167,13 @@ def applying(optimizer, apply_fn, variables, grads, squares):
     rule = rule_for(optimizer)
     if rule is None or rule == "sgd":
         return apply_fn
-    carried = {id(keras_compat.backing_variable(v)): (g, s)
+    carried = {id(variables_compat.backing_variable(v)): (g, s)
                for g, v, s in zip(grads, variables, squares) if s is not None}
 
     def apply(pairs):
         current = {}
         for g, v in pairs:
-            key = id(keras_compat.backing_variable(v))
+            key = id(variables_compat.backing_variable(v))
             if key in carried and carried[key][0] is g:
                 current[key] = carried[key][1]
 
@@ -181,7 +181,7 @@ def applying(optimizer, apply_fn, variables, grads, squares):
             def update_step(gradient, variable, learning_rate):
                 if not _is_table_gradient(gradient, variable):
                     return original(gradient, variable, learning_rate)
-                key = id(keras_compat.backing_variable(variable))
+                key = id(variables_compat.backing_variable(variable))
                 if key in current:
                     ids, s1, head = gradient.indices, gradient.values, current[key]
                     k = tf.shape(head)[0]

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import mixed_precision as precision_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import sharded_slots
 from tf_asyncps.core import grads as grads_lib
@@ -196,7 +196,7 @@ def _keras3_lso_apply_args(lso, args, kwargs):
     unscaled (as under tf_keras, whose LossScaleOptimizer gets unscaled
     ones); what it returns is scaled again for the LossScaleOptimizer."""
     gv, rebuild = _keras3_apply_args(None, args, kwargs)
-    scale = keras_compat.loss_scale(lso)
+    scale = precision_compat.loss_scale(lso)
     times = lambda g, f: None if g is None else grads_lib.scale(g, f)
     unscaled = [(times(g, 1.0 / scale), v) for g, v in gv]
 

@@ -29,7 +29,6 @@ from typing import Any, Callable, List, Optional
 import tensorflow as tf
 from absl import logging
 
-from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
@@ -154,7 +153,7 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     # mixed precision, where tf_keras keeps float32 variables).
     grads = [grads_lib.cast(g, v.dtype) for g, v in pairs]
     variables = [v for _, v in pairs]
-    keras3 = keras_compat.optimizer_class()
+    keras3 = optimizers_compat.optimizer_class()
     squares = [None] * len(grads)
     if keras3 is None or not isinstance(optimizer, keras3):
         # Distinct rows only: tf_keras's optimizers sum the rows of repeated
@@ -182,13 +181,13 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     device = tracker.device
     # wire_dtype: float32 values cross as bfloat16, float32 again on the
     # ps (after the finite check above, which sees the worker's values).
-    grads = [grads_lib.copy_to(g, keras_compat.backing_variable(v).device,
+    grads = [grads_lib.copy_to(g, variables_compat.backing_variable(v).device,
                                wire_dtype=engine.wire_dtype,
-                               rows=_static_rows(keras_compat.backing_variable(v)),
+                               rows=_static_rows(variables_compat.backing_variable(v)),
                                on_ps=on_ps)
              for g, v in zip(grads, variables)]
     squares = [None if s is None else grads_lib.copy_to(
-        s, keras_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype)
+        s, variables_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype)
         for s, v in zip(squares, variables)]
     # The row-wise update inside the gradient filters: a filtered gradient
     # is applied with its own rows as the occurrences.
@@ -415,13 +414,13 @@ def gated_apply(tracker, plan: StepPlan, decision, tau, tau_from_increment) -> t
     with tf.init_scope():  # legacy optimizers create them on first use
         counter = optimizer.iterations
         lr = getattr(optimizer, "learning_rate", None)
-    hoisted = [keras_compat.backing_variable(h) for h in (lr, counter)]
+    hoisted = [variables_compat.backing_variable(h) for h in (lr, counter)]
     hoisted = [h for h in hoisted if isinstance(h, tf.Variable)]
     with nonfinite_guard.guarded_by(plan.gate, hoisted) as gated, \
             variables_compat.adding_only_if(counter, finite):
         _, update_ops = run_collecting_ops(plan.apply_fn, pairs)
     missed = [v.name for v in variables + [v for _, v in plan.local_pairs]
-              if id(v) not in gated and id(keras_compat.backing_variable(v)) not in gated]
+              if id(v) not in gated and id(variables_compat.backing_variable(v)) not in gated]
     if missed:
         raise RuntimeError(
             f"{type(optimizer).__name__} updated {missed} without the strategy's "

@@ -14,7 +14,7 @@ package's ``fit``/``evaluate``/``predict`` (``trainer.py``); input forms are
 in ``data.py`` (``DatasetFn``: one pipeline per worker), the callback rules
 in ``tf_asyncps/callbacks/keras3.py``; ``DynamicEmbedding`` and
 ``EmbeddingCollection`` are ``tf_asyncps.layers``' layers for Keras 3. Keras
-internals it needs are in ``tf_asyncps/compat/keras.py``.
+internals it needs are in ``tf_asyncps/compat/keras_models.py`` (its versions: ``compat/versions.py``).
 """
 
 from tf_asyncps.keras3.data import DatasetFn

@@ -30,10 +30,13 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import checkpoint as checkpoint_compat
+from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import sharded_slots
 from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import variables as variables_compat
+from tf_asyncps.compat import versions
 from tf_asyncps.core import lookup
 from tf_asyncps.callbacks import keras3 as callbacks_lib
 from tf_asyncps.keras3 import data as data_lib
@@ -49,15 +52,15 @@ SHARDS_PER_WORKER = 5
 
 def unsupported_version():
     """The message for an installed Keras outside the tested range, or None."""
-    v = keras_compat.version()
-    return None if keras_compat.version_supported(v) else unsupported_version_message(v)
+    v = versions.keras3_version()
+    return None if versions.keras3_supported(v) else unsupported_version_message(v)
 
 
 def unsupported_version_message(version) -> str:
-    lo, hi = keras_compat.SUPPORTED_RANGE
+    lo, hi = versions.KERAS3
     return (f"Keras {version} is outside the Keras 3 versions tf_asyncps's model.fit on "
             f"parameter servers was tested with (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; "
-            f"tested: {', '.join(keras_compat.TESTED_VERSIONS)}): its fit internals change "
+            f"tested: {', '.join(versions.KERAS3_TESTED)}): its fit internals change "
             f"between releases. Install keras>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}, or use "
             f"tf_keras (`import tf_keras as keras`).")
 
@@ -72,7 +75,7 @@ def attach(model, strategy) -> None:
     trainer = tf_compat.untracked_attribute(model, "_asyncps_trainer")
     if trainer is not None and trainer.strategy is strategy:
         return
-    created_under = keras_compat.model_strategy(model)
+    created_under = models_compat.model_strategy(model)
     if created_under is not strategy:
         raise ValueError(
             f"Keras 3 model {model.name!r} was created outside "
@@ -111,7 +114,7 @@ def refuse_unattached(strategy_class) -> None:
     def make_hook(original, method):
         @functools.wraps(original)
         def call(model, *args, **kwargs):
-            if isinstance(keras_compat.model_strategy(model), strategy_class) and \
+            if isinstance(models_compat.model_strategy(model), strategy_class) and \
                     tf_compat.untracked_attribute(model, "_asyncps_trainer") is None:
                 how = ("compiled outside it" if getattr(model, "compiled", False)
                        else "not compiled")
@@ -120,7 +123,7 @@ def refuse_unattached(strategy_class) -> None:
             return original(model, *args, **kwargs)
         return call
 
-    keras_compat.hook_loops(make_hook)
+    models_compat.hook_loops(make_hook)
 
 
 def _lookup_per_id(value, ids):
@@ -140,7 +143,7 @@ def trainable_shards(model):
     """
     out = []
     for v in model.trainable_variables:
-        out.extend(keras_compat.sharded_value(v) or [v])
+        out.extend(variables_compat.sharded_value(v) or [v])
     return out
 
 
@@ -171,7 +174,7 @@ class Keras3Trainer:
     def _reset(self):
         """Forgets the traced functions: they hold the compiled optimizer,
         loss and metrics, which a new ``compile`` replaces."""
-        self._compiled = keras_compat.compile_state(self.model)
+        self._compiled = models_compat.compile_state(self.model)
         self._train_fn = None
         self._step = None  # model.train_step, or its partitioned-weights form
         self._shard_fn = None
@@ -188,7 +191,7 @@ class Keras3Trainer:
         """Builds layers, metrics and the optimizer on the chief (their
         variables go to the ps), then makes the concurrent counters exact."""
         model = self.model
-        if keras_compat.compile_state(model) != self._compiled:
+        if models_compat.compile_state(model) != self._compiled:
             self._reset()  # compiled again since the last fit/evaluate/predict
         spec = data_lib.element_spec(inp, self.num_workers)
         if not isinstance(spec, tuple) or len(spec) not in (2, 3) or spec[1] is None:
@@ -196,27 +199,27 @@ class Keras3Trainer:
                 f"The dataset yields {spec!r}; fit and evaluate need (x, y) or (x, y, "
                 f"sample_weight) per batch: Dataset.from_tensor_slices((x, y)).batch(n).")
         with self.strategy.scope():
-            keras_compat.build_layers(model, spec)
+            models_compat.build_layers(model, spec)
             if self._step is None:
                 self._step = self._make_step()
-            keras_compat.symbolic_build(model, spec)
+            models_compat.symbolic_build(model, spec)
         local = [v.path for v in model.metrics_variables
-                 if "/job:ps/" not in (keras_compat.backing_variable(v).device or "")]
+                 if "/job:ps/" not in (variables_compat.backing_variable(v).device or "")]
         if local:
             raise ValueError(
                 f"The metrics {local} live in this process, not on the ps tasks: the model "
                 f"was compiled outside strategy.scope(). Compile it inside "
                 f"`with strategy.scope():` (every worker updates them).")
         for v in model.metrics_variables:
-            keras_compat.make_assign_add_atomic(v)
+            variables_compat.make_assign_add_atomic(v)
         opt = model.optimizer
         if opt is not None:
             optimizers_compat.make_iterations_atomic(opt)
             for v in opt.variables:
                 if v.path.endswith(("step_counter", "dynamic_scale")):
-                    keras_compat.make_assign_add_atomic(v)  # LossScaleOptimizer's
-        for g in keras_compat.seed_generators(model):
-            keras_compat.make_seed_generator_atomic(g)
+                    variables_compat.make_assign_add_atomic(v)  # LossScaleOptimizer's
+        for g in models_compat.seed_generators(model):
+            variables_compat.make_seed_generator_atomic(g)
 
     def _make_step(self):
         """``model.train_step``; with partitioned weights, the same step taking
@@ -227,15 +230,15 @@ class Keras3Trainer:
         # Each Embedding reads only its rows (Keras 3 reads the whole table),
         # each distinct id read once, a gradient row per id (core/lookup.per_id_gradients:
         # Keras 3's own sparse update rules see what they see in one process).
-        for layer in keras_compat.layers_of(model):
+        for layer in models_compat.layers_of(model):
             table = getattr(layer, "embeddings", None) if isinstance(
                 layer, keras.layers.Embedding) else None
             if table is not None:
-                keras_compat.lookup_rows_in_call(layer, table, _lookup_per_id)
-        if not any(keras_compat.sharded_value(v) for v in model.trainable_variables):
+                models_compat.lookup_rows_in_call(layer, table, _lookup_per_id)
+        if not any(variables_compat.sharded_value(v) for v in model.trainable_variables):
             return model.train_step
         sources = trainable_shards(model)
-        if keras_compat.overrides_train_step(model):
+        if models_compat.overrides_train_step(model):
             raise ValueError(
                 f"{type(model).__name__} overrides train_step and has partitioned weights "
                 f"(variable_partitioner): Keras 3 cannot take a gradient with respect to a "
@@ -250,7 +253,7 @@ class Keras3Trainer:
         # Built now, on the shards; a checkpoint read before applies by global
         # row (compat.sharded_slots: Keras alone matches slots by position).
         sharded_slots.build_for_pending_restore(model.optimizer, sources)
-        return keras_compat.train_step_on(model, sources, sources)
+        return models_compat.train_step_on(model, sources, sources)
 
     def _join(self, what):
         try:
@@ -366,7 +369,7 @@ class Keras3Trainer:
         per_closure = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         model.stop_training = False
         cb_list.on_train_begin()
-        first = keras_compat.initial_epoch(model) or initial_epoch
+        first = models_compat.initial_epoch(model) or initial_epoch
         # StepBackup: a mid-epoch resume point, and a call after each closure.
         between = [cb for cb in cbs if getattr(cb, "runs_between_closures", False)]
         done = 0  # steps of the first epoch already done
@@ -480,7 +483,7 @@ class Keras3Trainer:
             return logs
         # Keras' own order (loss, then compile's metrics), not the dict's:
         # Keras 3.10-3.13 return get_metrics_result() sorted by name.
-        return keras_compat.metrics_in_order(self.model, logs)
+        return models_compat.metrics_in_order(self.model, logs)
 
     # -- predict --------------------------------------------------------------
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -500,7 +503,7 @@ class Keras3Trainer:
         elif ds.cardinality() == tf.data.INFINITE_CARDINALITY:
             raise ValueError("predict: x is an infinite dataset (it repeats) and no steps "
                              "were given: pass steps= or drop the repeat().")
-        if keras_compat.compile_state(self.model) != self._compiled:
+        if models_compat.compile_state(self.model) != self._compiled:
             self._reset()
         if self._predict_fn is None:
             self._predict_fn = tf.function(self.model.predict_step)
@@ -514,12 +517,12 @@ class Keras3Trainer:
     def save(self, filepath, *args, **kwargs):
         """Keras 3 ``Model.save``; partitioned weights are saved whole (one
         array each, loadable by an unpartitioned model in one process)."""
-        with keras_compat.whole_values(self.model.variables):
+        with checkpoint_compat.whole_values(self.model.variables):
             return type(self.model).save(self.model, filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
         """Keras 3 ``Model.save_weights``; partitioned weights saved whole."""
-        with keras_compat.whole_values(self.model.variables):
+        with checkpoint_compat.whole_values(self.model.variables):
             return type(self.model).save_weights(self.model, filepath, *args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):

@@ -154,8 +154,8 @@ class _Mixin:
             raise ValueError(f"DynamicEmbedding {self.name!r} reads the strategy's global "
                              "step; use_step is for training without the strategy.")
         if not isinstance(variable, tf.Variable):  # a Keras 3 variable
-            from tf_asyncps.compat import keras as keras_compat
-            variable = keras_compat.tf_value(variable)
+            from tf_asyncps.compat import variables as variables_compat
+            variable = variables_compat.tf_value(variable)
         tf_compat.set_untracked_attribute(self, "_global_step", variable)
         tf_compat.set_untracked_attribute(self, "_own_step", True)
 
@@ -283,8 +283,8 @@ def keras3_layer():
     import keras
 
     from tf_asyncps.compat import checkpoint as checkpoint_compat
-    from tf_asyncps.compat import keras as keras_compat
     from tf_asyncps.compat import keras_layers
+    from tf_asyncps.compat import variables as variables_compat
 
     class DynamicEmbedding(_Mixin, keras.layers.Layer):
         __doc__ = _tf_keras_doc()
@@ -312,7 +312,7 @@ def keras3_layer():
                 self.embeddings = self.add_weight(
                     shape=(self.capacity, self.output_dim), initializer=self.initializer,
                     dtype="float32", trainable=True, name="embeddings")
-                self._make_table(keras_compat.tf_value(self.embeddings), self.initializer)
+                self._make_table(variables_compat.tf_value(self.embeddings), self.initializer)
             # The tracked object (the table saves its live rows itself).
             checkpoint_compat.save_elsewhere(self.embeddings)
 

@@ -250,7 +250,7 @@ def keras3_layer():
         return _KERAS3_CLASS[0]
     import keras
 
-    from tf_asyncps.compat import keras as keras_compat
+    from tf_asyncps.compat import variables as variables_compat
 
     class EmbeddingCollection(_Mixin, keras.layers.Layer):
         __doc__ = _keras3_doc()
@@ -270,7 +270,7 @@ def keras3_layer():
         def _table_value(self):
             # The tf.Variable or ShardedVariable: rows read by a gather (the
             # Keras variable converts to the whole table).
-            return keras_compat.tf_value(self.embeddings)
+            return variables_compat.tf_value(self.embeddings)
 
         def call(self, ids):
             return self._lookup(ids, self.compute_dtype, every_id=True)
