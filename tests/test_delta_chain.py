@@ -145,11 +145,11 @@ def test_a_truncated_file_is_refused(chain, tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(delta_chain.ChainError,
-                       match=r"delta-2.0\.npz does not match its sha256 .*table shard table.*"
+                       match=r"delta-2.0\.npz does not match its sha256 .*\(table table\).*"
                              r"truncated or half-written"):
         _restore(base, folders)
     os.remove(path)
-    with pytest.raises(delta_chain.ChainError, match=r"delta-2.0\.npz is missing \(table shard"):
+    with pytest.raises(delta_chain.ChainError, match=r"delta-2.0\.npz is missing \(table table"):
         _restore(base, folders)
 
 
@@ -285,3 +285,70 @@ def test_a_keras3_model_round_trips_through_a_full_save_and_two_deltas(tmp_path)
     for a, b in zip(model.variables + opt.variables, fresh.variables + fresh_opt.variables):
         np.testing.assert_array_equal(np.asarray(a.numpy()), np.asarray(b.numpy()), err_msg=a.path)
     assert int(fresh_opt.iterations.numpy()) == 2
+
+
+class _Split:
+    """A table split on axis 0 into ``variables`` (as a ShardedVariable is:
+    the strategy's partitioner makes them on a cluster)."""
+
+    def __init__(self, variables):
+        self.variables = variables
+
+
+class _Model:
+    """One table layer (split) and a dense variable: what ModelDeltas reads."""
+
+    def __init__(self, split, dense):
+        self.layer = type("Layer", (), {})()
+        self.layer.embeddings = split
+        self.variables = [split, dense]
+
+    def _flatten_layers(self, include_self=False, recursive=True):
+        return [self.layer]
+
+
+def _split_model(full, acc, dense, sizes):
+    parts, first = [], 0
+    for n in sizes:
+        parts.append(tf.Variable(full[first:first + n]))
+        first += n
+    dense = tf.Variable(dense)
+    opt = tf_keras.optimizers.Adagrad(learning_rate=0.5)
+    opt.build(parts + [dense])
+    first = 0
+    for p in parts:
+        slot(opt, "accumulator", p).assign(acc[first:first + int(p.shape[0])])
+        first += int(p.shape[0])
+    return _Model(_Split(parts), dense), opt, parts, dense
+
+
+def test_a_chain_written_over_2_shards_restores_onto_3(tmp_path):
+    """(issue 41 item 2: restore onto another number of ps tasks) a table's
+    rows are written by global row: a chain written over shards of 120 + 80
+    rows restores onto 70 + 70 + 60, rows and Adagrad slots exactly."""
+    full = (np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM) / 100.)
+    acc0, dense0 = np.full([ROWS, DIM], 0.1, np.float32), np.ones([DIM, 2], np.float32)
+    model, opt, parts, dense = _split_model(full, acc0, dense0, [120, 80])
+    deltas = delta_chain.ModelDeltas(model, opt)
+    assert list(deltas.layout) == ["t0"] and [f for _, _, f in deltas.layout["t0"]] == [0, 120]
+    dirty = deltas.track()
+    folders = []
+    for seq, ids in enumerate([[3, 119, 120], [150, 3, 199, 60]], start=1):
+        with tf.GradientTape() as tape:
+            rows = tf.concat([tf.gather(parts[0], [i for i in ids if i < 120]),
+                              tf.gather(parts[1], [i - 120 for i in ids if i >= 120])], 0)
+            loss = tf.reduce_sum(tf.matmul(rows, dense) ** 2)
+        grads = tape.gradient(loss, parts + [dense])
+        opt.apply_gradients([(dirty.mark(g, v), v) for g, v in zip(grads, parts + [dense])])
+        folders.append(deltas.write(str(tmp_path / f"delta-{seq}"), base_id="b", seq=seq))
+    rows = [np.load(os.path.join(f, "0.npz"))["ids"].tolist() for f in folders]
+    assert rows == [[3, 119, 120], [3, 60, 150, 199]]  # global rows
+    three, opt3, parts3, dense3 = _split_model(full, acc0, dense0, [70, 70, 60])
+    assert delta_chain.ModelDeltas(three, opt3).restore(folders, "b") == 2
+    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts3]),
+                                  np.concatenate([p.numpy() for p in parts]))
+    np.testing.assert_array_equal(
+        np.concatenate([slot(opt3, "accumulator", p).numpy() for p in parts3]),
+        np.concatenate([slot(opt, "accumulator", p).numpy() for p in parts]))
+    np.testing.assert_array_equal(dense3.numpy(), dense.numpy())
+    assert not np.array_equal(dense3.numpy(), dense0)

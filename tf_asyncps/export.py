@@ -46,7 +46,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps.callbacks import delta_chain
-from tf_asyncps.compat import keras_models as models_compat
+from tf_asyncps.compat import keras as keras_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.files import atomic_write_json, read_json
 from tf_asyncps.validate import check_int
@@ -75,7 +75,7 @@ class _ServingVariables:
 
     def __init__(self, model):
         tables = set()
-        for layer in models_compat.layers_of(model):
+        for layer in keras_compat.layers_of(model):
             emb = getattr(layer, "embeddings", None)
             if emb is not None:
                 tables.add(id(emb))
@@ -106,22 +106,20 @@ class _ServingVariables:
         reader = self.track()
         out = {}
         for key, (shards, offsets) in self.tables.items():
-            ids, values = [], []
-            for shard, off in zip(shards, offsets):
-                local = reader.dirty_ids(shard)
-                ids.append(local + off)
-                values.append(tf.gather(shard, tf.constant(local)).numpy())
-            out[key] = {"ids": np.concatenate(ids), "values": np.concatenate(values)}
+            rows = [delta_chain.gather_rows(shard, reader.dirty_ids(shard), {})
+                    for shard in shards]
+            out[key] = {"ids": np.concatenate([r["ids"] + off for r, off in zip(rows, offsets)]),
+                        "values": np.concatenate([r["values"] for r in rows])}
         return out
 
     def whole(self) -> Dict[str, np.ndarray]:
-        return {k: tf.convert_to_tensor(_value(v)).numpy() for k, v in self.dense.items()}
+        return {k: delta_chain.read_whole(v) for k, v in self.dense.items()}
 
 
 def default_export(model, path: str) -> None:
     """``model.export(path)`` for Keras 3 (its ``serve`` endpoint), else
     ``tf.saved_model.save(model, path)``."""
-    if models_compat.is_keras3_model(model):
+    if keras_compat.is_keras3_model(model):
         model.export(path, format="tf_saved_model", verbose=False)
     else:
         tf.saved_model.save(model, path)
@@ -293,22 +291,6 @@ def latest_base(publish_dir: str) -> Tuple[str, str]:
     return latest["saved_model"], latest["delta_dir"]
 
 
-def _write_rows(target, ids: np.ndarray, values: np.ndarray) -> None:
-    """Rows ``ids`` (global) of ``target`` (a variable, or one sharded on axis 0)."""
-    shards = delta_chain.shards_of(_value(target))
-    for shard, off in zip(shards, _offsets(shards)):
-        here = (ids >= off) & (ids < off + int(shard.shape[0]))
-        if here.any():
-            shard.scatter_update(tf.IndexedSlices(tf.constant(values[here]),
-                                                  tf.constant(ids[here] - off)))
-
-
-def _write_whole(target, value: np.ndarray) -> None:
-    shards = delta_chain.shards_of(_value(target))
-    for shard, off in zip(shards, _offsets(shards)):
-        shard.assign(value[off:off + int(shard.shape[0])] if len(shards) > 1 else value)
-
-
 class DeltaLoader:
     """A SavedModel written by :class:`DeltaPublisher`, brought up to date
     with its deltas, in any process (no cluster needed).
@@ -360,22 +342,14 @@ class DeltaLoader:
             self.applied = int(meta["seq"])
         return self.applied
 
-    def _target(self, folder: str, key: str):
-        i = int(key[1:])
-        if not 0 <= i < len(self._vars):
-            raise delta_chain.ChainError(f"apply_deltas: {folder} holds variable {key}, which "
-                                         "the SavedModel has not.")
-        return self._vars[i]
-
     def _apply(self, folder: str, meta: dict) -> None:
-        for shard in meta["shards"]:
-            arrays = delta_chain.load_file(folder, shard["file"], shard["sha256"],
-                                           f"table {shard['name']}")
-            _write_rows(self._target(folder, shard["name"]), arrays["ids"], arrays["values"])
-        d = meta["dense"]
-        arrays = delta_chain.load_file(folder, d["file"], d["sha256"], "dense variables")
-        for i, name in enumerate(d["names"]):
-            _write_whole(self._target(folder, name), arrays[str(i)])
+        # Any variable may hold a table's rows (by global row) or a whole value.
+        tables = {f"v{i}": [(shard, {}, first) for shard, first in
+                            zip(delta_chain.shards_of(_value(v)),
+                                _offsets(delta_chain.shards_of(_value(v))))]
+                  for i, v in enumerate(self._vars)}
+        dense = {f"v{i}": _value(v) for i, v in enumerate(self._vars)}
+        delta_chain.apply_delta(folder, meta, tables, dense)
 
 
 def apply_deltas(saved_model_dir: str, delta_dir: Optional[str] = None, upto: Optional[int] = None):

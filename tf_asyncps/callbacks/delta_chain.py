@@ -21,9 +21,9 @@ with its bit set and clears only its bit.
 
 On disk, one delta is a folder (``delta-<N>/``):
 
-* ``<i>.npz`` per table shard ``i``: ``ids`` (int64 ``[k]``), ``values``
-  (``[k, dim]``, the variable's dtype) and ``slot:<name>`` per optimizer
-  slot (``[k, ...]``).
+* ``<i>.npz`` per table ``i``: ``ids`` (int64 ``[k]``, global rows: a
+  split table's shards after one another), ``values`` (``[k, dim]``, the
+  variable's dtype) and ``slot:<name>`` per optimizer slot (``[k, ...]``).
 * ``dense.npz``: every dense variable whole, keyed ``<i>``.
 * ``meta.json`` (written last): ``format``, ``kind`` "delta", ``base_id``
   (the full backup the chain starts from), ``seq`` (1, 2, ...),
@@ -50,7 +50,7 @@ __all__ = ["DirtyRows", "DirtyReader", "shared_reader", "ModelDeltas", "write_de
            "read_chain", "apply_delta", "gather_rows", "load_file", "shards_of", "ChainError",
            "DELTA_FORMAT"]
 
-DELTA_FORMAT = 1
+DELTA_FORMAT = 2  # 2: a table's rows by global row, dense variables whole
 _META = "meta.json"
 _ALL = -1  # int8 with its 8 bits set: every reader's
 _READER_BITS = 8
@@ -365,48 +365,82 @@ def read_chain(folders: Sequence[str], base_id: str,
     return out
 
 
-def apply_delta(folder: str, meta: dict,
-                tables: Mapping[str, Tuple[tf.Variable, Mapping[str, tf.Variable]]],
-                dense: Mapping[str, tf.Variable]) -> None:
+def _parts(entry):
+    """``[(variable, slots, first global row)]`` of a table entry: one
+    ``(variable, slots)`` (rows from 0), or a list of shards with offsets."""
+    if isinstance(entry, tuple):
+        return [(entry[0], entry[1], 0)]
+    return list(entry)
+
+
+def apply_delta(folder: str, meta: dict, tables: Mapping[str, object],
+                dense: Mapping[str, object]) -> None:
     """Writes one delta's rows, slot rows and dense variables into the model.
 
     Args:
       folder, meta: one of :func:`read_chain`'s results.
-      tables: ``{shard name: (variable, {slot name: slot variable})}``.
-      dense: ``{variable name: variable}``.
+      tables: ``{table name: (variable, {slot name: slot variable})}``, or
+        ``{table name: [(shard, {slot name: slot shard}, first row), ...]}``
+        for a table split on axis 0: the delta's ids are global rows, so a
+        chain written over 2 shards restores onto 3 (or 1).
+      dense: ``{name: variable}`` (a sharded one is written shard by shard).
 
     Raises:
       ChainError: a file is missing or fails its checksum, its row count
-        differs from ``meta.json``'s, or a shard, slot or dense variable of
+        differs from ``meta.json``'s, or a table, slot or dense variable of
         the delta is not in the model (names it).
     """
     for shard in meta["shards"]:
         name = shard["name"]
-        arrays = load_file(folder, shard["file"], shard["sha256"], f"table shard {name}")
+        arrays = load_file(folder, shard["file"], shard["sha256"], f"table {name}")
         if len(arrays["ids"]) != int(shard["rows"]):
             raise ChainError(f"delta chain: {os.path.join(folder, shard['file'])} holds "
                              f"{len(arrays['ids'])} rows, meta.json says {shard['rows']}.")
         if name not in tables:
-            raise ChainError(f"delta chain: {folder} holds table shard {name}, which the "
+            raise ChainError(f"delta chain: {folder} holds table {name}, which the "
                              "model has not.")
-        var, slots = tables[name]
-        ids = tf.constant(arrays["ids"])
-        var.scatter_update(tf.IndexedSlices(tf.constant(arrays["values"]), ids))
-        for key, rows in arrays.items():
-            if key.startswith("slot:"):
-                slot = slots.get(key[5:])
-                if slot is None:
-                    raise ChainError(f"delta chain: {folder} holds slot {key[5:]} of {name}, "
-                                     "which the optimizer has not.")
-                slot.scatter_update(tf.IndexedSlices(tf.constant(rows), ids))
+        ids = arrays["ids"]
+        for var, slots, first in _parts(tables[name]):
+            here = (ids >= first) & (ids < first + int(var.shape[0]))
+            if not here.any():
+                continue
+            local = tf.constant(ids[here] - first)
+            var.scatter_update(tf.IndexedSlices(tf.constant(arrays["values"][here]), local))
+            for key, rows in arrays.items():
+                if key.startswith("slot:"):
+                    slot = slots.get(key[5:])
+                    if slot is None:
+                        raise ChainError(f"delta chain: {folder} holds slot {key[5:]} of "
+                                         f"{name}, which the optimizer has not.")
+                    slot.scatter_update(tf.IndexedSlices(tf.constant(rows[here]), local))
     d = meta["dense"]
     arrays = load_file(folder, d["file"], d["sha256"], "dense variables")
     for i, name in enumerate(d["names"]):
         if name not in dense:
             raise ChainError(f"delta chain: {folder} holds dense variable {name}, which the "
                              "model has not.")
-        dense[name].assign(arrays[str(i)])
+        assign_whole(dense[name], arrays[str(i)])
 
+
+def assign_whole(var, value: np.ndarray) -> None:
+    """``var`` (a variable, a Keras 3 one, or one split on axis 0) = ``value``."""
+    parts = shards_of(var)
+    if len(parts) == 1:
+        parts[0].assign(value)
+        return
+    first = 0
+    for part in parts:
+        rows = int(part.shape[0])
+        part.assign(value[first:first + rows])
+        first += rows
+
+
+def read_whole(var) -> np.ndarray:
+    """The value of ``var`` (a variable, a Keras 3 one, or one split on axis 0)."""
+    parts = shards_of(var)
+    if len(parts) == 1:
+        return np.asarray(parts[0].numpy())
+    return np.concatenate([np.asarray(p.numpy()) for p in parts])
 
 
 def shards_of(var):
@@ -424,12 +458,21 @@ class ModelDeltas:
     Tables: the ``embeddings`` of every layer holding one (Keras
     ``Embedding`` of either Keras, ``EmbeddingCollection``), each shard of a
     sharded one, with the optimizer's slots of it (Adagrad ``accumulator``,
-    Adam ``momentum``, ``velocity``). Dense: every other model and optimizer
-    variable (a slot of a table under another name, e.g. tf_keras SGD's
-    momentum, is saved whole there: larger, never lost), and ``extra``
-    (e.g. the strategy's global step), keyed by
-    position, as a tf.train.Checkpoint matches by structure (the same model
-    code gives the same keys; layer names may differ).
+    Adam ``momentum``, ``velocity``), written per table by global row: a
+    chain restores onto another number of shards (ps tasks). Dense: every
+    other model and optimizer variable whole (a slot of a table under
+    another name, e.g. tf_keras SGD's momentum, is saved whole there:
+    larger, never lost), and ``extra`` (e.g. the strategy's global step).
+    Tables and dense variables are keyed by position, as a
+    tf.train.Checkpoint matches by structure (the same model code gives
+    the same keys; layer names may differ); a non-table variable split
+    over the ps tasks restores onto the same split (its optimizer slots are
+    one variable per shard).
+
+    Attributes:
+      tables: ``{"t<k>.<j>": (shard j of table k, {slot name: its slot})}``.
+      layout: ``{"t<k>": [(shard, slots, first global row)]}``.
+      dense: ``{"d<n>": variable}``.
 
     Args:
       model: a built tf_keras or Keras 3 model.
@@ -441,15 +484,17 @@ class ModelDeltas:
     """
 
     def __init__(self, model, optimizer=None, extra: Sequence[tf.Variable] = ()):
-        from tf_asyncps.compat import keras_models as models_compat
+        from tf_asyncps.compat import keras as keras_compat
         from tf_asyncps.compat import optimizers as opt_compat
         self.tables: Dict[str, Tuple[tf.Variable, Dict[str, tf.Variable]]] = {}
+        self.layout: Dict[str, List[Tuple[tf.Variable, Dict[str, tf.Variable], int]]] = {}
         taken = set()
-        for layer in models_compat.layers_of(model):
+        for layer in keras_compat.layers_of(model):
             emb = getattr(layer, "embeddings", None)
             if emb is None:
                 continue
             shards = shards_of(emb)
+            parts, first = [], 0
             for shard in shards:
                 slots = {}
                 of = emb if len(shards) == 1 else shard  # Keras 3 looks up its own variable
@@ -463,17 +508,20 @@ class ModelDeltas:
                         slots[name] = s
                         taken.add(id(s))
                 taken.add(id(shard))
-                self.tables[f"t{len(self.tables)}"] = (shard, slots)
+                self.tables[f"t{len(self.layout)}.{len(parts)}"] = (shard, slots)
+                parts.append((shard, slots, first))
+                first += int(shard.shape[0])
+            self.layout[f"t{len(self.layout)}"] = parts
         if not self.tables:
             raise ValueError("StepBackup(full_every > 1): the model has no embedding table "
                              "(a layer with `embeddings`); use full_every=1.")
-        self.dense: Dict[str, tf.Variable] = {}
+        self.dense: Dict[str, object] = {}
         others = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
         for v in others + list(extra):
-            for s in shards_of(v):
-                if id(s) not in taken:
-                    taken.add(id(s))
-                    self.dense[f"d{len(self.dense)}"] = s
+            parts = shards_of(v)
+            if not all(id(p) in taken for p in parts):
+                taken.update(id(p) for p in parts)
+                self.dense[f"d{len(self.dense)}"] = v
         self.dirty: Optional[DirtyReader] = None
 
     def track(self) -> DirtyReader:
@@ -488,10 +536,14 @@ class ModelDeltas:
         """Writes the rows marked since the last write (then clears the
         marks) and the dense variables as delta ``seq`` of ``base_id``."""
         dirty = self.track()
-        shards = {name: gather_rows(var, dirty.dirty_ids(var), slots)
-                  for name, (var, slots) in self.tables.items()}
-        out = write_delta(folder, base_id=base_id, seq=seq, shards=shards,
-                          dense={k: v.numpy() for k, v in self.dense.items()}, extra=extra)
+        tables = {}
+        for name, parts in self.layout.items():
+            rows = [gather_rows(var, dirty.dirty_ids(var), slots) for var, slots, _ in parts]
+            for (_, _, first), r in zip(parts, rows):
+                r["ids"] = r["ids"] + first  # global rows: any sharding restores them
+            tables[name] = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        out = write_delta(folder, base_id=base_id, seq=seq, shards=tables,
+                          dense={k: read_whole(v) for k, v in self.dense.items()}, extra=extra)
         dirty.clear()
         return out
 
@@ -500,5 +552,5 @@ class ModelDeltas:
         after the base is restored; returns its length."""
         chain = read_chain(folders, base_id)
         for folder, meta in chain:
-            apply_delta(folder, meta, self.tables, self.dense)
+            apply_delta(folder, meta, self.layout, self.dense)
         return len(chain)
