@@ -46,7 +46,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps.callbacks import delta_chain
-from tf_asyncps.compat import keras as keras_compat
+from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.files import atomic_write_json, read_json
 from tf_asyncps.validate import check_int
@@ -75,7 +75,7 @@ class _ServingVariables:
 
     def __init__(self, model):
         tables = set()
-        for layer in keras_compat.layers_of(model):
+        for layer in models_compat.layers_of(model):
             emb = getattr(layer, "embeddings", None)
             if emb is not None:
                 tables.add(id(emb))
@@ -119,7 +119,7 @@ class _ServingVariables:
 def default_export(model, path: str) -> None:
     """``model.export(path)`` for Keras 3 (its ``serve`` endpoint), else
     ``tf.saved_model.save(model, path)``."""
-    if keras_compat.is_keras3_model(model):
+    if models_compat.is_keras3_model(model):
         model.export(path, format="tf_saved_model", verbose=False)
     else:
         tf.saved_model.save(model, path)

@@ -484,12 +484,12 @@ class ModelDeltas:
     """
 
     def __init__(self, model, optimizer=None, extra: Sequence[tf.Variable] = ()):
-        from tf_asyncps.compat import keras as keras_compat
+        from tf_asyncps.compat import keras_models as models_compat
         from tf_asyncps.compat import optimizers as opt_compat
         self.tables: Dict[str, Tuple[tf.Variable, Dict[str, tf.Variable]]] = {}
         self.layout: Dict[str, List[Tuple[tf.Variable, Dict[str, tf.Variable], int]]] = {}
         taken = set()
-        for layer in keras_compat.layers_of(model):
+        for layer in models_compat.layers_of(model):
             emb = getattr(layer, "embeddings", None)
             if emb is None:
                 continue
