@@ -5,6 +5,8 @@ Public API (see README.md):
 * :class:`AsyncParameterServerStrategy`: a ``tf.distribute.ParameterServerStrategy``
   with pluggable update policies and staleness tracking.
 * :class:`StalenessStats`: what ``strategy.staleness_stats()`` returns.
+* :class:`EmbeddingCache`: ``AsyncParameterServerStrategy(embedding_cache=...)``,
+  a bounded-staleness cache of hot embedding rows on each worker (HET).
 * :mod:`tf_asyncps.policies`, :mod:`tf_asyncps.optimizers` (LockingOptimizer),
   :mod:`tf_asyncps.cluster` (LocalCluster, its ``supervise``), :mod:`tf_asyncps.callbacks`.
 * :mod:`tf_asyncps.layers`: ``DynamicEmbedding`` (raw ids, fixed capacity,
@@ -35,6 +37,7 @@ _versions.check()
 _LAZY = {
     "AsyncParameterServerStrategy": ("tf_asyncps.strategy", "AsyncParameterServerStrategy"),
     "StalenessStats": ("tf_asyncps.core.staleness", "StalenessStats"),
+    "EmbeddingCache": ("tf_asyncps.core.embedding_cache", "EmbeddingCache"),
     "SyncReplicasAggregator": ("tf_asyncps.policies.sync_replicas", "SyncReplicasAggregator"),
     "straggler": ("tf_asyncps.app.straggler", None),
     "policies": ("tf_asyncps.policies", None),

@@ -4,7 +4,8 @@
 is one per strategy: ``tf.distribute.coordinator.ClusterCoordinator(strategy)``
 and tf_keras's ``fit`` get this object). It starts the engine's watchdogs
 when closures are scheduled, tells the engine when the schedule drained
-(``join``: local copies pushed, watchdogs stopped), turns a timed-out wait
+(``join``: local copies and cached rows' updates pushed, watchdogs
+stopped), turns a timed-out wait
 into a TimeoutError and an input that ran out into an OutOfRangeError that
 says why.
 """
@@ -117,9 +118,15 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self.engine.stop_watchdogs()  # keep the join's error, not a flush's
             raise
         self._input_ran_out = False
-        # local_sgd: push what workers trained since their last exchange;
-        # every policy: no watchdog polls the PS once the schedule drained.
-        self.engine.drained()
+        try:
+            # embedding_cache: every worker's unpushed row updates reach the ps.
+            caches = getattr(self.strategy.extended, "caches", None)
+            if caches is not None:
+                caches.flush()
+        finally:
+            # local_sgd: push what workers trained since their last exchange;
+            # every policy: no watchdog polls the PS once the schedule drained.
+            self.engine.drained()
         return out
 
     def done(self):

@@ -47,6 +47,7 @@ from tf_asyncps.core import (gpu_replicas, lookup, mixed_precision, nonfinite_gu
                              placement, table_seam, wire_reads)
 from tf_asyncps.coordinator import INPUT_RAN_OUT_MESSAGE
 from tf_asyncps.coordinator import AsyncClusterCoordinator as _AsyncCoordinator
+from tf_asyncps.core import embedding_cache as embedding_cache_lib
 from tf_asyncps.core.engine import PolicyEngine
 from tf_asyncps.core.staleness import PS_DEVICE, StalenessStats, StalenessTracker
 from tf_asyncps.core.step import check_optimizer_scope, install_optimizer_hooks
@@ -104,11 +105,14 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
     ``engine``; the seam tables and layers talk to (core/table_seam.py)."""
 
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner, engine, *,
-                 deduplicate_lookups: bool = True, wire_dtype=None):
+                 deduplicate_lookups: bool = True, wire_dtype=None, embedding_cache=None):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
         self.engine = engine
         self.deduplicate_lookups = deduplicate_lookups
         self.wire_dtype = wire_dtype  # None or tf.bfloat16 (see the strategy's Args)
+        # core/embedding_cache.Caches, or None (the strategy's embedding_cache)
+        self.caches = None if embedding_cache is None else embedding_cache_lib.Caches(
+            embedding_cache, container_strategy, engine.register_table, wire_dtype)
 
     @property
     def policy(self):
@@ -186,7 +190,7 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
         # variable on one ps task, and its gradient arrives on its own.
         for part in variables_compat.shards(var) or [var]:
             if isinstance(part, tf.Variable):
-                self._track_for_the_engine(part, trainable)
+                self._track_for_the_engine(part, trainable, var.shape)
         return var
 
     def _attach_compiling_keras3_model(self) -> None:
@@ -244,7 +248,7 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
         local = kwargs.get("experimental_enable_variable_lifting", True) is False
         return not (per_worker or local or placement.creating_beside())
 
-    def _track_for_the_engine(self, part, trainable: bool) -> None:
+    def _track_for_the_engine(self, part, trainable: bool, shape=None) -> None:
         """``part`` (a variable or one shard) given to the engine (its mode:
         per step or local copies), and a trainable one's reads set up:
         distinct ids only and rows in wire_dtype for row reads, wire_dtype
@@ -252,6 +256,11 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
         nothing crosses, so no wire dtype (it would only round the values)."""
         self.engine.track_variable(part, trainable=trainable)
         wire = None if self.engine.trains_locally(part) else self.wire_dtype
+        if trainable and self.caches is not None and not self.engine.trains_locally(part) \
+                and self.caches.add(part, (shape if shape is not None else part.shape)[0] or 0):
+            # Row reads through the worker's cache (distinct ids, wire dtype).
+            wire_reads.cast_dense_reads(part, wire)
+            return
         if trainable and (self.deduplicate_lookups or wire is not None):
             lookup.read_distinct_rows(part, distinct=self.deduplicate_lookups, wire_dtype=wire)
         if trainable:
@@ -288,6 +297,18 @@ def _attach_hooks() -> None:
     if optimizers_compat.optimizer_class() is not None:
         from tf_asyncps.keras3 import trainer as keras3_trainer
         keras3_trainer.refuse_unattached(AsyncParameterServerStrategy)
+
+
+def _check_embedding_cache(cache, policy, deduplicate_lookups) -> None:
+    """Refuses an ``embedding_cache`` that is no EmbeddingCache or cannot
+    apply (the policy, or every id's row read)."""
+    if not isinstance(cache, embedding_cache_lib.EmbeddingCache):
+        raise TypeError(f"embedding_cache must be a tf_asyncps.EmbeddingCache(rows, "
+                        f"pull_bound, push_bound, policy) or None, got {cache!r}.")
+    embedding_cache_lib.check_policy(policy)
+    if deduplicate_lookups is not True:
+        raise ValueError("embedding_cache reads each distinct id once; it cannot apply with "
+                         "deduplicate_lookups=False. Drop one of them.")
 
 
 def _describe_source(resolver) -> str:
@@ -385,6 +406,16 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         wire"). No effect on variables on local copies
         (``local_sgd``, a route's part on local steps: whole variables move,
         core/local_copies.py) nor on non-float32 values.
+      embedding_cache: None, or a ``tf_asyncps.EmbeddingCache(rows,
+        pull_bound, push_bound, policy)``: every table created in the scope
+        (a trainable variable of shape ``[rows, dim]`` read by rows; each
+        shard of a sharded one) gets a bounded-staleness cache of at most
+        ``rows`` rows on each worker (HET, Miao et al., VLDB 2022;
+        core/embedding_cache.py, docs/guides/embedding_cache.md). Refused
+        under ``sync_replicas`` and ``local_sgd`` and with
+        ``deduplicate_lookups=False``; tf_keras optimizers. Counters:
+        :meth:`cache_stats`; the cached reads' staleness:
+        ``staleness_stats().cached_reads``.
       _connect_timeout_name: internal: how the caller set
         ``connect_timeout_s``, for the TimeoutError (the CLI: its flag).
 
@@ -398,6 +429,7 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                  variable_partitioner=None, *, max_tracked_staleness: int = 32,
                  connect_timeout_s: float = 30.0, skip_nonfinite: bool = True,
                  deduplicate_lookups: bool = True, wire_dtype: Optional[str] = None,
+                 embedding_cache: Optional["embedding_cache_lib.EmbeddingCache"] = None,
                  _connect_timeout_name: str = ""):
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise TypeError(
@@ -409,6 +441,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         policy = policies_lib.get(update_policy)
         wire = _wire_dtype(wire_dtype)
         check_number(connect_timeout_s, "connect_timeout_s", above=0, hint="seconds")
+        if embedding_cache is not None:
+            _check_embedding_cache(embedding_cache, policy, deduplicate_lookups)
         if not isinstance(deduplicate_lookups, bool):
             raise TypeError(f"deduplicate_lookups must be True or False, got "
                             f"{deduplicate_lookups!r}.")
@@ -443,7 +477,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         # its own and takes none, so this one takes its place.
         strategy_compat.replace_extended(self, _AsyncExtended(
             self, cluster_resolver, variable_partitioner, engine,
-            deduplicate_lookups=deduplicate_lookups, wire_dtype=wire))
+            deduplicate_lookups=deduplicate_lookups, wire_dtype=wire,
+            embedding_cache=embedding_cache))
         if policy.local_copies and self.num_replicas_in_sync > 1:
             raise ValueError(devices.local_copies_replicas_message(
                 policy.name, self.num_replicas_in_sync))
@@ -485,7 +520,8 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         acct = self._coordinator.accounting
         return dataclasses.replace(stats, retried_closures=acct.retried_closures,
                                    worker_failures=sum(acct.worker_failures),
-                                   parts=self._part_updates())
+                                   parts=self._part_updates(),
+                                   cached_reads=self._cached_reads())
 
     def _part_updates(self) -> dict:
         """``route``'s updates per part (``Route.part_updates``), else {}."""
@@ -494,6 +530,20 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             return {}
         with self.extended.engine.policy_scope():  # this strategy's counts
             return policy.part_updates()
+
+    def cache_stats(self) -> dict:
+        """The embedding cache's counters per table (``embedding_cache``):
+        ``{table name: {"lookups", "distinct", "hits", "rows_pulled",
+        "rows_pushed", "updates_pushed", "evictions", "rows_flushed": int,
+        "staleness": [int] * (pull_bound + 1)}}``, summed over the workers
+        (read on the ps; tables read by rows so far). {} without a cache."""
+        caches = self.extended.caches
+        return {} if caches is None else caches.stats()
+
+    def _cached_reads(self) -> dict:
+        """Per cached table, its reads served from a worker's cache by the
+        updates of the row they missed (0..pull_bound), else {}."""
+        return {name: s["staleness"] for name, s in self.cache_stats().items()}
 
     def closures_done_per_worker(self) -> List[int]:
         """Closures each worker completed (chief-side count, list of ints by

@@ -14,7 +14,9 @@ ParameterServerStrategy's variables (TF 2.18.1, 2.19.1, 2.20.0 and 2.21.0,
 shards, the variable under a ``CachingVariable``, a variable's sparse read
 replaced on one instance, and the per-worker variables and resource-variable
 ops by handle of ``local_sgd``'s local copies
-(``tf_asyncps/core/local_copies.py``).
+(``tf_asyncps/core/local_copies.py``) and of the embedding cache's
+per-worker rows (``tf_asyncps/core/embedding_cache.py``: row gathers and
+scatters by handle).
 
 Keras 3's variables (Keras 3.10.0, 3.12.4 and 3.15.1,
 :data:`tf_asyncps.compat.versions.KERAS3_TESTED`): the tf.Variable or
@@ -30,7 +32,8 @@ import contextlib
 __all__ = ["replace_dense_read", "adding_only_if", "reads_redirected",
            "recorded_on_variable", "shards", "unwrap_caching_variable", "replace_sparse_read",
            "per_worker_variable", "per_worker_values", "swap_handle", "read_handle",
-           "assign_handle", "assign_add_handle", "backing_variable", "tf_value",
+           "assign_handle", "assign_add_handle", "gather_handle", "scatter_update_handle",
+           "scatter_add_handle", "backing_variable", "tf_value",
            "sharded_value", "tf_variables", "in_stateless_scope", "make_assign_add_atomic",
            "make_seed_generator_atomic"]
 
@@ -256,6 +259,24 @@ def assign_add_handle(handle, value):
     """Atomically adds ``value`` to a resource variable by handle."""
     from tensorflow.python.ops import gen_resource_variable_ops
     return gen_resource_variable_ops.assign_add_variable_op(handle, value)
+
+
+def gather_handle(handle, indices, dtype):
+    """Rows ``indices`` of a resource variable, by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.resource_gather(handle, indices, dtype=dtype)
+
+
+def scatter_update_handle(handle, indices, updates):
+    """Writes rows ``indices`` of a resource variable, by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.resource_scatter_update(handle, indices, updates)
+
+
+def scatter_add_handle(handle, indices, updates):
+    """Adds ``updates`` to rows ``indices`` of a resource variable, by handle."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+    return gen_resource_variable_ops.resource_scatter_add(handle, indices, updates)
 
 
 def backing_variable(var):

@@ -15,7 +15,7 @@ function that already carries the gradients there.
 """
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -56,6 +56,10 @@ class StalenessStats:
         part's τ is read from them). Per-part τ histograms and per-part drops
         are not tracked (``histogram``/``dropped_histogram`` hold the step's
         global τ). Empty under any other policy.
+      cached_reads: with ``embedding_cache``, ``{table: [n_0, ..., n_B]}``:
+        rows a worker's cache served (every worker, since the start) by the
+        updates of that row it had not pulled, 0..B = ``pull_bound``
+        (core/embedding_cache.py). Empty without a cache.
     """
 
     global_step: int
@@ -70,6 +74,7 @@ class StalenessStats:
     retried_closures: int = 0
     worker_failures: int = 0
     parts: Dict[str, int] = dataclasses.field(default_factory=dict)
+    cached_reads: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def worker_steps(self) -> int:
@@ -91,11 +96,13 @@ class StalenessStats:
                   if int(getattr(self, name))]
         if self.parts:
             parts.append(f"parts={dict(self.parts)}")
+        if self.cached_reads:
+            parts.append(f"cached_reads={dict(self.cached_reads)}")
         return f"StalenessStats({', '.join(parts)})"
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns a JSON-serialisable dict (histograms as lists of ints;
-        ``parts`` only where there are parts)."""
+        ``parts`` and ``cached_reads`` only where there are some)."""
         out = {
             "global_step": int(self.global_step),
             "applied": int(self.applied),
@@ -111,6 +118,9 @@ class StalenessStats:
         }
         if self.parts:
             out["parts"] = {str(k): int(v) for k, v in self.parts.items()}
+        if self.cached_reads:
+            out["cached_reads"] = {str(k): [int(n) for n in v]
+                                   for k, v in self.cached_reads.items()}
         return out
 
 

@@ -8,7 +8,8 @@ finds the seam by ``isinstance``, never by probing attribute names. The
 engine keeps the registered hooks in a :class:`Tables` and calls them where
 the update runs (core/update.py)::
 
-    to the ps:  rows_on_ps(indices): a gather's rows that stay on the ps
+    to the ps:  rows_on_ps(indices): a gather's rows that stay on the ps;
+                before_push(grad, var, optimizer) per gradient, on the worker
     update:     before_update(optimizer, variables), then
                 filter_gradient(grad, var) per gradient, then the optimizer
     after:      after_update(optimizer, variables, global_step)
@@ -48,6 +49,11 @@ class TableHooks:
         traced after each update (applied or dropped) of a step holding one
         of the table's variables; ``global_step`` is the int64 scalar after
         the step. Under the update lock it runs holding the lock.
+      before_push: ``fn(gradient, variable, optimizer) -> gradient``, traced
+        on the worker for each of the table's own variables, once the step's
+        gradient has one row per distinct id and before it crosses to the ps
+        (an embedding cache keeps the rows it defers:
+        core/embedding_cache.py).
       rows_on_ps: ``fn(indices) -> bool``: whether ``indices`` (a 1-D int
         tensor of a traced graph) are rows the table gathered on their ps,
         distinct; their gradient then keeps them there (core/grads.rows_on_ps).
@@ -61,6 +67,7 @@ class TableHooks:
     before_update: Optional[Callable] = None
     filter_gradient: Optional[Callable] = None
     after_update: Optional[Callable] = None
+    before_push: Optional[Callable] = None
     rows_on_ps: Optional[Callable[[tf.Tensor], bool]] = None
     local_guards: Sequence[Tuple[Any, Any]] = ()
 
@@ -112,6 +119,18 @@ class Tables:
         ops = [fn(optimizer, variables, global_step)
                for fn in self._owning(variables, "after_update")]
         return [op for op in ops if op is not None]
+
+    def before_push(self, grad, var, optimizer):
+        """``grad`` through the before-push hooks of the tables owning ``var``."""
+        for h in self._hooks:
+            if h.before_push is not None and grad is not None and h.owns(var):
+                grad = h.before_push(grad, var, optimizer)
+        return grad
+
+    @property
+    def pushes_deferred(self) -> bool:
+        """Whether any table has a before-push hook."""
+        return any(h.before_push is not None for h in self._hooks)
 
     def rows_on_ps(self, indices) -> bool:
         """Whether a table gathered ``indices`` on its ps (see TableHooks)."""

@@ -1,0 +1,163 @@
+"""core/embedding_cache.py: HET's bounded-staleness row cache, in one process
+(the engine's update through the table seam; plain variables stand for the
+per-worker ones)."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from local_engine import local_engine
+from tf_asyncps.core import embedding_cache
+from tf_asyncps.core.embedding_cache import CachedTable, EmbeddingCache
+from tf_asyncps.core.step import WorkerStep
+
+ROWS, DIM = 20, 3
+
+
+def _plain(init, name):
+    return tf.Variable(init, trainable=False, name=name)
+
+
+def _cache(table, cfg, capacity):
+    return CachedTable(table, cfg, capacity, worker_variable=_plain,
+                       scope=contextlib.nullcontext)
+
+
+def _table():
+    return tf.Variable(tf.reshape(tf.range(ROWS * DIM, dtype=tf.float32), [ROWS, DIM]) / 10.,
+                       name="table")
+
+
+def _stepper(engine, table, opt, cache=None, dense=None):
+    """A worker step: read ``ids`` (through ``cache``), loss = sum(sin(rows @ dense))
+    or sum(rows * [1, 2, 3]) without ``dense``, one optimizer update."""
+    read = table.sparse_read
+    w = tf.constant([1.0, 2.0, 3.0])
+
+    @tf.function
+    def step(ids):
+        ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        with ws.active():
+            variables = [table] + ([dense] if dense is not None else [])
+            with tf.GradientTape() as tape:
+                rows = cache.read(read, ids) if cache is not None else tf.gather(table, ids)
+                if dense is None:
+                    loss = tf.reduce_sum(rows * w)
+                else:
+                    loss = tf.reduce_sum(tf.sin(tf.matmul(rows, dense)))
+            grads = tape.gradient(loss, variables)
+            opt.apply_gradients(zip(grads, variables))
+            return rows
+    return step
+
+
+def test_the_config_refuses_each_bad_field_by_name():
+    with pytest.raises(ValueError, match="EmbeddingCache: rows must be an int >= 1"):
+        EmbeddingCache(0)
+    with pytest.raises(ValueError, match="EmbeddingCache: pull_bound"):
+        EmbeddingCache(10, pull_bound=-1)
+    with pytest.raises(ValueError, match="EmbeddingCache: push_bound"):
+        EmbeddingCache(10, push_bound=1.5)
+    with pytest.raises(ValueError, match="EmbeddingCache: policy must be one of"):
+        EmbeddingCache(10, policy="fifo")
+    assert EmbeddingCache(10) == EmbeddingCache(10, 5, 5, "lfu")
+
+
+def test_policies_that_cannot_apply_are_refused_with_the_reason():
+    from tf_asyncps import policies
+    for name in ("sync_replicas", "local_sgd"):
+        with pytest.raises(ValueError, match=f"embedding_cache cannot apply under {name}"):
+            embedding_cache.check_policy(policies.get(name))
+    for name in ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd"):
+        embedding_cache.check_policy(policies.get(name))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda: tf_keras.optimizers.SGD(0.05),
+    lambda: tf_keras.optimizers.Adagrad(0.3),
+], ids=["sgd", "adagrad"])
+def test_bounds_zero_are_the_uncached_step_exactly(make_opt):
+    """pull_bound=0, push_bound=0, one worker: every table and dense value
+    equals the uncached run's, bit for bit, over steps with repeated ids
+    and a cache smaller than the ids read (evictions, uncached rows)."""
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, ROWS, size=(4, 3)) for _ in range(12)]
+    out = []
+    for cached in (False, True):
+        engine = local_engine("async")
+        table = _table()
+        dense = tf.Variable(tf.ones([DIM, 2]) / 4, name="dense")
+        opt = make_opt()
+        cache = None
+        if cached:
+            cache = _cache(table, EmbeddingCache(rows=5, pull_bound=0, push_bound=0), 5)
+            engine.register_table(cache.hooks())
+        step = _stepper(engine, table, opt, cache, dense)
+        reads = [step(tf.constant(b, tf.int64)).numpy() for b in batches]
+        out.append((table.numpy(), dense.numpy(), reads, cache))
+        engine.stop_watchdogs()
+    (t0, d0, r0, _), (t1, d1, r1, cache) = out
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_array_equal(d1, d0)
+    for a, b in zip(r1, r0):
+        np.testing.assert_array_equal(a, b)
+    s = cache.stats()
+    assert s["lookups"] == 12 * 12 and s["updates_pushed"] == s["rows_pushed"]
+    assert s["hits"] == 0 and s["rows_pulled"] == s["distinct"]
+    assert s["evictions"] > 0
+
+
+def test_two_workers_pull_and_push_at_the_closed_form_steps():
+    """pull_bound=1, push_bound=1, 2 slots, SGD, loss sum(rows * [1, 2, 3]):
+    each update of a row is the gradient [1, 2, 3]. Workers A and B share
+    the ps clock; the counters, the clock and the table follow the rule
+    step by step (see the comments)."""
+    lr = 0.1
+    cfg = EmbeddingCache(rows=2, pull_bound=1, push_bound=1)
+    table = _table()
+    init = table.numpy()
+    engines = [local_engine("async"), local_engine("async")]
+    opts = [tf_keras.optimizers.SGD(lr), tf_keras.optimizers.SGD(lr)]
+    a, b = _cache(table, cfg, 2), _cache(table, cfg, 2)
+    a.build()
+    b.build()
+    b.clock = a.clock  # one ps: one clock per row
+    steps = []
+    for engine, cache, opt in zip(engines, (a, b), opts):
+        engine.register_table(cache.hooks())
+        steps.append(_stepper(engine, table, opt, cache))
+    step_a, step_b = steps
+    g = np.array([1.0, 2.0, 3.0], np.float32)
+
+    step_a(tf.constant([1, 2], tf.int64))  # A pulls 1, 2; 1 update each, kept
+    step_b(tf.constant([1], tf.int64))     # B pulls 1; kept
+    np.testing.assert_array_equal(table.numpy(), init)
+    step_a(tf.constant([1, 2], tf.int64))  # A hits 1, 2 (0 behind); 2 > 1: pushes both (2 each)
+    assert a.clock.numpy()[:4].tolist() == [0, 2, 2, 0]
+    np.testing.assert_allclose(table.numpy()[1], init[1] - 2 * lr * g, rtol=1e-6)
+    rows = step_b(tf.constant([1], tf.int64)).numpy()  # 2 behind > 1: pulled, + own update
+    np.testing.assert_allclose(rows[0], init[1] - 2 * lr * g - lr * g, rtol=1e-6)
+    assert a.clock.numpy()[:4].tolist() == [0, 4, 2, 0]  # B pushed its 2
+    step_a(tf.constant([1, 3], tf.int64))  # 1: 4 behind, pulled; 3 takes 2's clean slot
+    step_a(tf.constant([2], tf.int64))     # 2: no clean slot (1, 3 unpushed): pushed at once
+    assert a.clock.numpy()[:4].tolist() == [0, 4, 3, 0]
+    np.testing.assert_allclose(table.numpy()[1], init[1] - 4 * lr * g, rtol=1e-6)
+    np.testing.assert_allclose(table.numpy()[2], init[2] - 3 * lr * g, rtol=1e-6)
+    np.testing.assert_array_equal(table.numpy()[3], init[3])
+    sa, sb = a.stats(), b.stats()
+    assert {k: sa[k] for k in embedding_cache.STATS} == {
+        "lookups": 7, "distinct": 7, "hits": 2, "rows_pulled": 5, "rows_pushed": 3,
+        "updates_pushed": 5, "evictions": 1, "rows_flushed": 0}
+    assert sa["staleness"] == [2, 0]
+    assert {k: sb[k] for k in embedding_cache.STATS} == {
+        "lookups": 2, "distinct": 2, "hits": 0, "rows_pulled": 2, "rows_pushed": 1,
+        "updates_pushed": 2, "evictions": 0, "rows_flushed": 0}
+    # A holds 1 and 3 with one unpushed update each.
+    assert sorted(a.ids.numpy().tolist()) == [1, 3]
+    assert a.count.numpy().tolist() == [1, 1]
+    for e in engines:
+        e.stop_watchdogs()
+

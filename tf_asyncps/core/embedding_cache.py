@@ -1,0 +1,543 @@
+"""A bounded-staleness cache of embedding rows on each worker (HET's rule).
+
+Source: X. Miao, H. Zhang, Y. Shi, X. Nie, Z. Yang, Y. Tao, B. Cui, "HET:
+Scaling out Huge Embedding Model Training via Cache-enabled Distributed
+Framework", PVLDB 15(2), 2022 (VLDB 2022). Each worker keeps hot rows with a
+clock per row; the parameter server keeps a clock per row counting the
+updates applied to it.
+
+``AsyncParameterServerStrategy(embedding_cache=EmbeddingCache(rows, pull_bound,
+push_bound, policy))`` gives every fixed table created in its scope (an
+``Embedding``'s, sharded or not; each shard its share of ``rows``) a
+:class:`CachedTable`::
+
+    worker (per-worker variables)          ps (beside the shard)
+      slot_of[id] -> slot or -1              clock[id]: updates applied (int64)
+      per slot: id, row, seen clock,          stats, staleness histogram
+      unpushed count, summed gradient,
+      local delta, LFU count / LRU tick
+
+Read (a row read traced in a worker step)::
+
+    unique ids (worker) -> (id, seen clock or -1)                 -> ps
+    ps: need = not cached or clock[id] - seen > pull_bound; the rows of
+        the needed ids only                                        -> worker
+    worker: a pulled row of a cached id gets the worker's own unpushed
+        local delta added back; a pulled id not cached takes a slot
+        (free, else the least frequently / least recently used slot
+        whose updates are all pushed); served rows are the cache's.
+
+Write (the table's gradient in the step's update, on the worker, before
+it crosses; the table seam's ``before_push``)::
+
+    cached row: count += 1, summed gradient += g, row += -lr * g (the
+        local copy, plain SGD at the optimizer's learning rate)
+    push: every row with count > push_bound (its summed gradient, then
+        reset) and every row not cached (this step's g) as one sparse
+        gradient; the ps applies the optimizer to it and adds each row's
+        count to its clock.
+
+What a worker sees: a row at most ``pull_bound`` updates behind the ps
+(each update a pushed gradient counted by the clock; the worker's own pushed
+updates are among them, applied locally as SGD steps), plus its own unpushed
+updates. What the ps applies: the optimizer (SGD, Adagrad, Adam: its slots
+live on the ps, beside the table) on summed gradients, at most
+``push_bound + 1`` steps of one worker per push. With ``pull_bound=0`` and
+``push_bound=0`` every step pushes its gradient and every row a step's own
+push touched is pulled again: the uncached step, exactly. A row leaves the
+cache only once its updates are pushed, so no update waits on an eviction.
+"""
+
+import dataclasses
+import weakref
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tf_asyncps.compat import graph as graph_compat
+from tf_asyncps.compat import variables as variables_compat
+from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import placement, table_seam
+from tf_asyncps.validate import check_int
+
+__all__ = ["EmbeddingCache", "CachedTable", "POLICIES", "STATS", "check_policy"]
+
+#: Eviction policies: least frequently used, least recently used.
+POLICIES = ("lfu", "lru")
+
+#: ``cache_stats()`` counters, in the order of the ps's stats vector.
+STATS = ("lookups", "distinct", "hits", "rows_pulled", "rows_pushed", "updates_pushed",
+         "evictions", "rows_flushed")
+
+_BIG = 2.0 ** 62  # a slot that cannot take a new id sorts last
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingCache:
+    """A worker-side cache of embedding rows with bounded staleness (HET,
+    Miao et al., VLDB 2022): ``AsyncParameterServerStrategy(embedding_cache=...)``.
+
+    Attributes:
+      rows: at most this many rows cached per table on each worker (int >= 1;
+        a sharded table's shards share it by their rows).
+      pull_bound: a cached row is served while at most this many updates
+        (pushed gradients, counted per row on the ps) landed on it since the
+        worker pulled it; else it is pulled again (int >= 0).
+      push_bound: a cached row's gradients are summed on the worker and pushed
+        once more than this many accumulated (int >= 0).
+      policy: which clean slot a new row takes when the cache is full: "lfu"
+        (fewest reads) or "lru" (least recently read).
+
+    Raises:
+      ValueError: a field out of range, naming it.
+    """
+
+    rows: int
+    pull_bound: int = 5
+    push_bound: int = 5
+    policy: str = "lfu"
+
+    def __post_init__(self):
+        check_int(self.rows, "EmbeddingCache: rows", min=1, hint="rows cached per table "
+                  "on each worker")
+        check_int(self.pull_bound, "EmbeddingCache: pull_bound", min=0,
+                  hint="updates of a row a cached read may miss; 0: always fresh")
+        check_int(self.push_bound, "EmbeddingCache: push_bound", min=0,
+                  hint="a row's updates held on the worker before its push; 0: every step")
+        if self.policy not in POLICIES:
+            raise ValueError(f"EmbeddingCache: policy must be one of {POLICIES} (which row "
+                             f"leaves a full cache), got {self.policy!r}.")
+
+
+def check_policy(policy) -> None:
+    """Refuses an update policy the cache cannot apply to.
+
+    Raises:
+      ValueError: ``local_sgd`` (no step pushes to the ps) or an aggregating
+        policy (``sync_replicas``: a round's mean of gradients, where a
+        deferred push would carry several steps of one worker), naming the
+        reason and the fix.
+    """
+    parts = list(getattr(policy, "parts", ()) or ()) + [policy]
+    if any(getattr(p, "aggregates", False) for p in parts):
+        raise ValueError(
+            f"embedding_cache cannot apply under {policy.name}: it averages one gradient per "
+            "worker per round, and a cached table pushes several steps' summed gradients at "
+            "once. Use a per-step policy (async, drop_stale, staleness_aware, ssp, dc_asgd, "
+            "route) or drop embedding_cache.")
+    if not policy.updates_on_ps:
+        raise ValueError(
+            f"embedding_cache cannot apply under {policy.name}: every variable trains on "
+            "per-worker copies and no step reads or pushes rows on the ps. Use a per-step "
+            "policy, or route(sparse=..., dense=LocalSteps(k)) to keep the tables per step.")
+
+
+def _learning_rate(optimizer, dtype):
+    """The optimizer's current learning rate (a schedule called at its step)."""
+    lr = getattr(optimizer, "learning_rate", None)
+    if lr is None:
+        lr = getattr(optimizer, "lr", None)
+    if lr is None:
+        raise ValueError(f"embedding_cache: {type(optimizer).__name__} has no learning_rate "
+                         "for the cached rows' local copy.")
+    if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)) and \
+            not hasattr(lr, "value"):
+        lr = lr(optimizer.iterations)
+    return tf.cast(tf.convert_to_tensor(lr), dtype)
+
+
+class CachedTable:
+    """One table (or shard)'s cache: per-worker state, its ps clock, the
+    read and the write.
+
+    Args:
+      var: the table variable (rank 2, static shape, on its ps).
+      config: the :class:`EmbeddingCache`.
+      capacity: slots of this table on each worker (int >= 1).
+      worker_variable: ``(initial_value_fn, name) -> variable`` on each
+        worker (the strategy's per-worker variables; plain variables in one
+        process).
+      scope: ``() -> context`` to create variables in (the strategy's scope).
+      wire_dtype: None or tf.bfloat16: pulled rows cross in it.
+    """
+
+    def __init__(self, var, config: EmbeddingCache, capacity: int,
+                 worker_variable: Callable, scope: Callable, wire_dtype=None,
+                 name: Optional[str] = None):
+        if var.shape.rank != 2 or not var.shape.is_fully_defined():
+            raise ValueError(f"embedding_cache caches tables of a static [rows, dim] shape; "
+                             f"{var.name} has shape {var.shape}.")
+        self.var = var
+        self.config = config
+        self.capacity = int(capacity)
+        self.num_rows, self.dim = var.shape.as_list()
+        self.name = name or var.name
+        self.wire_dtype = wire_dtype
+        self._worker_variable = worker_variable
+        self._scope = scope
+        self.built = False
+        self._handles = weakref.WeakKeyDictionary()  # outermost graph -> {name: handle}
+        self._counts = weakref.WeakKeyDictionary()  # outermost graph -> pushed counts
+        self.optimizer = None  # the optimizer of the last push traced (the flush's)
+
+    # -- state --------------------------------------------------------------------
+    def build(self) -> None:
+        """Creates the ps clock, counters and the per-worker state (once)."""
+        if self.built:
+            return
+        n, r, d, dtype = self.num_rows, self.capacity, self.dim, self.var.dtype
+        with tf.init_scope(), self._scope():
+            with placement.beside(self.var):
+                self.clock = tf.Variable(tf.zeros([n], tf.int64), trainable=False,
+                                         name="cache_clock")
+                self.counters = tf.Variable(tf.zeros([len(STATS)], tf.int64),
+                                            trainable=False, name="cache_stats")
+                self.histogram = tf.Variable(
+                    tf.zeros([self.config.pull_bound + 1], tf.int64), trainable=False,
+                    name="cache_staleness")
+            wv = self._worker_variable
+            self.slot_of = wv(lambda: tf.fill([n], tf.constant(-1, tf.int32)), "cache_slot_of")
+            self.ids = wv(lambda: tf.fill([r], tf.constant(-1, tf.int64)), "cache_ids")
+            self.rows = wv(lambda: tf.zeros([r, d], dtype), "cache_rows")
+            self.seen = wv(lambda: tf.zeros([r], tf.int64), "cache_seen")
+            self.count = wv(lambda: tf.zeros([r], tf.int64), "cache_count")
+            self.gsum = wv(lambda: tf.zeros([r, d], dtype), "cache_gsum")
+            self.delta = wv(lambda: tf.zeros([r, d], dtype), "cache_delta")
+            self.score = wv(lambda: tf.zeros([r], tf.int64), "cache_score")
+            self.tick = wv(lambda: tf.zeros([], tf.int64), "cache_tick")
+        self.built = True
+
+    _WORKER_STATE = ("slot_of", "ids", "rows", "seen", "count", "gsum", "delta", "score",
+                     "tick")
+
+    def worker_state(self):
+        """``{name: variable}`` of the per-worker state (built)."""
+        return {k: getattr(self, k) for k in self._WORKER_STATE}
+
+    def _h(self):
+        """The per-worker variables' handles, taken once per scheduled
+        function in its outermost graph (a call-time capture is fed there
+        only; nested graphs capture the tensor)."""
+        top = graph_compat.outermost_graph()
+        hs = self._handles.get(top)
+        if hs is None:
+            with top.as_default():
+                hs = {k: v.handle for k, v in self.worker_state().items()}
+            self._handles[top] = hs
+        return hs
+
+    # -- the seam -----------------------------------------------------------------
+    def owns(self, var) -> bool:
+        return var is self.var
+
+    def hooks(self) -> table_seam.TableHooks:
+        """What this cache asks of the engine: its write before the push
+        (``before_push``) and the clock's advance on the ps
+        (``filter_gradient``)."""
+        return table_seam.TableHooks(name=f"cache:{self.name}", owns=self.owns,
+                                     before_push=self.push, filter_gradient=self.count_updates)
+
+    # -- read ---------------------------------------------------------------------
+    def read(self, sparse_read, indices, name=None):
+        """``sparse_read(indices)`` served by the cache (traced reads; an
+        eager read is the table's own). Shape ``indices.shape + [dim]``."""
+        indices = tf.convert_to_tensor(indices)
+        if not graph_compat.inside_function():
+            return sparse_read(indices, name=name)
+        self.build()
+        op = indices.op
+        held = {}
+
+        def forward():
+            out, unique, position = self._read(sparse_read, indices, name, op)
+            held.update(unique=unique, position=position)
+            return out
+
+        def backward(dy):
+            with graph_compat.colocate_only_with(op):
+                rows = tf.reshape(dy, [-1, self.dim])
+                unique = held["unique"]
+                summed = tf.math.unsorted_segment_sum(rows, held["position"],
+                                                      tf.size(unique))
+                return tf.IndexedSlices(tf.cast(summed, self.var.dtype), unique,
+                                        tf.constant([self.num_rows, self.dim], tf.int64))
+
+        return variables_compat.recorded_on_variable(self.var, forward, backward)
+
+    def _read(self, sparse_read, indices, name, op):
+        cfg, h, dtype = self.config, self._h(), self.var.dtype
+        r, d = self.capacity, self.dim
+        with graph_compat.colocate_only_with(op):  # the worker
+            flat = tf.reshape(indices, [-1])
+            unique, position = tf.unique(flat)
+            ids = tf.cast(unique, tf.int64)
+            n = tf.size(unique)
+            slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
+            cached = slot >= 0
+            safe = tf.maximum(slot, 0)
+            seen = tf.where(cached, variables_compat.gather_handle(h["seen"], safe, tf.int64),
+                            tf.constant(-1, tf.int64))
+            wire_ids = grads_lib.narrow_indices(ids, self.num_rows)
+        with tf.device(self.clock.device):  # the ps: which rows cross
+            server = tf.gather(self.clock, wire_ids)
+            behind = server - seen
+            need = tf.logical_or(seen < 0, behind > cfg.pull_bound)
+            need_at = tf.reshape(tf.where(need), [-1])
+            fresh_clock = tf.gather(server, need_at)
+            need_ids = tf.gather(wire_ids, need_at)
+            served = tf.boolean_mask(behind, tf.logical_not(need))
+            counted = self.histogram.assign_add(tf.math.bincount(
+                tf.cast(served, tf.int32), minlength=cfg.pull_bound + 1,
+                maxlength=cfg.pull_bound + 1, dtype=tf.int64))
+        fresh = sparse_read(need_ids, name=name)
+        fresh = grads_lib.read_over_wire(fresh, self.wire_dtype, back_with=op)
+        with graph_compat.colocate_only_with(op):
+            need, need_at = tf.identity(need), tf.identity(need_at)
+            fresh, fresh_clock = tf.identity(fresh), tf.identity(fresh_clock)
+            shape = tf.stack([tf.cast(n, tf.int64), d])
+            at = need_at[:, None]
+            fresh_full = tf.scatter_nd(at, tf.cast(fresh, dtype), shape)
+            clock_full = tf.scatter_nd(at, fresh_clock, shape[:1])
+            kept = variables_compat.gather_handle(h["rows"], safe, dtype)
+            own = tf.where(cached[:, None], variables_compat.gather_handle(h["delta"], safe, dtype),
+                           tf.zeros_like(kept))
+            # A pulled row of a cached id keeps the worker's unpushed updates.
+            values = tf.where(need[:, None], fresh_full + own, kept)
+            writes, evictions = self._place(h, ids, slot, cached, need, values, clock_full, r)
+            n64, pulled = tf.cast(n, tf.int64), tf.size(need_at, out_type=tf.int64)
+            zero = tf.constant(0, tf.int64)
+            writes.append(self._count(tf.stack([
+                tf.size(flat, out_type=tf.int64), n64, n64 - pulled, pulled, zero, zero,
+                evictions, zero])))
+            with tf.control_dependencies(writes + [counted]):
+                out = tf.gather(values, position)
+            out = tf.reshape(out, tf.concat([tf.shape(indices), [d]], 0))
+            out.set_shape(indices.shape.concatenate([d]))
+        return out, wire_ids, position
+
+    def _place(self, h, ids, slot, cached, need, values, clock_full, r):
+        """Writes a read's pulled rows into the cache; returns the write ops
+        and the number of rows evicted."""
+        cfg = self.config
+        refresh_at = tf.reshape(tf.where(tf.logical_and(need, cached)), [-1])
+        refresh_slot = tf.gather(slot, refresh_at)
+        writes = [variables_compat.scatter_update_handle(h["rows"], refresh_slot, tf.gather(values, refresh_at)),
+                  variables_compat.scatter_update_handle(h["seen"], refresh_slot,
+                                           tf.gather(clock_full, refresh_at))]
+        # New ids take clean slots: free ones first, then by LFU/LRU score.
+        new_at = tf.reshape(tf.where(tf.logical_and(need, tf.logical_not(cached))), [-1])
+        hit_slot = tf.boolean_mask(slot, cached)
+        in_use = tf.scatter_nd(hit_slot[:, None], tf.ones_like(hit_slot), [r]) > 0
+        slot_ids = variables_compat.read_handle(h["ids"], tf.int64)
+        dirty = variables_compat.read_handle(h["count"], tf.int64) > 0
+        score = variables_compat.read_handle(h["score"], tf.int64)
+        blocked = tf.logical_or(in_use, dirty)
+        key = tf.where(blocked, tf.constant(_BIG, tf.float64),
+                       tf.where(slot_ids < 0, tf.constant(-1.0, tf.float64),
+                                tf.cast(score, tf.float64)))
+        free = r - tf.reduce_sum(tf.cast(blocked, tf.int32))
+        k = tf.minimum(tf.size(new_at), free)
+        _, victims = tf.math.top_k(-key, k=k, sorted=True)
+        take_at = new_at[:k]
+        take_ids = tf.gather(ids, take_at)
+        old = tf.gather(slot_ids, victims)
+        evicted = old >= 0
+        with tf.control_dependencies([slot_ids, dirty, score]):
+            gone = variables_compat.scatter_update_handle(h["slot_of"], tf.boolean_mask(old, evicted),
+                                            tf.fill([tf.reduce_sum(tf.cast(evicted, tf.int32))],
+                                                    tf.constant(-1, tf.int32)))
+            with tf.control_dependencies([gone]):
+                writes.append(variables_compat.scatter_update_handle(h["slot_of"], take_ids, victims))
+            zeros_rd = tf.zeros([k, self.dim], self.var.dtype)
+            zeros_r = tf.zeros([k], tf.int64)
+            writes += [
+                variables_compat.scatter_update_handle(h["ids"], victims, take_ids),
+                variables_compat.scatter_update_handle(h["rows"], victims, tf.gather(values, take_at)),
+                variables_compat.scatter_update_handle(h["seen"], victims, tf.gather(clock_full, take_at)),
+                variables_compat.scatter_update_handle(h["count"], victims, zeros_r),
+                variables_compat.scatter_update_handle(h["gsum"], victims, zeros_rd),
+                variables_compat.scatter_update_handle(h["delta"], victims, zeros_rd)]
+            reset = variables_compat.scatter_update_handle(h["score"], victims, zeros_r)
+        used = tf.concat([hit_slot, victims], 0)
+        with tf.control_dependencies([reset]):
+            if cfg.policy == "lfu":
+                writes.append(variables_compat.scatter_add_handle(h["score"], used, tf.ones_like(used,
+                                                                                   tf.int64)))
+            else:
+                tick = variables_compat.read_handle(h["tick"], tf.int64) + 1
+                with tf.control_dependencies([variables_compat.assign_handle(h["tick"], tick)]):
+                    writes.append(variables_compat.scatter_update_handle(
+                        h["score"], used, tf.fill(tf.shape(used), tick)))
+        return writes, tf.reduce_sum(tf.cast(evicted, tf.int64))
+
+    def _count(self, values):
+        with tf.device(self.counters.device):
+            return self.counters.assign_add(values)
+
+    # -- write --------------------------------------------------------------------
+    def push(self, grad, var, optimizer):
+        """The step's gradient of this table, on the worker, as the push: the
+        cached rows' gradients accumulated (and applied to the local copy),
+        the rows due and the uncached rows' gradients returned as one
+        IndexedSlices (a ``TableHooks.before_push``)."""
+        if not isinstance(grad, tf.IndexedSlices) or not self.built:
+            return grad
+        self.optimizer = optimizer
+        cfg, h, dtype = self.config, self._h(), self.var.dtype
+        ids = tf.cast(grad.indices, tf.int64)
+        g = tf.reshape(tf.cast(grad.values, dtype), [-1, self.dim])
+        slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
+        cached = slot >= 0
+        c_at = tf.reshape(tf.where(cached), [-1])
+        cs = tf.gather(slot, c_at)
+        cg = tf.gather(g, c_at)
+        step = -_learning_rate(optimizer, dtype) * cg
+        added = [variables_compat.scatter_add_handle(h["count"], cs, tf.ones_like(cs, tf.int64)),
+                 variables_compat.scatter_add_handle(h["gsum"], cs, cg),
+                 variables_compat.scatter_add_handle(h["delta"], cs, step),
+                 variables_compat.scatter_add_handle(h["rows"], cs, step)]
+        # The push keeps the gradient's row order (an optimizer's kernels
+        # may round a row differently at another position).
+        safe = tf.maximum(slot, 0)
+        with tf.control_dependencies(added):
+            counts = tf.where(cached, variables_compat.gather_handle(h["count"], safe, tf.int64),
+                              tf.ones_like(ids))
+            sums = tf.where(cached[:, None], variables_compat.gather_handle(h["gsum"], safe, dtype), g)
+        pushed = tf.logical_or(tf.logical_not(cached), counts > cfg.push_bound)
+        p_at = tf.reshape(tf.where(pushed), [-1])
+        push_ids, push_n = tf.gather(ids, p_at), tf.gather(counts, p_at)
+        due_slot = tf.boolean_mask(slot, tf.logical_and(cached, pushed))
+        with tf.control_dependencies([counts, sums]):
+            zeros = tf.zeros([tf.size(due_slot), self.dim], dtype)
+            cleared = [variables_compat.scatter_update_handle(h["count"], due_slot,
+                                                tf.zeros_like(due_slot, tf.int64)),
+                       variables_compat.scatter_update_handle(h["gsum"], due_slot, zeros),
+                       variables_compat.scatter_update_handle(h["delta"], due_slot, zeros)]
+        with tf.control_dependencies(cleared):
+            push_g = tf.gather(sums, p_at)
+        zero = tf.constant(0, tf.int64)
+        counted = self._count(tf.stack([zero, zero, zero, zero,
+                                        tf.size(push_ids, out_type=tf.int64),
+                                        tf.reduce_sum(push_n), zero, zero]))
+        with tf.control_dependencies([counted]):
+            push_g = tf.identity(push_g)
+        self._counts[graph_compat.outermost_graph()] = push_n
+        return tf.IndexedSlices(tf.cast(push_g, grad.values.dtype),
+                                tf.cast(push_ids, grad.indices.dtype), grad.dense_shape)
+
+    def count_updates(self, grad, var):
+        """On the ps, right before the optimizer applies a push: each pushed
+        row's clock advances by the updates it carries (a
+        ``TableHooks.filter_gradient``)."""
+        counts = self._counts.get(graph_compat.outermost_graph())
+        if counts is None or not isinstance(grad, tf.IndexedSlices):
+            return grad
+        with tf.device(self.clock.device):
+            ticked = self.clock.scatter_add(tf.IndexedSlices(
+                counts, tf.cast(grad.indices, tf.int64), tf.shape(self.clock, tf.int64)))
+        with tf.control_dependencies([ticked]):
+            values = tf.identity(grad.values)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+
+    # -- reports ------------------------------------------------------------------
+    def stats(self) -> dict:
+        """``{counter: int}`` (see :data:`STATS`) and ``"staleness"``: the
+        histogram of cached reads by the updates they missed (list of
+        ints, index = updates, 0..pull_bound). Eager reads on the ps."""
+        if not self.built:
+            return dict({k: 0 for k in STATS}, staleness=[0] * (self.config.pull_bound + 1))
+        values = self.counters.numpy().tolist()
+        return dict(zip(STATS, values), staleness=self.histogram.numpy().tolist())
+
+
+class Caches:
+    """The strategy's cached tables: one :class:`CachedTable` per table
+    variable (or shard) created in its scope, the flush, the reports.
+
+    Args:
+      config: the :class:`EmbeddingCache`.
+      strategy: the ``AsyncParameterServerStrategy``.
+      register: ``hooks -> None`` (the engine's ``register_table``).
+      wire_dtype: None or tf.bfloat16 (pulled rows cross in it).
+    """
+
+    def __init__(self, config: EmbeddingCache, strategy, register, wire_dtype=None):
+        self.config = config
+        self.tables = []
+        self._strategy = strategy
+        self._register = register
+        self._wire_dtype = wire_dtype
+
+    def add(self, part, table_rows: int) -> bool:
+        """Caches ``part`` (a trainable rank-2 variable of static shape, a
+        table or one of its shards; ``table_rows``: the whole table's rows):
+        its row reads in functions go through the cache. Its state is built
+        at its first traced row read (a Dense kernel, never read by rows,
+        gets none). Returns False for any other variable."""
+        shape = part.shape
+        if shape.rank != 2 or not shape.is_fully_defined():
+            return False
+        capacity = max(1, -(-self.config.rows * shape[0] // max(1, table_rows)))
+        strategy = self._strategy
+        table = CachedTable(
+            part, self.config, min(capacity, shape[0]),
+            worker_variable=lambda init, name: variables_compat.per_worker_variable(
+                strategy, init, name),
+            scope=strategy.scope, wire_dtype=self._wire_dtype)
+        self.tables.append(table)
+        self._register(table.hooks())
+        return variables_compat.replace_sparse_read(part, table.read)
+
+    def stats(self) -> dict:
+        """``{table name: CachedTable.stats()}`` of the tables read so far."""
+        return {t.name: t.stats() for t in self.tables if t.built}
+
+    def flush(self) -> int:
+        """Pushes every worker's unpushed updates (on the chief, once the
+        schedule drained: ``join``): per worker one optimizer update of its
+        rows' summed gradients, each row's clock advanced by its updates.
+        Returns the rows pushed."""
+        total = 0
+        tables = [t for t in self.tables if t.built and t.optimizer is not None]
+        per_worker = {}
+        for t in tables:
+            states = {k: variables_compat.per_worker_values(v)
+                      for k, v in t.worker_state().items()}
+            if any(v is None for v in states.values()):
+                continue
+            for w in range(len(states["count"])):
+                count = states["count"][w]
+                with tf.device(count.device):
+                    slots = tf.reshape(tf.where(count.read_value() > 0), [-1])
+                if int(tf.size(slots)) == 0:
+                    continue
+                with tf.device(count.device):
+                    ids = tf.gather(states["ids"][w].read_value(), slots)
+                    n = tf.gather(count.read_value(), slots)
+                    g = tf.gather(states["gsum"][w].read_value(), slots)
+                per_worker.setdefault(w, []).append((t, ids, n, g, states, slots))
+        for w, items in sorted(per_worker.items()):
+            by_opt = {}
+            for item in items:
+                by_opt.setdefault(id(item[0].optimizer), []).append(item)
+            for group in by_opt.values():
+                pairs = [(tf.IndexedSlices(g, ids, tf.constant([t.num_rows, t.dim], tf.int64)),
+                          t.var) for t, ids, n, g, _, _ in group]
+                optimizer = group[0][0].optimizer
+                with self._strategy.scope(), tf.distribute.ReplicaContext(
+                        self._strategy, replica_id_in_sync_group=0):
+                    optimizer.apply_gradients(pairs)
+                for t, ids, n, g, states, slots in group:
+                    with tf.device(t.clock.device):
+                        t.clock.scatter_add(tf.IndexedSlices(n, ids,
+                                                             tf.shape(t.clock, tf.int64)))
+                    t.counters.assign_add(tf.constant(
+                        [0, 0, 0, 0, 0, int(tf.reduce_sum(n)), 0, int(tf.size(ids))], tf.int64))
+                    for k in ("count", "gsum", "delta"):
+                        v = states[k][w]
+                        with tf.device(v.device):
+                            v.scatter_update(tf.IndexedSlices(
+                                tf.zeros(tf.concat([tf.shape(slots), v.shape[1:]], 0),
+                                         v.dtype), slots))
+                    total += int(tf.size(ids))
+        return total
