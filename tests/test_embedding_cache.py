@@ -78,11 +78,13 @@ def test_policies_that_cannot_apply_are_refused_with_the_reason():
 @pytest.mark.parametrize("make_opt", [
     lambda: tf_keras.optimizers.SGD(0.05),
     lambda: tf_keras.optimizers.Adagrad(0.3),
-], ids=["sgd", "adagrad"])
+    lambda: tf_keras.optimizers.Adam(0.05),
+], ids=["sgd", "adagrad", "adam"])
 def test_bounds_zero_are_the_uncached_step_exactly(make_opt):
     """pull_bound=0, push_bound=0, one worker: every table and dense value
     equals the uncached run's, bit for bit, over steps with repeated ids
-    and a cache smaller than the ids read (evictions, uncached rows)."""
+    and a cache smaller than the ids read (evictions, uncached rows). Adam
+    moves every row each step: every cached row is stale at once."""
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, ROWS, size=(4, 3)) for _ in range(12)]
     out = []

@@ -40,7 +40,10 @@ it crosses; the table seam's ``before_push``)::
 What a worker sees: a row at most ``pull_bound`` updates behind the ps
 (each update a pushed gradient counted by the clock; the worker's own pushed
 updates are among them, applied locally as SGD steps), plus its own unpushed
-updates. What the ps applies: the optimizer (SGD, Adagrad, Adam: its slots
+updates. An optimizer whose step moves rows outside its gradient (Adam's
+moments, a momentum: every optimizer but SGD without momentum and Adagrad)
+advances every row's clock by one per applied step, so a cached row is then
+at most ``pull_bound`` steps of the whole table behind. What the ps applies: the optimizer (SGD, Adagrad, Adam: its slots
 live on the ps, beside the table) on summed gradients, at most
 ``push_bound + 1`` steps of one worker per push. With ``pull_bound=0`` and
 ``push_bound=0`` every step pushes its gradient and every row a step's own
@@ -144,6 +147,29 @@ def _learning_rate(optimizer, dtype):
             not hasattr(lr, "value"):
         lr = lr(optimizer.iterations)
     return tf.cast(tf.convert_to_tensor(lr), dtype)
+
+
+#: Optimizers whose sparse update writes only the gradient's rows (tf_keras
+#: 2.21): SGD without momentum and Adagrad, new and legacy. Any other (Adam's
+#: moments, a momentum, RMSprop's decay) moves every row with a non-zero
+#: slot at each step.
+_ROW_WISE = ("SGD", "Adagrad")
+
+
+def writes_every_row(optimizer) -> bool:
+    """Whether an update of ``optimizer`` may change rows its gradient does
+    not hold (then each applied step advances every row's clock)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    name = type(inner).__name__
+    if name not in _ROW_WISE:
+        return True
+    momentum = getattr(inner, "momentum", 0.0)
+    if name == "SGD" and not isinstance(momentum, (int, float)):
+        try:
+            momentum = float(tf.get_static_value(tf.convert_to_tensor(momentum)))
+        except (TypeError, ValueError):
+            return True
+    return bool(momentum)
 
 
 class CachedTable:
@@ -433,11 +459,22 @@ class CachedTable:
         if counts is None or not isinstance(grad, tf.IndexedSlices):
             return grad
         with tf.device(self.clock.device):
-            ticked = self.clock.scatter_add(tf.IndexedSlices(
-                counts, tf.cast(grad.indices, tf.int64), tf.shape(self.clock, tf.int64)))
+            ticked = self._tick(counts, grad.indices)
         with tf.control_dependencies([ticked]):
             values = tf.identity(grad.values)
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+
+    def _tick(self, counts, indices):
+        """Advances the clock of the rows ``indices`` by ``counts`` (the
+        updates each carries); with an optimizer that writes every row,
+        every row's clock by one and the pushed rows' by the rest."""
+        indices = tf.cast(indices, tf.int64)
+        shape = tf.shape(self.clock, tf.int64)
+        if not writes_every_row(self.optimizer):
+            return self.clock.scatter_add(tf.IndexedSlices(counts, indices, shape))
+        every = self.clock.assign_add(tf.ones_like(self.clock), read_value=False)
+        with tf.control_dependencies([every]):
+            return self.clock.scatter_add(tf.IndexedSlices(counts - 1, indices, shape))
 
     # -- reports ------------------------------------------------------------------
     def stats(self) -> dict:
@@ -529,8 +566,7 @@ class Caches:
                     optimizer.apply_gradients(pairs)
                 for t, ids, n, g, states, slots in group:
                     with tf.device(t.clock.device):
-                        t.clock.scatter_add(tf.IndexedSlices(n, ids,
-                                                             tf.shape(t.clock, tf.int64)))
+                        t._tick(n, ids)
                     t.counters.assign_add(tf.constant(
                         [0, 0, 0, 0, 0, int(tf.reduce_sum(n)), 0, int(tf.size(ids))], tf.int64))
                     for k in ("count", "gsum", "delta"):
