@@ -159,3 +159,16 @@ def test_bad_arguments_are_refused_naming_the_field(tmp_path):
     dense = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="no embedding table"):
         export.DeltaPublisher(str(tmp_path), 2).start(dense)
+
+
+def test_a_dynamic_embedding_is_refused_by_the_stream_and_the_backup_deltas(tmp_path):
+    """Its rows move between ids (ids, counts, evicted ids are not in the
+    format yet): no delta that would restore rows under the wrong ids."""
+    from tf_asyncps.layers import DynamicEmbedding
+    i = tf_keras.Input([2], dtype=tf.int64)
+    layer = DynamicEmbedding(DIM, capacity=100, name="emb")
+    model = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
+    with pytest.raises(ValueError, match="emb is a DynamicEmbedding"):
+        export.DeltaPublisher(str(tmp_path), 2).start(model)
+    with pytest.raises(ValueError, match="emb is a DynamicEmbedding.*full_every=1"):
+        delta_chain.ModelDeltas(model)

@@ -76,6 +76,10 @@ class _ServingVariables:
     def __init__(self, model):
         tables = set()
         for layer in models_compat.layers_of(model):
+            if getattr(layer, "dynamic_table", None) is not None:
+                raise ValueError(f"DeltaPublisher: {layer.name} is a DynamicEmbedding, whose "
+                                 "rows move between ids: its deltas are not written yet; "
+                                 "export whole SavedModels instead.")
             emb = getattr(layer, "embeddings", None)
             if emb is not None:
                 tables.add(id(emb))
@@ -155,7 +159,7 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
 
     Raises:
       ValueError: a bad argument (names it); at start, a model with no
-        embedding table.
+        embedding table, or with a DynamicEmbedding (not in the stream yet).
     """
 
     #: Keras 3 fit (keras3/trainer.py) calls after_closures and fit_resume_point.

@@ -480,7 +480,8 @@ class ModelDeltas:
       extra: more variables saved whole.
 
     Raises:
-      ValueError: the model holds no table (a delta would be a full save).
+      ValueError: the model holds no table (a delta would be a full save),
+        or a DynamicEmbedding (not in deltas yet).
     """
 
     def __init__(self, model, optimizer=None, extra: Sequence[tf.Variable] = ()):
@@ -490,6 +491,11 @@ class ModelDeltas:
         self.layout: Dict[str, List[Tuple[tf.Variable, Dict[str, tf.Variable], int]]] = {}
         taken = set()
         for layer in models_compat.layers_of(model):
+            if getattr(layer, "dynamic_table", None) is not None:
+                # Its rows move between ids: a delta needs its ids, counts and
+                # evicted ids, which this format does not hold yet.
+                raise ValueError(f"ModelDeltas: {layer.name} is a DynamicEmbedding, whose "
+                                 "deltas are not written yet; use full saves (full_every=1).")
             emb = getattr(layer, "embeddings", None)
             if emb is None:
                 continue
