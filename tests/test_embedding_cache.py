@@ -75,6 +75,24 @@ def test_policies_that_cannot_apply_are_refused_with_the_reason():
         embedding_cache.check_policy(policies.get(name))
 
 
+def test_a_dynamic_tables_rows_are_read_uncached():
+    """Reads in lookup.every_id() (a dynamic table's rows, whose id changes
+    on eviction) are the table's own rows; the cache is never built."""
+    from tf_asyncps.core import lookup
+    table = _table()
+    cache = _cache(table, EmbeddingCache(4), 4)
+    read = table.sparse_read
+
+    @tf.function
+    def rows(ids):
+        with lookup.every_id():
+            return cache.read(read, ids)
+
+    np.testing.assert_array_equal(rows(tf.constant([3, 1, 3], tf.int64)),
+                                  table.numpy()[[3, 1, 3]])
+    assert not cache.built and cache.stats()["lookups"] == 0
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda: tf_keras.optimizers.SGD(0.05),
     lambda: tf_keras.optimizers.Adagrad(0.3),

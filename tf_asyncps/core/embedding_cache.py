@@ -60,7 +60,8 @@ import tensorflow as tf
 from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import placement, table_seam
+from tf_asyncps.core import lookup as lookup_lib
+from tf_asyncps.core import placement, table_seam, trace_context
 from tf_asyncps.validate import check_int
 
 __all__ = ["EmbeddingCache", "CachedTable", "POLICIES", "STATS", "check_policy"]
@@ -270,6 +271,12 @@ class CachedTable:
         indices = tf.convert_to_tensor(indices)
         if not graph_compat.inside_function():
             return sparse_read(indices, name=name)
+        if trace_context.EVERY_ID.get() or trace_context.PER_ID_GRADIENTS.get():
+            # A dynamic table's rows (an id's row changes on eviction) and
+            # Keras 3's per-id reads: the strategy's uncached read.
+            return lookup_lib.distinct_rows_gather(
+                sparse_read, indices, name, wire_dtype=self.wire_dtype,
+                num_rows=self.num_rows, variable=self.var)
         self.build()
         op = indices.op
         held = {}
