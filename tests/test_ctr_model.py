@@ -67,14 +67,27 @@ def test_dlrm_builds_and_its_interaction_is_the_upper_triangle_of_x_xt(keras, em
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "3"])
-def test_dynamic_dlrm_takes_raw_int64_ids(keras):
+@pytest.mark.parametrize("embedding", ["dynamic", "dynamic_collection"])
+def test_dynamic_dlrm_takes_raw_int64_ids(keras, embedding):
     k = _keras(keras)
-    model = ctr_model.build(ROWS, dim=4, bottom=(8,), top=(8,), embedding="dynamic", keras=k,
+    model = ctr_model.build(ROWS, dim=4, bottom=(8,), top=(8,), embedding=embedding, keras=k,
                             dynamic={"capacity": list(ROWS), "evict_every": 10})
-    assert model.get_layer("embedding_2").capacity == 1000
     x = _inputs(ROWS, raw=True)
     x["sparse"] = x["sparse"] * 1_000_003 + 2 ** 40  # raw ids beyond int32
-    assert np.asarray(model(x)).shape == (8, 1)
+    if embedding == "dynamic":
+        assert model.get_layer("embedding_2").capacity == 1000
+    else:
+        # One table of the features' capacities; 64-bit hashes (negative too)
+        # reach it as their low 56 bits.
+        layer = model.get_layer("embedding_collection")
+        assert (layer.capacity, layer.num_features) == (sum(ROWS), len(ROWS))
+        x["sparse"][:, 1] = -x["sparse"][:, 1] - 2 ** 62
+    out = np.asarray(model(x, training=True))
+    assert out.shape == (8, 1) and np.isfinite(out).all()
+    if embedding == "dynamic_collection":
+        got = layer.export()
+        for f in range(len(ROWS)):
+            assert sorted(got[f][0]) == sorted(set(x["sparse"][:, f] & (2 ** 56 - 1)))
 
 
 def test_unknown_embedding_is_refused_naming_the_flag():

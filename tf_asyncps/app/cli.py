@@ -48,12 +48,14 @@ flags.DEFINE_float("ctr_scale", 1.0, "dlrm: each feature's (capped) rows times t
                    "least 1 (in (0, 1]; scales the tables down for tests).")
 flags.DEFINE_float("ctr_zipf", 1.1, "dlrm: Zipf exponent of each feature's ids (0: uniform).",
                    lower_bound=0.0)
-flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "offset", "collection", "dynamic"],
+flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "offset", "collection", "dynamic",
+                                              "dynamic_collection"],
                   "dlrm: one Embedding per feature (tables), one Embedding read at ids "
                   "offset per feature (offset), one tf_asyncps.layers."
                   "EmbeddingCollection for all (collection), or a DynamicEmbedding per "
-                  "feature on raw 64-bit ids (dynamic; --dynamic_capacity, "
-                  "--dynamic_evict_every).")
+                  "feature on raw 64-bit ids (dynamic), or one tf_asyncps.layers."
+                  "DynamicEmbeddingCollection for all on the raw ids' low 56 bits "
+                  "(dynamic_collection; both: --dynamic_capacity, --dynamic_evict_every).")
 flags.DEFINE_list("ctr_bottom_mlp", ["64"], "dlrm: bottom MLP hidden sizes (on the 13 "
                   "numeric features; a layer of --embedding_dim follows).")
 flags.DEFINE_list("ctr_top_mlp", ["256", "128"], "dlrm: top MLP hidden sizes (a Dense(1) "

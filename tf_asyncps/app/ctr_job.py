@@ -84,7 +84,7 @@ class CtrConfig(job.JobConfig):
         check_int(self.ctr_test_examples, "--ctr_test_examples", min=2)
         check_number(self.ctr_zipf, "--ctr_zipf", min=0, below=float("inf"),
                      hint="the Zipf exponent of the ids; Criteo-like: 1.1")
-        if self.ctr_embedding == "dynamic":
+        if self.ctr_embedding in ctr_model.RAW_ID_EMBEDDINGS:
             check_number(self.dynamic_capacity, "--dynamic_capacity", above=0,
                          hint="rows of each table as a fraction of its feature's ids")
 
@@ -136,7 +136,7 @@ def _quality(y, probs, planted) -> Dict[str, float]:
 def _build(cfg, k):
     rows = cfg.rows()
     dynamic = None
-    if cfg.ctr_embedding == "dynamic":
+    if cfg.ctr_embedding in ctr_model.RAW_ID_EMBEDDINGS:
         dynamic = {"capacity": [max(1, int(round(cfg.dynamic_capacity * r))) for r in rows],
                    "evict_every": cfg.dynamic_evict_every}
     return ctr_model.build(rows, cfg.embedding_dim, cfg.ctr_bottom_mlp, cfg.ctr_top_mlp,
@@ -160,7 +160,7 @@ def _line(m) -> str:
 
 def _data(cfg):
     return ctr_data.make(cfg.rows(), cfg.ctr_zipf, cfg.seed,
-                         raw_ids=cfg.ctr_embedding == "dynamic")
+                         raw_ids=cfg.ctr_embedding in ctr_model.RAW_ID_EMBEDDINGS)
 
 
 def run(cfg: CtrConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
@@ -303,7 +303,7 @@ def run_reference(cfg: CtrConfig, print_fn=None) -> Dict[str, Any]:
         f"{cfg.epochs} epochs x {cfg.steps_per_epoch} steps of {cfg.batch_size} examples (no "
         "cluster: the policy, locking, worker, ps and partitioner flags do not apply)")
     x_test, y_test, planted = _held_out(cfg, data)
-    callbacks = [DynamicEviction()] if cfg.ctr_embedding == "dynamic" else []
+    callbacks = [DynamicEviction()] if cfg.ctr_embedding in ctr_model.RAW_ID_EMBEDDINGS else []
     t0, c0 = time.perf_counter(), time.process_time()
     model.fit(data.dataset(ctr_data.train_stream(0), cfg.batch_size), epochs=cfg.epochs,
               steps_per_epoch=cfg.steps_per_epoch, verbose=0, callbacks=callbacks)

@@ -8,7 +8,7 @@ Model for Personalization and Recommendation Systems", 2019), tf_keras or Keras 
     X = [b, E] [batch, 27, dim];  Z = X X^T;  the 351 entries above Z's diagonal
     top MLP (ReLU, sizes top) on [b, those entries] -> Dense(1) -> logit [batch, 1]
 
-The rows come from one of four ``embedding`` kinds:
+The rows come from one of five ``embedding`` kinds:
 
 * ``tables``: one ``Embedding(rows[f], dim)`` per feature (as users write it);
 * ``offset``: one ``Embedding(sum(rows), dim)`` read at ``id + offset[f]``,
@@ -17,7 +17,10 @@ The rows come from one of four ``embedding`` kinds:
 * ``collection``: one ``tf_asyncps.layers.EmbeddingCollection(rows, dim)``
   (the 26 tables as row ranges of one variable);
 * ``dynamic``: one ``tf_asyncps.layers.DynamicEmbedding(dim, capacity[f])``
-  per feature on raw int64 ids (admission, LFU eviction).
+  per feature on raw int64 ids (admission, LFU eviction);
+* ``dynamic_collection``: one ``tf_asyncps.layers.DynamicEmbeddingCollection(26,
+  dim, sum(capacity))`` on the raw ids reduced to 56 bits (the layer's key
+  holds the feature above them): one dynamic table for all features.
 """
 
 from typing import Optional, Sequence
@@ -28,9 +31,11 @@ import tf_keras
 
 from tf_asyncps.app.ctr_data import NUM_DENSE
 
-__all__ = ["EMBEDDINGS", "build", "interaction_width"]
+__all__ = ["EMBEDDINGS", "RAW_ID_EMBEDDINGS", "build", "interaction_width"]
 
-EMBEDDINGS = ("tables", "offset", "collection", "dynamic")
+EMBEDDINGS = ("tables", "offset", "collection", "dynamic", "dynamic_collection")
+#: The kinds fed raw int64 ids.
+RAW_ID_EMBEDDINGS = ("dynamic", "dynamic_collection")
 
 
 def interaction_width(num_features: int, dim: int) -> int:
@@ -96,6 +101,15 @@ def _rows(k, sparse, rows, dim, embedding, seed, dynamic):
                              f"--ctr_embedding=tables.") from None
         return EmbeddingCollection(list(rows), dim, embeddings_initializer=init,
                                    name="embedding_collection", keras=keras_name)(sparse)
+    if embedding == "dynamic_collection":
+        from tf_asyncps.layers import DynamicEmbeddingCollection
+        from tf_asyncps.layers.dynamic_collection import ID_BITS
+        mask = (1 << ID_BITS) - 1
+        short = k.layers.Lambda(lambda x: tf.bitwise.bitwise_and(x, mask),
+                                output_shape=lambda shape: shape, name="raw_ids_56")(sparse)
+        return DynamicEmbeddingCollection(
+            f, dim, capacity=int(sum(dynamic["capacity"])), evict_every=dynamic["evict_every"],
+            initializer=init, name="embedding_collection", keras=keras_name)(short)
     if embedding == "offset":
         offsets = np.cumsum([0] + list(rows[:-1])).astype(np.int32)
         shifted = k.layers.Lambda(lambda x: x + offsets, name="offset_ids")(sparse)
@@ -129,12 +143,14 @@ def build(rows: Sequence[int], dim: int = 16, bottom=(64,), top=(256, 128), seed
       bottom: the bottom MLP's hidden sizes before its last layer (of ``dim``).
       top: the top MLP's hidden sizes; a Dense(1) follows.
       seed: initialiser seed.
-      embedding: "tables", "offset", "collection" or "dynamic" (module docstring).
+      embedding: "tables", "offset", "collection", "dynamic" or "dynamic_collection"
+        (module docstring).
       keras: tf_keras (default) or Keras 3 (``keras``).
-      dynamic: for "dynamic": ``{"capacity": [rows per feature], "evict_every": int}``.
+      dynamic: for the dynamic kinds: ``{"capacity": [rows per feature], "evict_every":
+        int}`` (``dynamic_collection``: one table of their sum).
 
     Inputs: ``{"dense": float32 [batch, 13], "sparse": int32 [batch, F]}``
-    (int64 raw ids for "dynamic"); output float32 logits ``[batch, 1]``.
+    (int64 raw ids for the dynamic kinds); output float32 logits ``[batch, 1]``.
 
     Raises:
       ValueError: an unknown ``embedding``, or "collection" where
@@ -146,7 +162,7 @@ def build(rows: Sequence[int], dim: int = 16, bottom=(64,), top=(256, 128), seed
                          f"{list(EMBEDDINGS)}.")
     dense = k.Input(shape=(NUM_DENSE,), name="dense", dtype="float32")
     sparse = k.Input(shape=(len(rows),), name="sparse",
-                     dtype="int64" if embedding == "dynamic" else "int32")
+                     dtype="int64" if embedding in RAW_ID_EMBEDDINGS else "int32")
     glorot = lambda i: k.initializers.GlorotUniform(seed=seed + i)
     h = dense
     for i, size in enumerate(tuple(bottom) + (dim,)):
