@@ -11,8 +11,8 @@ import tensorflow as tf
 keras = pytest.importorskip("keras")
 
 from tf_asyncps.compat import call_scopes  # noqa: E402
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.compat import sharded_slots  # noqa: E402
-from tf_asyncps.compat import tensorflow as tf_compat  # noqa: E402
 from tf_asyncps.compat import variables as variables_compat  # noqa: E402
 
 SV = tf.__internal__.distribute.ShardedVariable
@@ -265,10 +265,10 @@ def test_hook_method_keeps_each_hook_once():
     def scope(original):
         return lambda self: ["scope"] + original(self)
 
-    assert tf_compat.hook_method(Base, "f", scope)
-    assert tf_compat.hook_method(Base, "f", tag)
-    assert not tf_compat.hook_method(Base, "f", scope)
-    assert not tf_compat.hook_method(Sub, "f", tag)
-    assert tf_compat.hook_method(Base, "f", lambda original: original, key="k")
-    assert not tf_compat.hook_method(Base, "f", lambda original: None, key="k")
+    assert hooks_compat.hook_method(Base, "f", scope)
+    assert hooks_compat.hook_method(Base, "f", tag)
+    assert not hooks_compat.hook_method(Base, "f", scope)
+    assert not hooks_compat.hook_method(Sub, "f", tag)
+    assert hooks_compat.hook_method(Base, "f", lambda original: original, key="k")
+    assert not hooks_compat.hook_method(Base, "f", lambda original: None, key="k")
     assert Sub().f() == ["scope", "f", "tag"]

@@ -24,7 +24,7 @@ replaces the read-then-write increment with an atomic one
 (``tf_asyncps.compat.optimizers.make_iterations_atomic``).
 """
 
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.validate import check_number
 
 __all__ = ["LockingOptimizer", "make_locking", "is_locking", "lock_timeout"]
@@ -64,7 +64,7 @@ def make_locking(optimizer, timeout_s: float = 60.0):
             f"LockingOptimizer needs an optimizer instance (e.g. tf_keras.optimizers.SGD(0.1)), "
             f"got {optimizer!r}.")
     check_number(timeout_s, "LockingOptimizer: timeout_s", above=0, hint="seconds")
-    tf_compat.set_untracked_attribute(optimizer, _ATTR, float(timeout_s))
+    hooks_compat.set_untracked_attribute(optimizer, _ATTR, float(timeout_s))
     return optimizer
 
 
@@ -102,7 +102,7 @@ def _marks(optimizer):
     for _ in range(8):  # wrappers nest a few levels at most
         if optimizer is None:
             return
-        mark = tf_compat.untracked_attribute(optimizer, _ATTR)
+        mark = hooks_compat.untracked_attribute(optimizer, _ATTR)
         if mark is not None:
             yield mark
         optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -22,7 +22,7 @@ tested with:
   a RemoteValue's ``get``).
 * :mod:`tf_asyncps.compat.data`: TensorFlow 2.18.1-2.21.0 (a worker's own
   dataset built by the coordinator, tf.data's test-only sleep).
-* :mod:`tf_asyncps.compat.tensorflow`: TensorFlow 2.21.0, tf_keras 2.21.0,
+* :mod:`tf_asyncps.compat.hooks`: TensorFlow 2.21.0, tf_keras 2.21.0,
   Keras 3.15.1 (what tf_asyncps adds to any TensorFlow/Keras object: method
   hooks and untracked attributes).
 * :mod:`tf_asyncps.compat.variables`: TensorFlow 2.21.0's resource variable

@@ -3,7 +3,7 @@
 The strategy's variable creator and its coordinator need to know whether
 they run inside a given Keras method (a compile creating its loss tracker, a
 tf_keras evaluate creating its coordinator). Each such method is wrapped
-once, at the class (:func:`tf_asyncps.compat.tensorflow.hook_method`), so
+once, at the class (:func:`tf_asyncps.compat.hooks.hook_method`), so
 that while it runs a ``contextvars.ContextVar`` holds its model; the previous
 value comes back on return (the ContextVar's token), so calls nest. Nothing
 reads the stack.
@@ -72,7 +72,7 @@ def _scope(cls, name, var, value_of) -> None:
     The hook's key names ``var``: another hook on the same method (the slot
     tagging of :mod:`tf_asyncps.compat.sharded_slots`) wraps it, not
     replaces it."""
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
 
     def make_hook(original):
         value = value_of(original)
@@ -85,7 +85,7 @@ def _scope(cls, name, var, value_of) -> None:
             finally:
                 var.reset(token)
         return hooked
-    tf_compat.hook_method(cls, name, make_hook, key=f"{__name__}.{var.name}")
+    hooks_compat.hook_method(cls, name, make_hook, key=f"{__name__}.{var.name}")
 
 
 def install() -> None:

@@ -90,8 +90,8 @@ def _hook_restore_check() -> None:
             return original(self, *args, **kwargs)
         return checked
 
-    from tf_asyncps.compat import tensorflow as tf_compat
-    tf_compat.hook_method(position, "_create_serialize_to_tensor_saveable", make_hook)
+    from tf_asyncps.compat import hooks as hooks_compat
+    hooks_compat.hook_method(position, "_create_serialize_to_tensor_saveable", make_hook)
 
 
 #: Set on an object by :func:`save_elsewhere`.
@@ -187,9 +187,9 @@ def _hook_savers() -> None:
     from tensorflow.python.checkpoint import checkpoint
     from tensorflow.python.saved_model import save
 
-    from tf_asyncps.compat import tensorflow as tf_compat
-    tf_compat.hook_method(save, "save_and_return_nodes", _counting("export"))
-    tf_compat.hook_method(checkpoint.TrackableSaver, "save", _counting("write"))
+    from tf_asyncps.compat import hooks as hooks_compat
+    hooks_compat.hook_method(save, "save_and_return_nodes", _counting("export"))
+    hooks_compat.hook_method(checkpoint.TrackableSaver, "save", _counting("write"))
 
 
 def sharded_container(var):

@@ -50,7 +50,7 @@ def hook_loops(make_hook) -> bool:
     """Replaces ``fit``, ``evaluate`` and ``predict`` of Keras 3's
     ``keras.Model`` (``keras.src.models.model.Model``; Keras 3.10-3.15 define
     them in the TensorFlow backend's trainer) by ``make_hook(original,
-    name)``, once per method (see :func:`tf_asyncps.compat.tensorflow.hook_method`).
+    name)``, once per method (see :func:`tf_asyncps.compat.hooks.hook_method`).
     A model's own instance attributes of those names (tf_asyncps.keras3's
     ``attach``) come first.
 
@@ -62,7 +62,7 @@ def hook_loops(make_hook) -> bool:
         return False
     from keras.src.models.model import Model
     from tf_asyncps.compat import call_scopes
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
 
     def make(original, name):
         checked = make_hook(original, name)
@@ -77,7 +77,7 @@ def hook_loops(make_hook) -> bool:
         return loop
 
     for name in ("fit", "evaluate", "predict"):
-        tf_compat.hook_method(Model, name, lambda original, name=name: make(original, name))
+        hooks_compat.hook_method(Model, name, lambda original, name=name: make(original, name))
     return True
 
 

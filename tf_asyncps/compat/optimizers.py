@@ -79,19 +79,19 @@ def hook_apply_gradients(make_hook) -> bool:
     (``tf_keras.optimizers.Optimizer``, ``tf_keras.optimizers.legacy.Optimizer``)
     and of both LossScaleOptimizer classes (they override it) by
     ``make_hook(original)``, once per class (see
-    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+    :func:`tf_asyncps.compat.hooks.hook_method`).
 
     Returns:
       False if tf_keras is not installed.
     """
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
     try:
         import tf_keras
     except ImportError:  # pragma: no cover - tf_keras is a dependency
         return False
     for cls in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
                 *loss_scale_optimizer_classes()):
-        tf_compat.hook_method(cls, "apply_gradients", make_hook)
+        hooks_compat.hook_method(cls, "apply_gradients", make_hook)
     return True
 
 
@@ -100,17 +100,17 @@ def hook_apply(make_hook, make_loss_scale_hook) -> bool:
     ``make_hook(original)`` and ``LossScaleOptimizer.apply`` (it overrides
     ``apply`` and receives scaled gradients) by
     ``make_loss_scale_hook(original)``, once per class (see
-    :func:`tf_asyncps.compat.tensorflow.hook_method`).
+    :func:`tf_asyncps.compat.hooks.hook_method`).
 
     Returns:
       False if Keras 3 is not installed.
     """
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
     base = optimizer_class()
     if base is None:
         return False
-    tf_compat.hook_method(base, "apply", make_hook)
-    tf_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
+    hooks_compat.hook_method(base, "apply", make_hook)
+    hooks_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
     return True
 
 

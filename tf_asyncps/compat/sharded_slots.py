@@ -129,7 +129,7 @@ def _view(optimizer, children):
     the same objects until the optimizer's lists change (a save asks more
     than once). ``children`` itself for an optimizer with no shard."""
     from tensorflow.python.trackable import data_structures
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
     lists = {name: value for name, value in children.items() if _is_list(value)}
     key = tuple((name, id(value), tuple(id(v) for v in value))
                 for name, value in sorted(lists.items()))
@@ -150,7 +150,7 @@ def _view(optimizer, children):
                 [(sv, named) for sv, named in groups
                  if not (saved_elsewhere(sv) or any(saved_elsewhere(p) for p in sv.variables))])
         cached = (key, view)
-        tf_compat.set_untracked_attribute(optimizer, "_asyncps_slots_view", cached)
+        hooks_compat.set_untracked_attribute(optimizer, "_asyncps_slots_view", cached)
     view = cached[1]
     if view is None:
         return children
@@ -189,14 +189,14 @@ def checkpoint_slots_whole() -> bool:
     if not keras.__version__.startswith("3"):
         return False
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
 
     def make_add(original):
         def add_variable_from_reference(self, reference_variable, name=None,
                                         initializer="zeros"):
             slot = original(self, reference_variable, name=name, initializer=initializer)
             if _container(reference_variable) is not None:
-                tf_compat.set_untracked_attribute(
+                hooks_compat.set_untracked_attribute(
                     slot, "_asyncps_shard_slot", (reference_variable, name or "var"))
             return slot
         return add_variable_from_reference
@@ -209,8 +209,8 @@ def checkpoint_slots_whole() -> bool:
             return _view(self, children)
         return _trackable_children
 
-    tf_compat.hook_method(tf_optimizer.TFOptimizer, "add_variable_from_reference", make_add)
-    tf_compat.hook_method(tf_optimizer.TFOptimizer, "_trackable_children", make_children)
+    hooks_compat.hook_method(tf_optimizer.TFOptimizer, "add_variable_from_reference", make_add)
+    hooks_compat.hook_method(tf_optimizer.TFOptimizer, "_trackable_children", make_children)
     return True
 
 
@@ -450,7 +450,7 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
       False if tf_keras is not installed.
     """
     from tf_asyncps.compat import checkpoint as checkpoint_compat
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
     from tf_asyncps.compat import variables as variables_compat
     try:
         from tf_keras.src.optimizers.legacy import optimizer_v2
@@ -466,7 +466,7 @@ def legacy_sharded_slots_saved_elsewhere() -> bool:
             return slot
         return get_slot
 
-    tf_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
+    hooks_compat.hook_method(optimizer_v2.OptimizerV2, "get_slot", make_hook)
     return True
 
 
@@ -489,7 +489,7 @@ def checkpoint_partitioned_whole() -> bool:
         return False
     import tensorflow as tf
     from keras.src.backend.tensorflow import core
-    from tf_asyncps.compat import tensorflow as tf_compat
+    from tf_asyncps.compat import hooks as hooks_compat
 
     def make_serialize(original):
         def _serialize_to_tensors(self):
@@ -511,7 +511,7 @@ def checkpoint_partitioned_whole() -> bool:
             return tf.group(ops)
         return _restore_from_tensors
 
-    tf_compat.hook_method(core.Variable, "_serialize_to_tensors", make_serialize)
-    tf_compat.hook_method(core.Variable, "_restore_from_tensors", make_restore)
+    hooks_compat.hook_method(core.Variable, "_serialize_to_tensors", make_serialize)
+    hooks_compat.hook_method(core.Variable, "_restore_from_tensors", make_restore)
     checkpoint_slots_whole()  # and the optimizer's slots of such a weight
     return True

@@ -31,9 +31,9 @@ from typing import List, Optional
 
 import tensorflow as tf
 
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.compat import mixed_precision as precision_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.core import placement
 
 __all__ = ["PRECISIONS", "resolve", "loss_scale_optimizer", "update_loss_scale",
@@ -109,11 +109,11 @@ def update_loss_scale(lso, grads) -> List[tf.Operation]:
 
 def _scale_lock(lso, scale) -> tf.CriticalSection:
     """The CriticalSection serialising ``lso``'s scale updates, beside ``scale``."""
-    lock = tf_compat.untracked_attribute(lso, "_asyncps_scale_lock")
+    lock = hooks_compat.untracked_attribute(lso, "_asyncps_scale_lock")
     if lock is None:
         with tf.init_scope(), tf.device(scale.device):
             lock = placement.critical_section("asyncps_loss_scale_lock")
-        tf_compat.set_untracked_attribute(lso, "_asyncps_scale_lock", lock)
+        hooks_compat.set_untracked_attribute(lso, "_asyncps_scale_lock", lock)
     return lock
 
 

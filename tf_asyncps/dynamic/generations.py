@@ -32,8 +32,8 @@ import functools
 
 import tensorflow as tf
 
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.compat import strategy as strategy_compat
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.dynamic import eviction as eviction_lib
 
 __all__ = ["LocalGuard", "add_generations", "find_in_training"]
@@ -43,7 +43,7 @@ def add_generations(shard, var, name: str, local_copies: bool) -> None:
     """Gives ``shard`` its ``gen`` (on its ps, beside ``var``) and
     ``gen_view`` (a model variable colocated with ``var``: one copy per
     worker under ``local_sgd``); both None unless ``local_copies``."""
-    untracked = functools.partial(tf_compat.set_untracked_attribute, shard)
+    untracked = functools.partial(hooks_compat.set_untracked_attribute, shard)
     untracked("gen", None)
     untracked("gen_view", None)
     if not local_copies:

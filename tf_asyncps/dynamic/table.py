@@ -52,7 +52,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from tf_asyncps.compat import checkpoint as checkpoint_compat
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement, table_seam
@@ -131,7 +131,7 @@ class _Shard(tf.Module):
     def __init__(self, var, offset: int, key_dtype, min_count: int, num_shards: int,
                  name: str, local_copies: bool = False):
         super().__init__(name=name)
-        untracked = functools.partial(tf_compat.set_untracked_attribute, self)
+        untracked = functools.partial(hooks_compat.set_untracked_attribute, self)
         # The layer's weight (a shard of it): held where neither checkpoints
         # nor tf.Module's variable walk (Keras's weight lists) look.
         untracked("refs", types.SimpleNamespace(var=var))
@@ -279,7 +279,7 @@ class DynamicTable(tf.Module):
                  ttl_steps: Optional[int], initializer, name: str, local_copies: bool = False):
         super().__init__(name=name)
         # The layer's weight: see _Shard.refs.
-        tf_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
+        hooks_compat.set_untracked_attribute(self, "refs", types.SimpleNamespace(table=table))
         self.key_dtype = key_dtype
         self.capacity, self.output_dim = int(table.shape[0]), int(table.shape[1])
         self.eviction, self.evict_every, self.ttl_steps = eviction, evict_every, ttl_steps
@@ -292,12 +292,12 @@ class DynamicTable(tf.Module):
                                       f"{name}_{i}", local_copies))
             offset += int(var.shape[0])
         # Not model state (see reshard.py, checkpoint.py).
-        tf_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
+        hooks_compat.set_untracked_attribute(self, "reshard", reshard_lib.plan_variables(
             parts[0], name))
-        tf_compat.set_untracked_attribute(self, "saving",
+        hooks_compat.set_untracked_attribute(self, "saving",
                                           checkpoint_lib.process_state(parts[0], name))
         # The rows its lookups gathered on their ps (see hooks()).
-        tf_compat.set_untracked_attribute(self, "gathered", table_seam.GatheredRows())
+        hooks_compat.set_untracked_attribute(self, "gathered", table_seam.GatheredRows())
         for var in [table] + parts:  # (Keras 3's optimizer tracks the shards too)
             checkpoint_compat.save_elsewhere(var)  # live rows: in `state`
         # Last: a restore deferred until now finds every shard's variables.

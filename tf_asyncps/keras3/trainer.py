@@ -31,10 +31,10 @@ import tensorflow as tf
 import keras
 
 from tf_asyncps.compat import checkpoint as checkpoint_compat
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import sharded_slots
-from tf_asyncps.compat import tensorflow as tf_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.compat import versions
 from tf_asyncps.core import lookup
@@ -72,7 +72,7 @@ def attach(model, strategy) -> None:
     Raises:
       ValueError: the model was created outside ``strategy.scope()``.
     """
-    trainer = tf_compat.untracked_attribute(model, "_asyncps_trainer")
+    trainer = hooks_compat.untracked_attribute(model, "_asyncps_trainer")
     if trainer is not None and trainer.strategy is strategy:
         return
     created_under = models_compat.model_strategy(model)
@@ -90,7 +90,7 @@ def attach(model, strategy) -> None:
                         ("train_on_batch", trainer.train_on_batch),
                         ("test_on_batch", trainer.test_on_batch),
                         ("save", trainer.save), ("save_weights", trainer.save_weights)):
-        tf_compat.set_untracked_attribute(model, name, value)
+        hooks_compat.set_untracked_attribute(model, name, value)
 
 
 #: What a model created inside the scope, then compiled outside it, says for
@@ -115,7 +115,7 @@ def refuse_unattached(strategy_class) -> None:
         @functools.wraps(original)
         def call(model, *args, **kwargs):
             if isinstance(models_compat.model_strategy(model), strategy_class) and \
-                    tf_compat.untracked_attribute(model, "_asyncps_trainer") is None:
+                    hooks_compat.untracked_attribute(model, "_asyncps_trainer") is None:
                 how = ("compiled outside it" if getattr(model, "compiled", False)
                        else "not compiled")
                 raise ValueError(COMPILED_OUTSIDE_MESSAGE.format(name=model.name, how=how,

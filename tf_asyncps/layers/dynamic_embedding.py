@@ -12,7 +12,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_asyncps.compat import checkpoint as checkpoint_compat
-from tf_asyncps.compat import tensorflow as tf_compat
+from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.core import table_seam
 from tf_asyncps.dynamic import checkpoint as dynamic_state
 from tf_asyncps.dynamic import initializers as dynamic_init
@@ -75,7 +75,7 @@ class _Mixin:
         attach_to_strategy(table)
         # Tracked: the map's variables are checkpointed with the layer.
         self.dynamic_table = table
-        tf_compat.set_untracked_attribute(self, "_global_step", global_step(seam))
+        hooks_compat.set_untracked_attribute(self, "_global_step", global_step(seam))
         return table
 
     def _dynamic_call(self, ids, training):
@@ -156,8 +156,8 @@ class _Mixin:
         if not isinstance(variable, tf.Variable):  # a Keras 3 variable
             from tf_asyncps.compat import variables as variables_compat
             variable = variables_compat.tf_value(variable)
-        tf_compat.set_untracked_attribute(self, "_global_step", variable)
-        tf_compat.set_untracked_attribute(self, "_own_step", True)
+        hooks_compat.set_untracked_attribute(self, "_global_step", variable)
+        hooks_compat.set_untracked_attribute(self, "_own_step", True)
 
     def use_optimizer(self, optimizer, variables=None) -> None:
         """Makes checkpoints hold ``optimizer``'s slots of this table for the
