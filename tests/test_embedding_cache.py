@@ -75,6 +75,16 @@ def test_policies_that_cannot_apply_are_refused_with_the_reason():
         embedding_cache.check_policy(policies.get(name))
 
 
+def test_the_bench_names_its_cached_embedding_run():
+    """cache@emb (by name only): async+dedup@emb with a 5% cache, bounds 5."""
+    from tf_asyncps.app import bench, bench_emb
+    (cached,) = bench.hosts_configs(only=["cache@emb"])
+    (dedup,) = bench.hosts_configs(only=["async+dedup@emb"])
+    assert cached == dict(dedup, name="cache@emb", cache={
+        "rows": bench_emb.ROWS // 20, "pull_bound": 5, "push_bound": 5})
+    assert "cache@emb" not in bench_emb.DEFAULT_EMB_RUNS
+
+
 def test_a_dynamic_tables_rows_are_read_uncached():
     """Reads in lookup.every_id() (a dynamic table's rows, whose id changes
     on eviction) are the table's own rows; the cache is never built."""

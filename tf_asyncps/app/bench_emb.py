@@ -35,8 +35,12 @@ BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: 1000 global steps).
 #: ``async+nocheck@emb`` (also by name): ``async+dedup@emb`` with
 #: ``skip_nonfinite=False``, what the non-finite check costs.
+#: ``cache@emb`` (also by name): ``async+dedup@emb`` with
+#: ``embedding_cache=EmbeddingCache(CACHE_ROWS, 5, 5)`` (HET's worker cache).
 EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb",
-            "dynamic@emb", "async+nocheck@emb")
+            "dynamic@emb", "async+nocheck@emb", "cache@emb")
+#: Rows ``cache@emb`` caches per worker: 5% of the table.
+CACHE_ROWS = ROWS // 20
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
 DEFAULT_EMB_RUNS = EMB_RUNS[:4]
 _HASH = 2654435761  # Knuth's multiplicative hash: hot ids spread over both shards
@@ -73,7 +77,9 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
     (distinct ids, ``wire_dtype="bfloat16"``: rows read and gradients pushed
     as bfloat16), ``local_sgd@emb``,
     ``dynamic@emb`` (``async+dedup@emb`` with a DynamicEmbedding of ROWS rows),
-    ``async+nocheck@emb`` (``async+dedup@emb``, ``skip_nonfinite=False``)."""
+    ``async+nocheck@emb`` (``async+dedup@emb``, ``skip_nonfinite=False``),
+    ``cache@emb`` (``async+dedup@emb`` with a worker cache of CACHE_ROWS rows,
+    bounds 5)."""
     base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
             "locking": False, "spe": steps_per_execution, "batch": BATCH}
     return [dict(base, name="vanilla@emb", kind="vanilla"),
@@ -88,7 +94,9 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
             dict(base, name="dynamic@emb", kind="policy", policy="async", policy_args={},
                  dedup=True, dynamic=True),
             dict(base, name="async+nocheck@emb", kind="policy", policy="async",
-                 policy_args={}, dedup=True, skip_nonfinite=False)]
+                 policy_args={}, dedup=True, skip_nonfinite=False),
+            dict(base, name="cache@emb", kind="policy", policy="async", policy_args={},
+                 dedup=True, cache={"rows": CACHE_ROWS, "pull_bound": 5, "push_bound": 5})]
 
 
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -123,11 +131,14 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         strategy = tf.distribute.ParameterServerStrategy(
             cluster_lib.cluster_resolver(config), variable_partitioner=part)
     else:
+        from tf_asyncps.core.embedding_cache import EmbeddingCache
+        cache = run.get("cache")
         strategy = AsyncParameterServerStrategy(
             cluster_lib.cluster_resolver(config),
             update_policy=policies.get(run["policy"], **run["policy_args"]),
             variable_partitioner=part, deduplicate_lookups=run["dedup"],
-            wire_dtype=run.get("wire_dtype"), skip_nonfinite=run.get("skip_nonfinite", True))
+            wire_dtype=run.get("wire_dtype"), skip_nonfinite=run.get("skip_nonfinite", True),
+            embedding_cache=EmbeddingCache(**cache) if cache else None)
     tf_keras.utils.set_random_seed(settings["seed"])
     with strategy.scope():
         if run.get("dynamic"):
@@ -186,6 +197,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         out["staleness"] = strategy.staleness_stats().to_dict()
     if run.get("dynamic"):
         out["dynamic_table"] = table.stats()
+    if run.get("cache"):
+        out["cache"] = strategy.cache_stats()
     return out
 
 
