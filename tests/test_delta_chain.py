@@ -352,3 +352,22 @@ def test_a_chain_written_over_2_shards_restores_onto_3(tmp_path):
         np.concatenate([slot(opt, "accumulator", p).numpy() for p in parts]))
     np.testing.assert_array_equal(dense3.numpy(), dense.numpy())
     assert not np.array_equal(dense3.numpy(), dense0)
+
+
+def test_readers_share_one_mark_each_with_its_own_bit():
+    """Eight readers at most read one table's marks; each clears only its
+    own bit; a dropped reader frees its bit."""
+    import gc
+    table, _, _ = _model()
+    readers = [delta_chain.shared_reader([table], f"r{i}") for i in range(8)]
+    assert sorted(r.bit for r in readers) == list(range(8))
+    with pytest.raises(ValueError, match="8 readers read these tables' dirty marks already"):
+        delta_chain.shared_reader([table], "ninth")
+    readers[0].mark(tf.IndexedSlices(tf.ones([2, DIM]), tf.constant([4, 9])), table)
+    readers[3].clear()
+    assert readers[3].dirty_ids(table).size == 0
+    for r in readers[:3] + readers[4:]:
+        np.testing.assert_array_equal(r.dirty_ids(table), [4, 9])
+    bit = readers.pop(5).bit
+    gc.collect()
+    assert delta_chain.shared_reader([table], "again").bit == bit

@@ -238,7 +238,14 @@ def shared_reader(variables: Sequence[tf.Variable], name: str) -> DirtyReader:
                          "dirty marks already; use fewer DeltaPublisher/StepBackup objects.")
     for r in owners:
         r.bits_taken |= 1 << free[0]
-    return DirtyReader(pairs, free[0], name)
+    reader = DirtyReader(pairs, free[0], name)
+    weakref.finalize(reader, _release, owners, free[0])  # a dropped reader frees its bit
+    return reader
+
+
+def _release(owners, bit: int) -> None:
+    for r in owners:
+        r.bits_taken &= ~(1 << bit)
 
 
 def gather_rows(var, ids: np.ndarray, slots: Mapping[str, tf.Variable]) -> Dict[str, np.ndarray]:
