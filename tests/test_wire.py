@@ -258,3 +258,46 @@ def test_marked_gather_rows_stay_on_the_ps_in_the_gradient():
     np.testing.assert_array_equal(values.numpy(), upstream.numpy())
     assert indices.numpy().tolist() == [5, 0, 2]
     assert (bool(kept), bool(unique), bool(packed)) == (False, True, True)
+
+
+def _op_types(graph):
+    """Op types of ``graph`` and of every function it calls (cond branches)."""
+    gd = graph.as_graph_def()
+    return [n.op for n in gd.node] + [n.op for f in gd.library.function for n in f.node_def]
+
+
+def test_a_distinct_id_reads_gradient_is_not_deduplicated_again():
+    # Through the engine the read's tf.unique is the step's only one, as the
+    # plain step's is tf_keras's own (apply_gradients de-duplicates; the
+    # engine on the worker did too), and the update equals the plain one's.
+    from local_engine import local_engine
+    from tf_asyncps.core.step import WorkerStep
+    engine = local_engine("async")
+    rng = np.random.RandomState(3)
+    batches = [rng.zipf(1.5, size=(16, 2)) % 9 for _ in range(5)]
+    results, uniques = [], []
+    for through_engine in (False, True):
+        table, opt = _table(seed=4), tf_keras.optimizers.Adagrad(0.5)
+        if through_engine:
+            lookup.read_distinct_rows(table)
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
+            grads = [(tape.gradient(loss, table), table)]
+            if not through_engine:
+                opt.apply_gradients(grads)
+                return
+            ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+            with ws.active():
+                opt.apply_gradients(grads)
+
+        for ids in batches:
+            step(tf.constant(ids, tf.int64))
+        results.append(table.numpy())
+        uniques.append(_op_types(step.get_concrete_function(
+            tf.TensorSpec([16, 2], tf.int64)).graph).count("Unique"))
+    assert uniques == [1, 1]
+    assert np.max(np.abs(results[0] - _table(seed=4).numpy())) > 0.05  # it trained
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)

@@ -25,7 +25,7 @@ when called.
 import contextlib
 
 __all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
-           "make_iterations_atomic", "optimizer_strategy", "dense_on_sparse_gradients",
+           "make_iterations_atomic", "deduplicating_only", "optimizer_strategy", "dense_on_sparse_gradients",
            "optimizer_class", "loss_scale_optimizer_class", "loss_scale_optimizer_classes",
            "creating_optimizer_slot"]
 
@@ -112,6 +112,44 @@ def hook_apply(make_hook, make_loss_scale_hook) -> bool:
     hooks_compat.hook_method(base, "apply", make_hook)
     hooks_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
     return True
+
+
+@contextlib.contextmanager
+def deduplicating_only(optimizer, needs):
+    """While inside, a tf_keras (2.18.0-2.21.0, not legacy) optimizer's
+    ``apply_gradients`` de-duplicates only the sparse gradients ``needs(grad)``
+    names (``_deduplicate_sparse_grad``: a ``tf.unique`` and a segment sum
+    per ``tf.IndexedSlices``, where the update runs); the others it applies
+    as they are. On this instance only; other optimizers (legacy tf_keras,
+    Keras 3) have no such method and are untouched.
+
+    Args:
+      optimizer: the optimizer being called.
+      needs: ``fn(grad: tf.IndexedSlices) -> bool``: False for a gradient
+        whose indices are distinct already (then de-duplicating it is the
+        identity).
+    """
+    original = getattr(optimizer, "_deduplicate_sparse_grad", None)
+    if original is None:
+        yield
+        return
+
+    def deduplicate(grads):
+        grads = list(grads)
+        todo = [i for i, g in enumerate(grads) if not hasattr(g, "indices") or needs(g)]
+        for i, g in zip(todo, original([grads[i] for i in todo])):
+            grads[i] = g
+        return grads
+
+    had_own = "_deduplicate_sparse_grad" in vars(optimizer)
+    object.__setattr__(optimizer, "_deduplicate_sparse_grad", deduplicate)
+    try:
+        yield
+    finally:
+        if had_own:
+            object.__setattr__(optimizer, "_deduplicate_sparse_grad", original)
+        else:
+            object.__delattr__(optimizer, "_deduplicate_sparse_grad")
 
 
 def make_iterations_atomic(optimizer) -> None:

@@ -11,12 +11,15 @@ once: :func:`wire_dtype_of` for gradients (:func:`copy_to`) and reads
 reads).
 """
 
+import weakref
+
 import tensorflow as tf
 
 from tf_asyncps.compat import graph as graph_compat
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
-           "flat_tensors", "unique_rows", "narrow_indices", "wire_dtype_of", "read_over_wire"]
+           "flat_tensors", "unique_rows", "mark_distinct", "known_distinct", "narrow_indices",
+           "wire_dtype_of", "read_over_wire"]
 
 
 def map_values(fn, grad):
@@ -82,13 +85,51 @@ def unique_rows(grad, on_ps=None):
     do implicitly: their sparse updates scatter-add or densify, both sums), so
     the update is the same; done on the worker, only distinct rows cross to
     the ps (a batch of 512 Zipf ids holds ~240 distinct). ``on_ps``: as in
-    :func:`rows_on_ps`; rows it names are distinct already and left alone.
+    :func:`rows_on_ps`; rows it names, and indices :func:`known_distinct`
+    knows, are distinct already and left alone. The result's indices are
+    recorded distinct (:func:`mark_distinct`), and so are their copies made by
+    :func:`copy_to`.
     """
-    if not isinstance(grad, tf.IndexedSlices) or (on_ps is not None and on_ps(grad.indices)):
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    if (on_ps is not None and on_ps(grad.indices)) or known_distinct(grad.indices):
+        mark_distinct(grad.indices)  # e.g. the gradient of a distinct-id read
         return grad
     unique, position = tf.unique(grad.indices)
     values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
+    mark_distinct(unique)
     return tf.IndexedSlices(values, unique, grad.dense_shape)
+
+
+# graph -> names of its index tensors that hold no index twice.
+_DISTINCT = weakref.WeakKeyDictionary()
+
+
+def mark_distinct(indices) -> None:
+    """Records that ``indices`` (an int tensor of a traced graph: a
+    ``tf.unique`` output, or a copy of distinct rows' indices) holds no
+    index twice: :func:`unique_rows` then leaves a gradient at them as it is,
+    and the optimizer's own de-duplication on the ps is skipped
+    (core/update.py). Eager tensors are not recorded."""
+    if not tf.executing_eagerly() and hasattr(indices, "graph"):
+        _DISTINCT.setdefault(indices.graph, set()).add(indices.name)
+
+
+def known_distinct(indices) -> bool:
+    """Whether :func:`mark_distinct` recorded ``indices``, or the tensor a
+    ``Reshape`` made them from (a ``ResourceGather``'s gradient reshapes its
+    indices: core/lookup.py's distinct-id reads)."""
+    t = indices
+    for _ in range(2):
+        try:
+            if t.name in _DISTINCT.get(t.graph, ()):
+                return True
+            if t.op.type != "Reshape":
+                return False
+        except AttributeError:  # an eager tensor
+            return False
+        t = t.op.inputs[0]
+    return False
 
 
 _INT32_MAX = 2 ** 31 - 1
@@ -213,6 +254,8 @@ def copy_to(value, device, wire_dtype=None, rows=None, on_ps=None):
         if isinstance(value, tf.IndexedSlices):
             if not packed:
                 indices = tf.identity(value.indices)
+            if known_distinct(value.indices):
+                mark_distinct(indices)
             return tf.IndexedSlices(values, indices, value.dense_shape)
         return values
 

@@ -127,6 +127,7 @@ def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
     with graph_compat.colocate_only_with(op):
         unique, position = tf.unique(tf.reshape(indices, [-1]))
         unique = grads_lib.narrow_indices(unique, num_rows)  # int32 on the wire
+        grads_lib.mark_distinct(unique)  # its gradient's rows are distinct already
     rows = grads_lib.read_over_wire(sparse_read(unique, name=name), wire_dtype, back_with=op)
     with graph_compat.colocate_only_with(op):
         # The rows on the worker first: the gather's gradient takes the shape

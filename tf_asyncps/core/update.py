@@ -195,8 +195,8 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
         for s, v in zip(squares, variables)]
     # The row-wise update inside the gradient filters: a filtered gradient
     # is applied with its own rows as the occurrences.
-    apply_fn = filtered(engine, rowwise.applying(optimizer, apply_fn, variables, grads, squares),
-                        optimizer)
+    apply_fn = filtered(engine, rowwise.applying(
+        optimizer, distinct_known(optimizer, apply_fn), variables, grads, squares), optimizer)
     w = grads_lib.copy_to(step.worker_index, device)
     finite = None if finite is None else grads_lib.copy_to(finite, device)
     inputs = (grads_lib.flat_tensors(grads) + [s for s in squares if s is not None] + [w]
@@ -223,6 +223,18 @@ _KERAS3_CACHE_MESSAGE = (
 def _deferred(engine, var) -> bool:
     """Whether a table with a before-push hook owns ``var``."""
     return any(h.before_push is not None and h.owns(var) for h in engine.tables)
+
+
+def distinct_known(optimizer, apply_fn):
+    """``apply_fn`` with the optimizer's own de-duplication skipped for the
+    gradients whose indices are known distinct (made so on the worker:
+    ``grads.unique_rows``, core/lookup.py's reads), which it would leave as
+    they are (one ``tf.unique`` and segment sum per table shard less on the ps)."""
+    def apply_distinct(grads_and_vars):
+        with optimizers_compat.deduplicating_only(
+                optimizer, lambda g: not grads_lib.known_distinct(g.indices)):
+            return apply_fn(grads_and_vars)
+    return apply_distinct
 
 
 def filtered(engine, apply_fn, optimizer):
