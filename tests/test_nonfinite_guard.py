@@ -81,6 +81,32 @@ def test_a_gated_update_runs_only_for_a_finite_step(finite):
     assert nonfinite_guard.guard(var, sgd) is sgd  # no gate outside the context
 
 
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_rowwise_sparse_update_is_gated_by_its_rows_without_a_cond(finite):
+    # rowwise_sparse (tf_keras Adagrad's sparse rule writes only its rows): a
+    # table's update gets its gradient's rows, or none; no If op is traced.
+    var, lr = tf.Variable([[1.0], [2.0], [3.0]]), tf.Variable(0.5)
+
+    def scatter(v, g):
+        return v.scatter_sub(tf.IndexedSlices(lr * g.values, g.indices))
+
+    @tf.function
+    def step(ok, values):
+        g = tf.IndexedSlices(values, tf.constant([2, 0]), tf.constant([3, 1]))
+        with nonfinite_guard.guarded_by(ok, hoisted=[lr], rowwise_sparse=True) as gated:
+            out = nonfinite_guard.guard(var, scatter)(var, g)
+        assert gated == {id(var)}
+        return out
+
+    values = tf.constant([[2.0], [4.0]] if finite else [[np.nan], [4.0]])
+    applied = step(tf.constant(finite), values)
+    assert bool(applied) is finite
+    assert var.numpy().tolist() == ([[-1.0], [2.0], [2.0]] if finite else [[1.0], [2.0], [3.0]])
+    ops = {op.type for op in step.get_concrete_function(
+        tf.TensorSpec([], tf.bool), tf.TensorSpec([2, 1])).graph.get_operations()}
+    assert not ops & {"If", "StatelessIf"}
+
+
 def test_constants_move_beside_their_only_consumers():
     graph = tf.Graph()
     with graph.as_default():

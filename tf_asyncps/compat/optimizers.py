@@ -26,6 +26,7 @@ import contextlib
 
 __all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
            "make_iterations_atomic", "deduplicating_only", "optimizer_strategy", "dense_on_sparse_gradients",
+           "sparse_update_is_rowwise",
            "optimizer_class", "loss_scale_optimizer_class", "loss_scale_optimizer_classes",
            "creating_optimizer_slot"]
 
@@ -182,6 +183,21 @@ def optimizer_strategy(optimizer):
     if inner is not None and inner is not optimizer:
         return optimizer_strategy(inner)
     return getattr(optimizer, "_distribution_strategy", None)
+
+
+def sparse_update_is_rowwise(optimizer) -> bool:
+    """Whether ``optimizer``'s update of a variable on a sparse
+    (``tf.IndexedSlices``) gradient writes only the gradient's rows, so that
+    the gradient without rows changes nothing: tf_keras 2.18.0-2.21.0
+    ``Adagrad`` (``update_step``: scatter-adds to the accumulator and the
+    variable at the indices), its own ``update_step``, no EMA. Others False."""
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    adagrad = tf_keras.optimizers.Adagrad
+    return (isinstance(optimizer, adagrad) and type(optimizer).update_step is adagrad.update_step
+            and not getattr(optimizer, "use_ema", False))
 
 
 def dense_on_sparse_gradients(optimizer):

@@ -10,7 +10,12 @@ While :func:`guarded_by` is active, the strategy's ``extended.update`` (which
 every tf_keras, legacy tf_keras and Keras 3 optimizer calls once per
 variable) wraps that variable's update in ``tf.cond(finite, update, no-op)``
 built beside the variable: each ps task receives the worker's predicate once
-and decides alone. The optimizer's iteration counter advances by
+and decides alone. Where the optimizer's sparse update writes only the
+gradient's rows (``rowwise_sparse``: tf_keras's Adagrad), a table's update
+takes no cond: it gets its gradient's rows where the predicate holds and
+none where it does not, so a dropped step writes nothing and a kept one is
+the optimizer's own update (a cond's Switch and Merge ops per input and
+output, on every table shard each step, replaced by a slice). The optimizer's iteration counter advances by
 ``cast(finite)`` (:func:`tf_asyncps.compat.variables.adding_only_if`)
 and the engine records the step as applied or dropped without a cond
 (:meth:`StalenessTracker.record_gated`).
@@ -35,8 +40,9 @@ from tf_asyncps.core import trace_context
 __all__ = ["guarded_by", "guard", "active"]
 
 class _Gate:
-    def __init__(self, finite):
+    def __init__(self, finite, rowwise_sparse=False):
         self.finite = finite
+        self.rowwise_sparse = rowwise_sparse
         self.gated = set()  # ids of the variables whose update was gated
         self.updating = None  # (variable, graph the cond is built in)
         self.copies = {}  # (id(hoisted variable), device) -> tensor
@@ -59,7 +65,7 @@ class _Gate:
 
 
 @contextlib.contextmanager
-def guarded_by(finite: tf.Tensor, hoisted=()):
+def guarded_by(finite: tf.Tensor, hoisted=(), rowwise_sparse: bool = False):
     """Within this context, variable updates made through the strategy's
     ``extended.update`` run only where ``finite`` (scalar tf.bool) is True.
 
@@ -67,12 +73,15 @@ def guarded_by(finite: tf.Tensor, hoisted=()):
       finite: scalar tf.bool (the worker's check of the step's gradients).
       hoisted: variables (``tf.Variable``) that updates read, such as the
         optimizer's learning rate: read once per ps task outside the conds.
+      rowwise_sparse: the optimizer's update on a sparse gradient writes only
+        its rows (``compat.optimizers.sparse_update_is_rowwise``): such
+        updates are gated by their rows, without a cond.
 
     Yields:
       a set that collects the ``id`` of every variable whose update was gated
       (the engine checks that each variable of the step is in it).
     """
-    gate_ = _Gate(finite)
+    gate_ = _Gate(finite, rowwise_sparse)
     with contextlib.ExitStack() as stack:
         for var in hoisted:
             stack.enter_context(variables_compat.reads_redirected(
@@ -103,18 +112,28 @@ def guard(var, fn: Callable) -> Callable:
         gate_.gated.add(id(var))
         pred = tf.identity(gate_.finite)  # colocated with v: one copy per ps task
         graph = tf.compat.v1.get_default_graph()
+        rows = gate_.rowwise_sparse and args and isinstance(args[0], tf.IndexedSlices)
 
-        def update():
+        def update(*given):
             gate_.updating = (v, graph)
             try:
-                result = fn(v, *args, **kwargs)
+                result = fn(v, *given, **kwargs)
             finally:
                 gate_.updating = None
             deps = [t for t in tf.nest.flatten(result)
                     if isinstance(t, (tf.Tensor, tf.Operation))]
             with tf.control_dependencies(deps):
-                return tf.constant(True)
+                return tf.identity(pred) if rows else tf.constant(True)
 
-        return tf.cond(pred, update, lambda: tf.constant(False))
+        if rows:
+            return update(_rows_if(pred, args[0]), *args[1:])
+        return tf.cond(pred, lambda: update(*args), lambda: tf.constant(False))
 
     return gated_update
+
+
+def _rows_if(pred, grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    """``grad`` where ``pred`` (scalar tf.bool) holds, else its first 0 rows."""
+    n = tf.shape(grad.indices, out_type=tf.int32)[0]
+    k = tf.where(pred, n, 0)
+    return tf.IndexedSlices(grad.values[:k], grad.indices[:k], grad.dense_shape)
