@@ -198,12 +198,14 @@ def _unpack(packed, values, indices):
     """The (values, indices) of :func:`_pack`'s tensor, in their own shapes and
     dtypes (indices back to int64 where they were)."""
     k = values.shape[1:].num_elements()
-    n = tf.shape(packed)[0]
-    # int32 dims: a vector's values have none ([] alone would be float32).
-    dims = tf.constant(values.shape[1:].as_list(), tf.int32)
-    vals = tf.reshape(packed[:, :k], tf.concat([[n], dims], 0))
+    if values.shape.rank == 2:  # rows of a matrix: the columns are the values
+        vals = packed[:, :k]
+    else:
+        # int32 dims: a vector's values have none ([] alone would be float32).
+        dims = tf.constant(values.shape[1:].as_list(), tf.int32)
+        vals = tf.reshape(packed[:, :k], tf.concat([[tf.shape(packed)[0]], dims], 0))
     vals.set_shape(values.shape)
-    idx = tf.reshape(tf.bitcast(packed[:, k:], tf.int32), [n])
+    idx = tf.reshape(tf.bitcast(packed[:, k:], tf.int32), [-1])
     return vals, tf.cast(idx, indices.dtype)
 
 

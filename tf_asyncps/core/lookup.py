@@ -125,7 +125,8 @@ def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
     with graph_compat.colocate_only_with(op):
-        unique, position = tf.unique(tf.reshape(indices, [-1]))
+        flat = indices.shape.rank == 1  # a shard's ids: no reshape either way
+        unique, position = tf.unique(indices if flat else tf.reshape(indices, [-1]))
         unique = grads_lib.narrow_indices(unique, num_rows)  # int32 on the wire
         grads_lib.mark_distinct(unique)  # its gradient's rows are distinct already
     rows = grads_lib.read_over_wire(sparse_read(unique, name=name), wire_dtype, back_with=op)
@@ -135,6 +136,8 @@ def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
         # the ps every step if they were the ps's tensor.
         rows = tf.identity(rows)
         out = tf.gather(rows, position)
+        if flat:
+            return out
         shape = tf.concat([tf.shape(indices, out_type=tf.int32),
                            tf.shape(rows, out_type=tf.int32)[1:]], 0)
         out = tf.reshape(out, shape)
