@@ -57,6 +57,13 @@ def test_bad_arguments_are_refused_naming_the_field(tmp_path, kwargs, field):
         StepBackup(str(tmp_path), **kwargs)
 
 
+def test_the_backup_dir_flag_says_what_sets_its_default():
+    from tf_asyncps.app import cli
+    text = " ".join(cli.FLAGS["backup_dir"].help.split())
+    assert "every --backup_every_steps worker steps" in text
+    assert "--restart_failed_tasks or --backup_every_steps default it to OUTPUT_DIR/backup" in text
+
+
 def test_backup_dir_is_required():
     with pytest.raises(ValueError, match="backup_dir=''"):
         StepBackup("", 5)

@@ -121,10 +121,12 @@ flags.DEFINE_enum("mixed_precision", "none",
                   "GPUs, else mixed_bfloat16.")
 
 flags.DEFINE_string("backup_dir", None,
-                    "Checkpoint directory of tf_keras BackupAndRestore: the model and "
-                    "optimizer are saved at every epoch end, and a re-run of the chief "
-                    "resumes from the latest checkpoint (metrics.json: recovery). launch "
-                    "--restart_failed_tasks defaults it to OUTPUT_DIR/backup.")
+                    "Checkpoint directory: the model and optimizer are saved at every "
+                    "epoch end (tf_keras BackupAndRestore), or every --backup_every_steps "
+                    "worker steps (tf_asyncps.callbacks.StepBackup), and a re-run of the "
+                    "chief resumes from the latest backup (metrics.json: recovery). launch "
+                    "--restart_failed_tasks or --backup_every_steps default it to "
+                    "OUTPUT_DIR/backup (a new temp folder without --output_dir).")
 flags.DEFINE_integer("backup_every_steps", 0,
                      "With --backup_dir: a backup every N worker steps (each after draining "
                      "the scheduled steps) and at the end, instead of at epoch ends; a "
