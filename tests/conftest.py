@@ -15,6 +15,7 @@ import time
 import pytest
 
 import tmp_per_test
+from scenarios import from_json
 
 # Each test's temporary files in a directory of its own (tests/tmp_per_test.py).
 pytest_plugins = ["tmp_per_test"]
@@ -27,7 +28,7 @@ collect_ignore_glob = ["upstream/*"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-#: ``python SCENARIOS_DIR NAME JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
+#: ``python SCENARIOS_DIR KEY JSON_KWARGS`` runs a cluster scenario (tests/scenarios/).
 SCENARIOS_DIR = os.path.join(HERE, "scenarios")
 
 
@@ -275,16 +276,41 @@ def pytest_runtest_setup(item):
     _guard_server_starts()
 
 
-def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
-    """Runs ``script NAME kwargs`` (default tests/scenarios) in a fresh
-    process and returns its RESULT.
+def run_scenario(scenario, timeout=240, script=None, shared=None, **kwargs):
+    """Runs ``scenario(**kwargs)`` in a fresh process and returns its result.
 
-    Also checks that every cluster task the scenario started is gone.
-    With ``shared=(num_workers, num_ps)`` the scenario (one marked
-    ``shares_cluster``) runs instead on that session-wide cluster
-    (SharedCluster): same code, no cluster start. Fails a test without the
-    ``cluster`` marker (:func:`refuse_servers_outside_cluster_tests`).
+    Args:
+      scenario: a function of the calling test module decorated with
+        ``scenarios.scenario`` (docs/tests.md#scenarios-beside-their-tests):
+        its result comes back as the dataclass it is annotated with. Or, the
+        old convention while test modules move over, a scenario's name in
+        ``tests/scenarios/<module>.py`` (its result: a dict).
+      timeout: seconds before the process is stopped and the test fails.
+      script: the old convention only: a script run as ``script NAME kwargs``
+        instead of tests/scenarios.
+      shared: ``(num_workers, num_ps)``: the scenario (one marked
+        ``shares_cluster``) runs instead on that session-wide cluster
+        (SharedCluster): same code, no cluster start.
+      **kwargs: the scenario's arguments (JSON values).
+
+    Also checks that every cluster task the scenario started is gone. Fails a
+    test without the ``cluster`` marker
+    (:func:`refuse_servers_outside_cluster_tests`).
     """
+    if callable(scenario):
+        if not hasattr(scenario, "scenario_key"):
+            pytest.fail(f"{scenario.__qualname__} is not a scenario: decorate it with "
+                        f"@scenario (from scenarios import scenario) and annotate the "
+                        f"dataclass it returns.", pytrace=False)
+        name, key = scenario.__name__, scenario.scenario_key
+    else:
+        name = key = scenario
+    result = _run_scenario(name, key, timeout, script, shared, kwargs)
+    return from_json(scenario.result_type, result) if callable(scenario) else result
+
+
+def _run_scenario(name, key, timeout, script, shared, kwargs):
+    """The JSON dict the scenario ``key`` printed (see :func:`run_scenario`)."""
     refuse_servers_outside_cluster_tests(f"scenario {name!r}")
     if shared is not None:
         shape = tuple(shared)
@@ -293,20 +319,20 @@ def run_scenario(name, timeout=240, script=None, shared=None, **kwargs):
                 _SHARED_CLUSTERS.popitem(last=False)[1].close()
             _SHARED_CLUSTERS[shape] = SharedCluster(*shape)
         _SHARED_CLUSTERS.move_to_end(shape)
-        return _SHARED_CLUSTERS[shape].run(name, kwargs, timeout)
+        return _SHARED_CLUSTERS[shape].run(key, kwargs, timeout)
     env = subprocess_env()
     if "keras3" not in name and "keras3" not in json.dumps(kwargs):
         # Scenarios use tf_keras explicitly; this skips importing Keras 3's
         # optimizers with TensorFlow (1.4 s of CPU each).
         env.setdefault("TF_USE_LEGACY_KERAS", "1")
-    _, out = run_command([sys.executable, script or SCENARIOS_DIR, name,
+    _, out = run_command([sys.executable, script or SCENARIOS_DIR, key,
                           json.dumps(kwargs)], timeout=timeout, env=env)
     for line in out.splitlines():
         if line.startswith("RESULT: "):
             result = json.loads(line[len("RESULT: "):])
             wait_dead(result.pop("_child_pids"))
             return result
-    pytest.fail(f"scenario {name} printed no RESULT; output tail:\n{out[-6000:]}")
+    pytest.fail(f"scenario {key} printed no RESULT; output tail:\n{out[-6000:]}")
 
 
 def pytest_collection_modifyitems(items):

@@ -4,19 +4,29 @@ A ps task that dies takes its variables with it; the chief fails, the
 supervisor restarts the ps, and launch re-runs the chief, which resumes from
 the latest BackupAndRestore checkpoint. A SIGKILLed chief is re-run the same
 way. The result must be as good as an uninterrupted run with the same seed.
+
+Each scenario sits above the tests that read it and returns the dataclass
+declared with it (docs/tests.md#scenarios-beside-their-tests).
 """
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import tensorflow as tf
+import tf_keras
 
+import tf_asyncps
 from conftest import (ROOT, SCENARIOS_DIR, poll_until, run_command, run_scenario, stop_process,
                       subprocess_env)
-from tf_asyncps import recovery
+from scenarios import scenario
+from scenarios.common import make_optimizer, mlp, small_problem
+from tf_asyncps import StalenessStats, recovery
 from tf_asyncps.cluster import LocalCluster
 
 FLAGS = ["--num_workers=1", "--num_ps=1", "--epochs=8", "--steps_per_epoch=50",
@@ -90,16 +100,53 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
         m["test_accuracy"], baseline["test_accuracy"])
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointCrash:
+    """What checkpoint_crash returns if it does not crash (it should).
+
+    Attributes:
+      crashed: False (a process that crashed returns nothing).
+    """
+    crashed: bool
+
+
+@scenario
+def checkpoint_crash(backup_dir, crash_at="state") -> CheckpointCrash:
+    """A process that crashes (os._exit) inside its second epoch-end
+    BackupAndRestore save: after the new checkpoint's data is written but
+    before the ``checkpoint`` state file names it (``crash_at="state"``), or
+    before the shards are merged into it (``"merge"``). Returns (if it does
+    not crash) nothing useful; the first checkpoint's weights are saved to
+    ``backup_dir/../epoch1_weights.npz`` for the test to compare."""
+    from tensorflow.python.checkpoint import checkpoint_management, functional_saver
+    x, y = small_problem()
+    model = mlp()
+    model.compile(tf_keras.optimizers.SGD(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    backup = lambda: tf_keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(x, y, epochs=1, batch_size=32, verbose=0, callbacks=[backup()])
+    np.savez(os.path.join(os.path.dirname(backup_dir), "epoch1_weights.npz"),
+             *model.get_weights())
+
+    def crash(*args, **kwargs):
+        sys.stdout.flush()
+        os._exit(17)
+
+    if crash_at == "state":
+        checkpoint_management.update_checkpoint_state_internal = crash
+    else:
+        functional_saver.gen_io_ops.merge_v2_checkpoints = crash
+    model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[backup()])
+    return CheckpointCrash(crashed=False)
+
+
 @pytest.mark.parametrize("crash_at", ["merge", "state"])
 def test_crash_inside_a_checkpoint_save_leaves_the_previous_one_latest(tmp_path, crash_at):
     # The process dies (exit 17) inside its second epoch-end save: before the
     # shards are merged, or after the data is written but before the state
     # file names it. The latest checkpoint must still be the complete first.
-    import numpy as np
-    import tensorflow as tf
     backup = str(tmp_path / "backup")
-    rc, out = run_command([sys.executable, SCENARIOS_DIR,
-                           "checkpoint_crash",
+    rc, out = run_command([sys.executable, SCENARIOS_DIR, checkpoint_crash.scenario_key,
                            json.dumps({"backup_dir": backup, "crash_at": crash_at})],
                           timeout=90, check=False)
     assert rc == 17, out[-3000:]
@@ -131,8 +178,6 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
     # --backup_dir holds a checkpoint of a 16-unit MLP; the job builds 32
     # units. The chief must say so, and launch must not re-run a chief whose
     # error would recur.
-    import tensorflow as tf
-    import tf_keras
     from tf_asyncps.app import datasets
     from tf_asyncps.app import models
     backup = str(tmp_path / "backup")
@@ -164,7 +209,6 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
 
 
 def test_lost_task_messages_and_exit_descriptions():
-    import tensorflow as tf
     from tf_asyncps.app import cli
     e = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error "
                                    "information from remote target /job:ps/replica:0/task:0")
@@ -179,6 +223,42 @@ def test_lost_task_messages_and_exit_descriptions():
     assert cli._describe_exit(1) == "exited with code 1"
 
 
+@dataclasses.dataclass(frozen=True)
+class FitOnRunningCluster:
+    """A chief's model.fit (the small MLP, SGD 0.1) on tasks it did not start.
+
+    Attributes:
+      stats: the strategy's staleness counters.
+      iterations: the optimizer's step counter at the end (int).
+    """
+    stats: StalenessStats
+    iterations: int
+
+
+@scenario
+def fit_on_running_cluster(tf_config, policy, policy_args=None, epochs=2,
+                           steps_per_epoch=20) -> FitOnRunningCluster:
+    """A chief on ps/worker tasks it did not start (and that outlive it), as
+    a re-run chief: model.fit of the small MLP; exact counters."""
+    x, y = small_problem()
+    config = tf_asyncps.cluster.validate_tf_config(tf_config)
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        tf_asyncps.cluster.cluster_resolver(config),
+        update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    with strategy.scope():
+        model = mlp()
+        model.compile(make_optimizer("sgd", 0.1),
+                      tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    return FitOnRunningCluster(stats=strategy.staleness_stats(),
+                               iterations=int(model.optimizer.iterations.numpy()))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.cluster
 def test_a_chief_rerun_on_tasks_that_outlived_the_last_chief_gets_its_own_locks():
@@ -188,9 +268,9 @@ def test_a_chief_rerun_on_tasks_that_outlived_the_last_chief_gets_its_own_locks(
     queues (ssp). Each chief now makes its own; counters stay exact."""
     with LocalCluster(num_workers=2, num_ps=1) as c:
         for policy in ("drop_stale", "drop_stale", "ssp", "ssp"):
-            r = run_scenario("fit_on_running_cluster", timeout=90,
+            r = run_scenario(fit_on_running_cluster, timeout=90,
                              tf_config=c.tf_config("chief", 0), policy=policy,
                              policy_args={"max_staleness": 1})
-            s = r["stats"]
-            assert s["applied"] + s["dropped"] == 40, (policy, s)
-            assert s["global_step"] == s["applied"] == r["iterations"], (policy, s)
+            s = r.stats
+            assert s.applied + s.dropped == 40, (policy, s)
+            assert s.global_step == s.applied == r.iterations, (policy, s)

@@ -1,6 +1,7 @@
-"""``python tests/scenarios NAME JSON_KWARGS``: runs one scenario and prints
-``RESULT: {json}``; ``python tests/scenarios serve JSON_SHAPE``: runs
-scenarios on one cluster (see ``__init__.py``)."""
+"""``python tests/scenarios KEY JSON_KWARGS``: runs one scenario (KEY:
+``test_x.py::name``, or an old one's bare name) and prints ``RESULT: {json}``;
+``python tests/scenarios serve JSON_SHAPE``: runs scenarios on one cluster
+(see ``__init__.py``)."""
 
 import json
 import os
@@ -17,7 +18,7 @@ import tf_keras  # noqa: E402
 from tf_asyncps.cluster import LocalCluster  # noqa: E402
 
 import scenarios  # noqa: E402
-from scenarios import CLUSTERS, SCENARIOS, SHARED, SHARES_CLUSTER  # noqa: E402
+from scenarios import CLUSTERS, SHARED, SHARES_CLUSTER, find, to_json  # noqa: E402
 
 
 def _reset_process_state(environ):
@@ -31,6 +32,7 @@ def _reset_process_state(environ):
 
 def serve(num_workers, num_ps=1):
     """Keeps one LocalCluster up; runs each request line ``{"name", "kwargs"}``
+    (``name``: a scenario's key)
     read on stdin on it and prints ``RESULT: {json}`` or ``ERROR: {json}``.
 
     Prints ``READY: {"_child_pids": [...]}`` once the cluster serves and exits
@@ -45,9 +47,10 @@ def serve(num_workers, num_ps=1):
         request = json.loads(line)
         name = request["name"]
         try:
+            fn = find(name)
             if name not in SHARES_CLUSTER:
                 raise ValueError(f"scenario {name!r} is not marked shares_cluster=True")
-            print("RESULT: " + json.dumps(SCENARIOS[name](**request["kwargs"])), flush=True)
+            print("RESULT: " + json.dumps(to_json(fn(**request["kwargs"]))), flush=True)
         except Exception:  # the test fails with this; the next one gets a new cluster
             print("ERROR: " + json.dumps(traceback.format_exc()), flush=True)
         finally:
@@ -74,7 +77,7 @@ def main():
     if name == "serve":
         serve(**kwargs)
     try:
-        result = SCENARIOS[name](**kwargs)
+        result = to_json(find(name)(**kwargs))
     except Exception:
         traceback.print_exc()
         _print_task_logs()  # after the traceback: the test shows the output's tail
@@ -88,5 +91,6 @@ def main():
 
 
 if __name__ == "__main__":
-    scenarios.load_all()
+    if "::" not in sys.argv[1]:  # an old scenario by name, or `serve`
+        scenarios.load_all()
     main()
