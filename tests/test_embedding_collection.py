@@ -8,8 +8,9 @@ checkpoint, Keras file and SavedModel round trips; ``export`` per feature; the
 strategy's row read (core/lookup) reads the one table once per step.
 Cluster tier (one small test, 1 worker, 2 ps, the table split over both):
 the strategy's fit equals one-process training (tf_keras and Keras 3), with
-one gather and one gradient push per shard per step
-(tests/scenarios/embedding_collection.py).
+one gather and one gradient push per shard per step; and
+DynamicEmbeddingCollection split the same way equals one process, with one
+lookup of each shard's map per step (tests/scenarios/embedding_collection.py).
 """
 
 import numpy as np
@@ -279,3 +280,11 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     # The Keras 3 layer under the strategy's Keras 3 fit, split in two as well.
     k3 = r["keras3"]
     assert k3["shards"] == 2 and k3["moved"] > 0.1 and k3["max_abs_diff"] <= 1e-5
+    # DynamicEmbeddingCollection (tests/test_dynamic_collection.py) on raw
+    # ids, 4 features with equal raw ids, its 88-row table split in two:
+    # each feature's rows equal one-process training; a step finds in each
+    # shard's map twice (before and after admission) for all 4 features.
+    dyn = r["dynamic"]
+    assert dyn["shards"] == 2 and dyn["applied"] == 8 and dyn["moved"] > 0.01
+    assert dyn["live"] == dyn["want_live"] and dyn["max_abs_diff"] <= 1e-5
+    assert dyn["finds"] == 2 * 2

@@ -139,18 +139,81 @@ def _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr):
             "moved": float(np.max(np.abs(got[0] - table0)))}
 
 
+def _dynamic_model(kernel):
+    """DynamicEmbeddingCollection of the 4 features (capacity 88, zero rows)."""
+    from tf_asyncps.layers import dynamic_collection
+    inp = tf_keras.Input((len(DIMS),), dtype="int64")
+    rows = dynamic_collection.DynamicEmbeddingCollection(
+        len(DIMS), DIM, capacity=sum(DIMS), initializer="zeros", name="tables")(inp)
+    return tf_keras.Model(inp, tf_keras.layers.Dense(1, use_bias=False, kernel_initializer=(
+        tf_keras.initializers.Constant(kernel)))(tf_keras.layers.Flatten()(rows)))
+
+
+def _find_ops(graph_def):
+    """The hash-map finds (LookupTableFindV2) of a traced step, its
+    functions' bodies (the shards' critical sections) included."""
+    return sum(1 for fn in graph_def.library.function for n in fn.node_def
+               if n.op == "LookupTableFindV2") + sum(
+        1 for n in graph_def.node if n.op == "LookupTableFindV2")
+
+
+def _run_dynamic(c, ids, ys, kernel0, steps, optimizer, lr):
+    """DynamicEmbeddingCollection on raw ids (every feature the same raw
+    values), its table split over the 2 ps, against one process: the max
+    abs difference of each feature's rows (by raw id) and the kernel, the
+    live rows per feature, and the finds of a traced step."""
+    raw = ids.astype(np.int64) * 1_000_000_007 + 2**40  # equal raw ids across features
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+        .MinSizePartitioner(min_shard_bytes=64, max_shards=2))
+    with strategy.scope():
+        model = _dynamic_model(kernel0)
+        model.compile(make_optimizer(optimizer, lr), "mse")
+    data = tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((raw, ys)).batch(BATCH).repeat())
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    ref = _dynamic_model(kernel0)
+    ref.compile(make_optimizer(optimizer, lr), "mse")
+    ref.fit(raw, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    got, want = model.get_layer("tables").export(), ref.get_layer("tables").export()
+    diff = float(np.max(np.abs(full_value(model.layers[-1].kernel) -
+                               np.asarray(ref.layers[-1].kernel.numpy()))))
+    live = []
+    for f in range(len(DIMS)):
+        rows = dict(zip(want[f][0].tolist(), want[f][1]))
+        assert sorted(rows) == sorted(got[f][0].tolist()), f
+        live.append(len(rows))
+        for r, row in zip(got[f][0].tolist(), got[f][1]):
+            diff = max(diff, float(np.max(np.abs(row - rows[r]))))
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    graph = step.get_concrete_function(tf.TensorSpec([BATCH, len(DIMS)], tf.int64),
+                                       tf.TensorSpec([BATCH, 1], tf.float32)).graph
+    table = model.get_layer("tables").dynamic_table
+    return {"max_abs_diff": diff, "live": live, "want_live": [len(set(raw[:, f].tolist()))
+                                                               for f in range(len(DIMS))],
+            "shards": len(table.shards), "finds": _find_ops(graph.as_graph_def()),
+            "applied": strategy.staleness_stats().applied,
+            "moved": float(max(np.max(np.abs(got[f][1])) for f in range(len(DIMS))))}
+
+
 @scenario(shares_cluster=True)
 def embedding_collection_fit(steps=8, optimizer="adagrad", lr=0.3):
     """fit with the table split over 2 ps tasks (MinSizePartitioner) against
     one-process tf_keras training on the same batches: ``async`` (and the
     ops of its traced step), then ``route`` (tables async, the rest async)
-    with rows crossing as bfloat16; then the Keras 3 layer against Keras 3."""
+    with rows crossing as bfloat16; then the Keras 3 layer against Keras 3;
+    then DynamicEmbeddingCollection (raw ids) against one process."""
     ids, ys, table0, kernel0 = _problem(steps)
     with cluster(num_workers=1, num_ps=2) as c:
         runs = [_run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "async", None, True),
                 _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "route", "bfloat16",
                      False)]
         keras3 = _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr)
+        dynamic = _run_dynamic(c, ids, ys, kernel0, steps, optimizer, lr)
     ref = _model(table0, kernel0)
     ref.compile(make_optimizer(optimizer, lr), "mse")
     ref.fit(ids, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -160,4 +223,4 @@ def embedding_collection_fit(steps=8, optimizer="adagrad", lr=0.3):
         run["max_abs_diff"] = float(max(np.max(np.abs(table - ref_table)),
                                         np.max(np.abs(kernel - ref_kernel))))
         run["moved"] = float(np.max(np.abs(table - table0)))
-    return {"runs": runs, "keras3": keras3}
+    return {"runs": runs, "keras3": keras3, "dynamic": dynamic}
