@@ -203,12 +203,6 @@ def test_keras3_checkpoint_backup_resumes_a_crashed_fit(tmp_path):
     # one slot per row: the Adam case checks the same round trip with two.
     pytest.param("adagrad", 1, marks=pytest.mark.long),
     ("adam", 2)])
-# Known regression, open in issue 38: since 7e63bfa (Keras reached through hooks,
-# not frame walks) the restore gives a Keras 3 slot of a sharded dynamic table
-# another variable's tensor ("incompatible tensor with shape (6, 1) ... (10, 4)
-# ... part_2_0_momentum" / "_accumulator"). strict: when it passes again, it fails.
-@pytest.mark.xfail(strict=True, reason="regression since 7e63bfa: Keras 3 "
-                   "slot restore of a sharded dynamic table (issue 38)")
 def test_keras3_checkpoint_round_trip(optimizer, slots):
     """A Keras 3 model with a partitioned table could not be written at all
     (Keras handed the saver the ShardedVariable: "'ShardedVariable' object
