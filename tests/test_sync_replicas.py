@@ -1,14 +1,28 @@
 """SyncReplicasAggregator (policy sync_replicas): exactness, sparse rows, backup
-workers, stragglers, dead workers and bad configurations."""
+workers, stragglers, dead workers and bad configurations.
 
+Each cluster scenario sits above the tests that read it and returns the
+dataclass declared with it (docs/tests.md#scenarios-beside-their-tests);
+``full_batch_policy`` is test_policies_cluster.py's."""
+
+import dataclasses
 import json
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
+import tf_keras
 
 import tf_asyncps
 from conftest import run_command, run_scenario
+from scenarios import cluster, scenario
+from scenarios.common import least_squares, mlp, run_steps, small_problem, step_fn
+from scenarios.common import train_with_straggler
+from test_policies_cluster import full_batch_policy
+from tf_asyncps import StalenessStats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,17 +31,52 @@ pytestmark = pytest.mark.timeout(300)
 # cluster: 2 of 3 workers (a backup worker), a dense and a sparse part.
 @pytest.mark.cluster
 def test_full_batch_aggregation_equals_sequential_gradient_descent():
-    r = run_scenario("full_batch_policy", shared=(3, 1), policy="sync_replicas",
+    r = run_scenario(full_batch_policy, shared=(3, 1), policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "total_num_replicas": 3},
                      num_workers=3, steps=45, sparse=True)
-    s = r["stats"]
-    assert s["applied"] + s["dropped"] == 45 == sum(r["sent"])  # every worker step
+    s = r.stats
+    assert s.applied + s.dropped == 45 == sum(r.sent)  # every worker step
     # Each update is exactly n gradients; fewer than n may wait in the last round.
-    assert s["global_step"] == s["applied"] // 2
-    assert r["iterations"] == s["global_step"] > 0
-    assert s["histogram"][0] == s["applied"]  # max_staleness=0: only tau 0 accepted
-    np.testing.assert_allclose(r["w"], r["ref"], atol=1e-5)
-    assert np.abs(r["ref"][-10:]).max() > 1e-3  # the sparse part really trained
+    assert s.global_step == s.applied // 2
+    assert r.iterations == s.global_step > 0
+    assert s.histogram[0] == s.applied  # max_staleness=0: only tau 0 accepted
+    np.testing.assert_allclose(r.w, r.ref, atol=1e-5)
+    assert np.abs(r.ref[-10:]).max() > 1e-3  # the sparse part really trained
+
+
+# -- a straggler: backup workers -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SyncStraggler:
+    """sync_replicas (least squares, custom loop) with one worker's input slowed.
+
+    Attributes:
+      sent: gradients each worker sent (one per worker step), by worker index.
+      rounds: the aggregator's completed rounds (updates).
+      released_reads: the steps let through by an end-of-schedule release.
+      stats: the strategy's staleness counters.
+    """
+    sent: list[int]
+    rounds: int
+    released_reads: int
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_ms=80,
+                   steps=60) -> SyncStraggler:
+    """sync_replicas with one worker slowed by a sleep in its input pipeline."""
+    x, y = least_squares()
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
+                total_num_replicas=num_workers, timeout_s=60))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps)
+        p = strategy.update_policy
+        return SyncStraggler(sent=p.gradients_sent().tolist(), rounds=p.rounds(),
+                             released_reads=p.released_reads(),
+                             stats=strategy.staleness_stats())
 
 
 @pytest.mark.cluster
@@ -35,53 +84,118 @@ def test_backup_worker_keeps_updates_ahead_of_the_straggler():
     # 250 ms: the delay is a sleep in the slow worker's input pipeline, and on a
     # loaded machine 80 ms was within the fast workers' own step time: no
     # gradient came in late once in a full run (dropped 0).
-    r = run_scenario("sync_straggler", shared=(3, 1), replicas_to_aggregate=2, num_workers=3,
+    r = run_scenario(sync_straggler, shared=(3, 1), replicas_to_aggregate=2, num_workers=3,
                      slow_worker=0, delay_ms=250, steps=60)
-    s = r["stats"]
-    slow = r["sent"][0]
-    assert s["applied"] + s["dropped"] == 60 and s["global_step"] == r["rounds"]
+    s = r.stats
+    slow = r.sent[0]
+    assert s.applied + s.dropped == 60 and s.global_step == r.rounds
     # Late gradients of the slow worker are dropped and counted with tau >= 1.
-    assert s["dropped"] > 0 and s["dropped_histogram"][0] == 0
+    assert s.dropped > 0 and s.dropped_histogram[0] == 0
     # Updates did not fall to the slow worker's pace: without backup workers
     # every round needs its gradient (rounds <= slow, test below); here some
     # rounds completed without it. (A speed ratio would depend on the load.)
-    assert r["rounds"] > slow
+    assert r.rounds > slow
 
 
 @pytest.mark.cluster
 def test_without_backup_every_update_waits_for_the_straggler():
-    r = run_scenario("sync_straggler", shared=(3, 1), replicas_to_aggregate=3, num_workers=3,
+    r = run_scenario(sync_straggler, shared=(3, 1), replicas_to_aggregate=3, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
-    s = r["stats"]
-    assert s["applied"] + s["dropped"] == 60
+    s = r.stats
+    assert s.applied + s.dropped == 60
     # A gradient can be stale only after a release at the end of the schedule
     # (fast workers ran out of closures): seen once in a fresh-clone run.
-    assert s["dropped"] <= r["released_reads"]
+    assert s.dropped <= r.released_reads
     # Every round is complete, unless such a drop left the last one open with
     # at most replicas_to_aggregate - 1 accepted gradients (seen under load:
     # 59 applied, 19 rounds, 1 dropped).
-    open_round = s["applied"] - 3 * s["global_step"]
-    assert open_round == 0 or (s["dropped"] > 0 and 0 < open_round <= 2), s
-    assert r["rounds"] <= r["sent"][0] + r["released_reads"]
+    open_round = s.applied - 3 * s.global_step
+    assert open_round == 0 or (s.dropped > 0 and 0 < open_round <= 2), s
+    assert r.rounds <= r.sent[0] + r.released_reads
+
+
+# -- a dead worker -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SyncDeadWorker:
+    """sync_replicas with worker 1 SIGKILLed once ``kill_after`` rounds completed.
+
+    Attributes:
+      killed: whether the kill happened.
+      error: the class name of the exception the run raised (None: none).
+      message: its message ("" if none).
+      seconds: the run's wall-clock seconds (scheduling to join's end).
+      rounds: the aggregator's completed rounds.
+      stats: the strategy's staleness counters.
+    """
+    killed: bool
+    error: str | None
+    message: str
+    seconds: float
+    rounds: int
+    stats: StalenessStats
+
+
+@scenario
+def sync_dead_worker(replicas_to_aggregate=2, num_workers=3, steps=120, kill_after=10,
+                     timeout_s=5.0) -> SyncDeadWorker:
+    """sync_replicas with worker 1 SIGKILLed mid-run."""
+    x, y = least_squares()
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
+                timeout_s=timeout_s))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+
+        step = step_fn(strategy, [w], opt,
+                       lambda: tf.reduce_mean(tf.square(tf.matmul(x, w) - y)))
+        done = threading.Event()
+        killed = threading.Event()
+
+        def killer():
+            while not done.wait(0.02):
+                if strategy.update_policy.rounds() >= kill_after:
+                    c.kill("worker:1")
+                    killed.set()
+                    return
+
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        t0 = time.perf_counter()
+        err = None
+        try:
+            run_steps(coord, step, steps)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            err = e
+        finally:
+            done.set()
+            t.join(timeout=10)
+        return SyncDeadWorker(
+            killed=killed.is_set(), error=type(err).__name__ if err else None,
+            message=str(err) if err else "", seconds=time.perf_counter() - t0,
+            rounds=strategy.update_policy.rounds(), stats=strategy.staleness_stats())
 
 
 @pytest.mark.cluster
 def test_dead_worker_with_spare_capacity_does_not_stop_training():
-    r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=3, steps=120,
+    r = run_scenario(sync_dead_worker, replicas_to_aggregate=2, num_workers=3, steps=120,
                      kill_after=10)
-    assert r["killed"] and r["error"] is None
-    s = r["stats"]
-    assert r["rounds"] > 10 and s["global_step"] == s["applied"] // 2
-    assert 120 <= s["applied"] + s["dropped"] <= 121  # at-least-once retry of 1 closure
+    assert r.killed and r.error is None
+    s = r.stats
+    assert r.rounds > 10 and s.global_step == s.applied // 2
+    assert 120 <= s.applied + s.dropped <= 121  # at-least-once retry of 1 closure
 
 
 @pytest.mark.cluster
 def test_dead_worker_below_replicas_to_aggregate_fails_after_the_timeout():
-    r = run_scenario("sync_dead_worker", replicas_to_aggregate=2, num_workers=2, steps=120,
+    r = run_scenario(sync_dead_worker, replicas_to_aggregate=2, num_workers=2, steps=120,
                      kill_after=10, timeout_s=5.0)
-    assert r["killed"] and r["error"] == "TimeoutError"
-    assert "replicas_to_aggregate=2" in r["message"] and "timeout_s" in r["message"]
-    assert r["seconds"] < 60
+    assert r.killed and r.error == "TimeoutError"
+    assert "replicas_to_aggregate=2" in r.message and "timeout_s" in r.message
+    assert r.seconds < 60
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -123,12 +237,51 @@ def test_digits_with_sync_replicas(tmp_path):
     assert s["global_step"] == s["applied"] // 2
 
 
+# -- evaluate between fits -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FitEvaluateFit:
+    """model.fit, model.evaluate on the same data, model.fit again.
+
+    Attributes:
+      eval_loss: the loss evaluate returned.
+      stats: the strategy's staleness counters (both fits' steps).
+    """
+    eval_loss: float
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def fit_evaluate_fit(policy="sync_replicas", policy_args=None, num_workers=2,
+                     steps=20) -> FitEvaluateFit:
+    """model.fit, model.evaluate (steps without updates), model.fit again."""
+    x, y = small_problem()
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(16)
+
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                policy, **(policy_args or {"replicas_to_aggregate": num_workers,
+                                           "timeout_s": 30})))
+        with strategy.scope():
+            model = mlp()
+            model.compile(tf_keras.optimizers.SGD(0.1),
+                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        loss = model.evaluate(data, steps=steps, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        return FitEvaluateFit(eval_loss=float(loss), stats=strategy.staleness_stats())
+
+
 @pytest.mark.cluster
 def test_evaluate_between_fits_does_not_stall_the_rounds():
     """Evaluation steps take a token but give no gradient: the token comes back."""
-    r = run_scenario("fit_evaluate_fit", shared=(2, 1), policy="sync_replicas", num_workers=2,
+    r = run_scenario(fit_evaluate_fit, shared=(2, 1), policy="sync_replicas", num_workers=2,
                      steps=20)
-    s = r["stats"]
-    assert np.isfinite(r["eval_loss"])
-    assert s["applied"] + s["dropped"] == 40  # the two fits' worker steps
-    assert s["global_step"] == s["applied"] // 2
+    s = r.stats
+    assert np.isfinite(r.eval_loss)
+    assert s.applied + s.dropped == 40  # the two fits' worker steps
+    assert s.global_step == s.applied // 2

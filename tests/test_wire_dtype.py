@@ -4,14 +4,20 @@ In one process, no TensorFlow servers: grads.copy_to (the engine's copy of a
 gradient to its variable's ps) and core/lookup.py's row reads with
 ``wire_dtype=tf.bfloat16``, their traced graphs (which op is placed where) and
 their values; the strategy's refusal of a bad ``wire_dtype``. The ps keeping
-float32 variables and slots in a running cluster: the cluster test below.
+float32 variables and slots in a running cluster: the cluster tests below
+(``dense_traffic`` sits above the test that reads it, docs/tests.md#scenarios-beside-their-tests;
+the others are test_fit_exactness.py's and test_sharded.py's).
 """
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from scenarios import cluster, scenario
+from scenarios.common import cluster_tcp_bytes
 
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup
@@ -134,17 +140,18 @@ def test_a_bad_wire_dtype_is_refused_with_the_field_name(bad):
 @pytest.mark.timeout(300)
 def test_one_worker_fit_over_a_bfloat16_wire_trains_and_keeps_float32_on_the_ps():
     from conftest import run_scenario
-    bf16, f32 = run_scenario("single_worker_fits", shared=(1, 1), cases=[
+    from test_fit_exactness import single_worker_fits
+    bf16, f32 = run_scenario(single_worker_fits, shared=(1, 1), cases=[
         {"optimizer": "adam", "lr": 0.01, "wire_dtype": "bfloat16"},
-        {"optimizer": "adam", "lr": 0.01}])["runs"]
+        {"optimizer": "adam", "lr": 0.01}]).runs
     for r in (bf16, f32):
-        assert r["stats"]["applied"] == r["stats"]["global_step"] == 40
-        assert r["moved"] > 1e-2  # training really changed the weights
+        assert r.stats.applied == r.stats.global_step == 40
+        assert r.moved > 1e-2  # training really changed the weights
         # Variables and Adam's m and v (and its counter) are float32 on the ps.
-        assert r["dtypes"] == ["float32"] and r["slots"] == 9
-    assert f32["max_abs_diff"] < 1e-5  # the float32 wire: the single-process run
+        assert r.dtypes == ["float32"] and r.slots == 9
+    assert f32.max_abs_diff < 1e-5  # the float32 wire: the single-process run
     # bfloat16 gradients: Adam's updates move, but by much less than training does.
-    assert 1e-5 < bf16["max_abs_diff"] < 0.1 * bf16["moved"]
+    assert 1e-5 < bf16.max_abs_diff < 0.1 * bf16.moved
 
 
 @pytest.mark.cluster
@@ -156,10 +163,11 @@ def test_a_bfloat16_wire_halves_the_bytes_of_the_rows_read_and_their_gradients()
     52,014 -> 34,555 bytes a step, 17,459 saved: the rows plus the Dense
     kernel's gradient, 64 x 2 bytes)."""
     from conftest import run_scenario
-    f32, bf16 = run_scenario("embedding_traffic", timeout=240, rows_list=[10_000], dim=64,
-                             wire_dtypes=[None, "bfloat16"])["runs"]
-    assert (f32["wire_dtype"], bf16["wire_dtype"]) == (None, "bfloat16")
-    saved, expected = f32["bytes_per_step"] - bf16["bytes_per_step"], 2 * 64 * 64 * 2
+    from test_sharded import embedding_traffic
+    f32, bf16 = run_scenario(embedding_traffic, timeout=240, rows_list=[10_000], dim=64,
+                             wire_dtypes=[None, "bfloat16"]).runs
+    assert (f32.wire_dtype, bf16.wire_dtype) == (None, "bfloat16")
+    saved, expected = f32.bytes_per_step - bf16.bytes_per_step, 2 * 64 * 64 * 2
     assert 0.9 * expected < saved < 1.2 * expected
 
 
@@ -226,6 +234,61 @@ def test_dense_reads_of_other_dtypes_are_left_alone(dtype):
     assert not wire_reads.cast_dense_reads(tf.Variable(tf.zeros([2])), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseTrafficRun:
+    """One wire dtype's measured fit of the MLP.
+
+    Attributes:
+      wire_dtype: the strategy's wire_dtype (None: float32).
+      bytes_per_step: TCP bytes the cluster's tasks sent per worker step.
+      params: the model's parameters.
+      dtypes: the model weights' dtypes (sorted, distinct).
+    """
+    wire_dtype: str | None
+    bytes_per_step: float
+    params: int
+    dtypes: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTraffic:
+    """Attributes: runs: one DenseTrafficRun per wire dtype, in order."""
+    runs: list[DenseTrafficRun]
+
+
+@scenario
+def dense_traffic(hidden=256, steps=60, wire_dtypes=(None, "bfloat16")) -> DenseTraffic:
+    """TCP bytes per worker step (all the cluster's tasks, 1 worker, 1 ps) of
+    an MLP 64-``hidden``-10 (tf_keras fit, SGD), once per ``wire_dtypes``
+    entry: each step reads every weight and pushes every gradient."""
+    import tf_keras
+    import tf_asyncps
+    rng = np.random.RandomState(0)
+    x = rng.randn(32 * steps, 64).astype(np.float32)
+    y = rng.randint(0, 10, size=(32 * steps,)).astype(np.int64)
+    out = []
+    with cluster(num_workers=1, num_ps=1) as c:
+        for wire in wire_dtypes:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), wire_dtype=wire)
+            with strategy.scope():
+                model = tf_keras.Sequential([
+                    tf_keras.Input(shape=(64,)),
+                    tf_keras.layers.Dense(hidden, activation="relu"),
+                    tf_keras.layers.Dense(10)])
+                model.compile(tf_keras.optimizers.SGD(0.05), tf_keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True), steps_per_execution=10)
+            data = tf_keras.utils.experimental.DatasetCreator(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat())
+            model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # traced, warm
+            before = cluster_tcp_bytes(c)
+            model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            out.append(DenseTrafficRun(
+                wire_dtype=wire, bytes_per_step=(cluster_tcp_bytes(c) - before) / steps,
+                params=int(model.count_params()),
+                dtypes=sorted({v.dtype.name for v in model.weights})))
+    return DenseTraffic(runs=out)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_bfloat16_wire_halves_the_bytes_of_a_dense_model():
@@ -234,8 +297,8 @@ def test_a_bfloat16_wire_halves_the_bytes_of_a_dense_model():
     over a bfloat16 wire both cross in half of that (the reads cast on the
     ps, core/wire_reads.py; the gradients on the worker, grads.copy_to)."""
     from conftest import run_scenario
-    f32, bf16 = run_scenario("dense_traffic", timeout=240)["runs"]
-    assert f32["params"] == bf16["params"] == 64 * 256 + 256 + 256 * 10 + 10
-    assert f32["dtypes"] == bf16["dtypes"] == ["float32"]  # the variables stay float32
-    saved, expected = f32["bytes_per_step"] - bf16["bytes_per_step"], 2 * f32["params"] * 2
+    f32, bf16 = run_scenario(dense_traffic, timeout=240).runs
+    assert f32.params == bf16.params == 64 * 256 + 256 + 256 * 10 + 10
+    assert f32.dtypes == bf16.dtypes == ["float32"]  # the variables stay float32
+    saved, expected = f32.bytes_per_step - bf16.bytes_per_step, 2 * f32.params * 2
     assert 0.95 * expected < saved < 1.1 * expected

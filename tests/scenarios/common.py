@@ -164,3 +164,24 @@ def full_value(var):
     """The full value of a ShardedVariable (its shards concatenated) or variable."""
     return np.concatenate([np.asarray(p.numpy()) for p in variables_compat.shards(var) or [var]],
                           axis=0)
+
+
+def cluster_tcp_bytes(c):
+    """Bytes sent so far on every TCP connection to or from a task of
+    cluster ``c`` (``ss -tin``, per socket: other jobs sharing the loopback
+    interface do not count). Both ends of a loopback connection are listed,
+    so this is what the tasks sent, all together."""
+    import re
+    import subprocess
+    ports = {a.rsplit(":", 1)[1] for addrs in c.config.values() for a in addrs}
+    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True,
+                         text=True, check=True).stdout
+    total, ours = 0, False
+    for line in out.splitlines():
+        if line and not line[0].isspace():  # "Recv-Q Send-Q local peer": a socket
+            local, peer = line.split()[2:4]
+            ours = bool({local.rsplit(":", 1)[1], peer.rsplit(":", 1)[1]} & ports)
+        elif ours:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
