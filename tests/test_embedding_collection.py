@@ -257,8 +257,9 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     """1 worker, 2 ps, the 88-row table of 4 features split in two: fit
     equals one-process tf_keras training (Adagrad, 8 steps); the traced step
     reads the table once per shard (2 gathers of distinct int32 ids for 4
-    features), de-duplicates each shard's gradient rows once on the worker
-    and updates each shard once on its ps (Adagrad's sparse update: the
+    features), leaves each shard's gradient rows as the distinct read made
+    them (no second de-duplication on the worker or the ps) and updates
+    each shard once on its ps (Adagrad's sparse update: the
     accumulator's and the rows' scatter_add). Under route (tables matched by
     the default sparse_names) with rows crossing as bfloat16 every step
     updates the sparse part. The Keras 3 layer, split the same way, trains
@@ -272,7 +273,7 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     assert plain["max_abs_diff"] <= 1e-5
     ops = plain["step_ops"]
     assert ops["reads"] == [{"ids_dtype": "int32", "uniques_upstream": 1}] * 2
-    assert ops["grad_uniques"] == 2
+    assert ops["grad_uniques"] == 0
     assert ops["scatter_adds_by_task"] == {"0": 2, "1": 2}
     assert routed["part_updates"] == {"sparse": 8, "dense": 8}
     # bfloat16 rows (8 bits of mantissa): near the float32 run, not equal to it.
