@@ -1,5 +1,10 @@
 """Mixed precision: the optimizer hook with LossScaleOptimizer (one process),
-float32 accumulation, and real clusters under mixed_bfloat16 / mixed_float16."""
+float32 accumulation, and real clusters under mixed_bfloat16 / mixed_float16.
+
+The cluster scenario sits above the tests that read it and returns the
+dataclass declared with it (docs/tests.md#scenarios-beside-their-tests)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,6 +13,9 @@ import tf_keras
 
 import tf_asyncps
 from conftest import run_scenario
+from scenarios import cluster, scenario
+from scenarios.common import mlp, small_problem
+from tf_asyncps import StalenessStats
 from tf_asyncps.app import job
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
@@ -175,39 +183,139 @@ def test_base_variable_finds_the_variable_under_an_autocast_variable(policy):
 
 
 # -- real clusters (one process each) ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionFit:
+    """model.fit of the small MLP (SparseCategoricalCrossentropy, SGD) under a
+    tf_keras mixed-precision policy.
+
+    Attributes:
+      scheduled: the steps fit scheduled (epochs * steps_per_epoch).
+      compute_dtypes: the two Dense layers' compute dtypes (sorted, distinct).
+      variable_dtypes: the model weights' dtypes (sorted, distinct).
+      policy_grad_dtypes: the dtypes of the gradients the update policy
+        received, recorded at trace time (sorted, distinct).
+      traces: how many gradient dtypes were recorded over all traces.
+      loss0, loss: the float32 loss on the whole problem before and after fit.
+      iterations: the optimizer's step counter at the end (int).
+      loss_scale: the LossScaleOptimizer's scale at the end (mixed_float16
+        only; None otherwise).
+      lock_acquisitions: the update lock's acquisitions (0 without a lock).
+      stats: the strategy's staleness counters.
+    """
+    scheduled: int
+    compute_dtypes: list[str]
+    variable_dtypes: list[str]
+    policy_grad_dtypes: list[str]
+    traces: int
+    loss0: float
+    loss: float
+    iterations: int
+    loss_scale: float | None
+    lock_acquisitions: int
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def mixed_precision_fit(precision="mixed_bfloat16", policy="async", policy_args=None,
+                        num_workers=2, epochs=2, steps_per_epoch=40, batch=16, lr=0.1,
+                        initial_scale=None, locking=False) -> MixedPrecisionFit:
+    """model.fit of a small MLP under a tf_keras mixed-precision policy.
+
+    Records, at trace time on this chief, the dtypes of the gradients the
+    update policy receives. ``initial_scale`` (mixed_float16 only) starts the
+    loss scale high enough to overflow float16, so the first steps have
+    non-finite gradients. ``locking`` wraps the inner optimizer in
+    LockingOptimizer (the LossScaleOptimizer goes around it).
+    """
+    x, y = small_problem()
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.shuffle(len(x), seed=0).repeat().batch(batch)
+
+    def full_loss(weights):  # float32, in this process
+        ref = mlp()
+        ref.set_weights(weights)
+        return float(loss(y, ref(x)))
+
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+        seen = []
+        original_update = strategy.update_policy.update
+
+        def recording_update(grads, state, info):
+            seen.extend(sorted({g.dtype.name for g in grads}))
+            return original_update(grads, state, info)
+
+        strategy.update_policy.update = recording_update
+        tf_keras.utils.set_random_seed(0)
+        tf_keras.mixed_precision.set_global_policy(precision)
+        with strategy.scope():
+            model = tf_keras.Sequential([
+                tf_keras.Input(shape=(8,)),
+                tf_keras.layers.Dense(16, activation="tanh"),
+                tf_keras.layers.Dense(3),
+                tf_keras.layers.Activation("linear", dtype="float32")])
+            opt = tf_keras.optimizers.SGD(lr)
+            if locking:
+                opt = tf_asyncps.optimizers.LockingOptimizer(opt)
+            if precision == "mixed_float16":
+                opt = tf_keras.mixed_precision.LossScaleOptimizer(
+                    opt, **({"initial_scale": initial_scale} if initial_scale else {}))
+            model.compile(opt, loss)
+        w0 = model.get_weights()
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+                  steps_per_epoch=steps_per_epoch, verbose=0)
+        tf_keras.mixed_precision.set_global_policy("float32")
+        lock = strategy.extended.engine.lock
+        return MixedPrecisionFit(
+            scheduled=epochs * steps_per_epoch,
+            compute_dtypes=sorted({l.compute_dtype for l in model.layers[:2]}),
+            variable_dtypes=sorted({v.dtype.name for v in model.weights}),
+            policy_grad_dtypes=sorted(set(seen)), traces=len(seen),
+            loss0=full_loss(w0), loss=full_loss(model.get_weights()),
+            iterations=int(model.optimizer.iterations.numpy()),
+            loss_scale=(float(model.optimizer.loss_scale.numpy())
+                        if precision == "mixed_float16" else None),
+            lock_acquisitions=lock.acquisitions() if lock is not None else 0,
+            stats=strategy.staleness_stats())
+
 
 def _accounting(r):
-    s = r["stats"]
-    assert s["applied"] + s["dropped"] == r["scheduled"]
+    s = r.stats
+    assert s.applied + s.dropped == r.scheduled
     return s
 
 
 @pytest.mark.cluster
 def test_sync_replicas_under_mixed_bfloat16_trains_in_float32_sums():
-    r = run_scenario("mixed_precision_fit", shared=(2, 1), precision="mixed_bfloat16",
+    r = run_scenario(mixed_precision_fit, shared=(2, 1), precision="mixed_bfloat16",
                      policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "timeout_s": 30})
     s = _accounting(r)
-    assert r["compute_dtypes"] == ["bfloat16"] and r["variable_dtypes"] == ["float32"]
-    assert r["policy_grad_dtypes"] == ["float32"] and r["traces"] >= 1
-    assert s["global_step"] == s["applied"] // 2 == r["iterations"] > 0
-    assert r["loss"] < 0.6 * r["loss0"], r
+    assert r.compute_dtypes == ["bfloat16"] and r.variable_dtypes == ["float32"]
+    assert r.policy_grad_dtypes == ["float32"] and r.traces >= 1
+    assert s.global_step == s.applied // 2 == r.iterations > 0
+    assert r.loss < 0.6 * r.loss0, r
 
 
 @pytest.mark.cluster
 def test_mixed_float16_loss_scaling_drops_overflowing_steps_and_lowers_the_scale():
     """LossScaleOptimizer around a LockingOptimizer, loss scale starting at 2**20:
     the first steps overflow float16, are dropped as non-finite and halve it."""
-    r = run_scenario("mixed_precision_fit", shared=(2, 1), precision="mixed_float16",
+    r = run_scenario(mixed_precision_fit, shared=(2, 1), precision="mixed_float16",
                      initial_scale=2.0 ** 20, locking=True)
     s = _accounting(r)
-    assert r["compute_dtypes"] == ["float16"] and r["policy_grad_dtypes"] == ["float32"]
-    assert s["nonfinite"] == s["dropped"] >= 1
+    assert r.compute_dtypes == ["float16"] and r.policy_grad_dtypes == ["float32"]
+    assert s.nonfinite == s.dropped >= 1
     # Each overflow halves the scale once (drops run under the lock: no race).
-    assert r["loss_scale"] == 2.0 ** 20 / 2 ** s["nonfinite"]
-    assert s["global_step"] == s["applied"] == r["iterations"]
-    assert r["lock_acquisitions"] == r["scheduled"]  # the lock is seen through the wrapper
-    assert r["loss"] < 0.6 * r["loss0"], r
+    assert r.loss_scale == 2.0 ** 20 / 2 ** s.nonfinite
+    assert s.global_step == s.applied == r.iterations
+    assert r.lock_acquisitions == r.scheduled  # the lock is seen through the wrapper
+    assert r.loss < 0.6 * r.loss0, r
 
 
 def test_local_sgd_refuses_dynamic_loss_scaling():

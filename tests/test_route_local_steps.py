@@ -4,17 +4,23 @@ weights on per-worker copies exchanged every k steps (PERSIA's hybrid).
 
 Fast tier: the labels and the refusals. Cluster tier: closed forms on one
 worker (the table is plain SGD, the PS copy of the dense weight is the SGD
-trajectory sampled at the exchanges) and exact counters on two.
+trajectory sampled at the exchanges) and exact counters on two. Each cluster
+scenario sits above the test that reads it and returns the dataclass declared
+with it (docs/tests.md#scenarios-beside-their-tests).
 """
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
-from tf_asyncps import policies
+import tf_asyncps
+from tf_asyncps import StalenessStats, policies
 from conftest import run_scenario
+from scenarios import cluster, scenario
 
 
 def _vars(*names):
@@ -123,51 +129,181 @@ def _sgd_trajectory(ids, x, y, table0, w0, lr):
     return tables, ws
 
 
+# -- on a cluster: route(sparse="async", dense=LocalSteps(k)) ---------------------
+def _strategy(c, sync_every):
+    policy = tf_asyncps.policies.route(
+        sparse="async", dense=tf_asyncps.policies.LocalSteps(sync_every=sync_every))
+    strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
+    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+def _step(strategy, table, w, opt, loss_fn):
+    @tf.function
+    def step(*batch):
+        def replica_fn(*batch):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(*batch)
+            opt.apply_gradients(zip(tape.gradient(loss, [table, w]), [table, w]))
+            return loss
+        return strategy.run(replica_fn, args=batch)
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteLocalStepsOneWorker:
+    """One worker's steps, each fetched on its own, then a join.
+
+    Attributes:
+      tables, ws: the PS copies of the table ([rows][dim]) and of w ([d])
+        after each step (one entry per step).
+      table, w: the PS copies after the join.
+      iterations: the optimizer's step counter at the end (int).
+      part_updates: ``{label: n}``, Route.part_updates() at the end.
+      local_copies: the names of the variables with per-worker copies, sorted.
+      stats: the strategy's staleness counters.
+    """
+    tables: list
+    ws: list
+    table: list
+    w: list[float]
+    iterations: int
+    part_updates: dict[str, int]
+    local_copies: list[str]
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def route_local_steps_one_worker(ids, x, y, table0, w0, lr=0.1,
+                                 sync_every=3) -> RouteLocalStepsOneWorker:
+    """One worker; step j trains on ``ids[j]`` (int, [batch]), ``x[j]``
+    ([batch, d]), ``y[j]`` ([batch]): pred = sum(table[id]) + x @ w, loss =
+    mean((pred - y)^2) / 2, SGD(lr). Each step is scheduled and fetched on
+    its own; after each, the PS copies of the table and of w are read. A
+    join then pushes the rest."""
+    with cluster(num_workers=1, num_ps=1) as c:
+        strategy, coord = _strategy(c, sync_every)
+        with strategy.scope():
+            table = tf.Variable(table0, dtype=tf.float32, name="embeddings")
+            w = tf.Variable(w0, dtype=tf.float32, name="dense/kernel")
+            opt = tf_keras.optimizers.SGD(lr)
+
+        def loss_fn(ids_j, x_j, y_j):
+            pred = tf.reduce_sum(tf.gather(table, ids_j), axis=1) + tf.linalg.matvec(x_j, w)
+            return 0.5 * tf.reduce_mean(tf.square(pred - y_j))
+
+        step = _step(strategy, table, w, opt, loss_fn)
+        tables, ws = [], []
+        for j in range(len(ids)):
+            coord.fetch(coord.schedule(step, args=(
+                tf.constant(ids[j], tf.int32), tf.constant(x[j], tf.float32),
+                tf.constant(y[j], tf.float32))))
+            tables.append(table.numpy().tolist())
+            ws.append(w.numpy().tolist())
+        coord.join()
+        return RouteLocalStepsOneWorker(
+            tables=tables, ws=ws, table=table.numpy().tolist(), w=w.numpy().tolist(),
+            iterations=int(opt.iterations.numpy()),
+            part_updates=strategy.update_policy.part_updates(),
+            local_copies=sorted(
+                cp.master.name for cp in strategy.extended.engine.local._copies.values()),
+            stats=strategy.staleness_stats())
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_one_worker_table_is_sgd_and_the_ps_dense_copy_is_sgd_sampled_at_the_exchanges():
     data = _one_worker_data()
-    r = run_scenario("route_local_steps_one_worker", shared=(1, 1), lr=LR, sync_every=K,
+    r = run_scenario(route_local_steps_one_worker, shared=(1, 1), lr=LR, sync_every=K,
                      **data)
     n = len(data["ids"])
     tables, ws = _sgd_trajectory(**data, lr=LR)
     for j in range(1, n + 1):
         # After step j the table is SGD's (updated on the PS every step) ...
-        np.testing.assert_allclose(r["tables"][j - 1], tables[j], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r.tables[j - 1], tables[j], rtol=1e-5, atol=1e-6)
         # ... and the PS copy of w is the trajectory at the last exchange:
         # made at the start of steps K+1, 2K+1, ... (the first step pulls).
-        np.testing.assert_allclose(r["ws"][j - 1], ws[K * ((j - 1) // K)], rtol=1e-5,
+        np.testing.assert_allclose(r.ws[j - 1], ws[K * ((j - 1) // K)], rtol=1e-5,
                                    atol=1e-6)
     assert not np.allclose(ws[K * ((n - 1) // K)], ws[n])  # the last window is still local
     # The join pushes the rest: the PS copy is SGD's end point.
-    np.testing.assert_allclose(r["w"], ws[n], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(r["table"], tables[n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r.w, ws[n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r.table, tables[n], rtol=1e-5, atol=1e-6)
     # Local copies: the dense kernel and its slot (tf_keras SGD makes one even
     # at momentum 0); the table, its slot and the step counter stay on the PS.
-    assert r["local_copies"] == ["SGD/m/dense/kernel:0", "dense/kernel:0"]
-    assert r["part_updates"] == {"sparse": n, "dense": math.ceil(n / K)}
-    s = r["stats"]
-    assert s["parts"] == r["part_updates"]  # staleness_stats().parts
-    assert (s["applied"], s["dropped"], s["global_step"], s["local_steps"]) == (n, 0, n, n)
-    assert r["iterations"] == n
+    assert r.local_copies == ["SGD/m/dense/kernel:0", "dense/kernel:0"]
+    assert r.part_updates == {"sparse": n, "dense": math.ceil(n / K)}
+    s = r.stats
+    assert s.parts == r.part_updates  # staleness_stats().parts
+    assert (s.applied, s.dropped, s.global_step, s.local_steps) == (n, 0, n, n)
+    assert r.iterations == n
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteLocalStepsTwoWorkers:
+    """Two workers' scheduled steps after the join.
+
+    Attributes:
+      table: the table ([3][2]) at the end.
+      w: w ([4]) at the end.
+      iterations: the optimizer's step counter at the end (int).
+      closures: closures completed per worker index.
+      part_updates: ``{label: n}``, Route.part_updates() at the end.
+      stats: the strategy's staleness counters.
+    """
+    table: list
+    w: list[float]
+    iterations: int
+    closures: list[int]
+    part_updates: dict[str, int]
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def route_local_steps_two_workers(steps=20, lr=0.5, sync_every=4,
+                                  ids=(0, 1, 1)) -> RouteLocalStepsTwoWorkers:
+    """Two workers, loss = sum(table[ids]) + sum(w) (constant gradients: a
+    row's gradient is its count in ``ids``, w's is 1): after the join the
+    table row r is -lr * steps * count(r) and w is 2 - lr * steps exactly,
+    whichever worker ran each step."""
+    with cluster(num_workers=2, num_ps=1) as c:
+        strategy, coord = _strategy(c, sync_every)
+        with strategy.scope():
+            table = tf.Variable(tf.zeros([3, 2]), name="embeddings")
+            w = tf.Variable(tf.fill([4], 2.0), name="dense/kernel")
+            opt = tf_keras.optimizers.SGD(lr)
+        id_tensor = tf.constant(list(ids), tf.int32)
+
+        def loss_fn():
+            return tf.reduce_sum(tf.gather(table, id_tensor)) + tf.reduce_sum(w)
+
+        step = _step(strategy, table, w, opt, loss_fn)
+        for _ in range(steps):
+            coord.schedule(step)
+        coord.join()
+        return RouteLocalStepsTwoWorkers(
+            table=table.numpy().tolist(), w=w.numpy().tolist(),
+            iterations=int(opt.iterations.numpy()),
+            closures=strategy.closures_done_per_worker(),
+            part_updates=strategy.update_policy.part_updates(),
+            stats=strategy.staleness_stats())
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_two_workers_sum_exactly_and_count_each_exchange():
     steps, lr, k = 20, 0.5, 4
-    r = run_scenario("route_local_steps_two_workers", shared=(2, 1), steps=steps, lr=lr,
+    r = run_scenario(route_local_steps_two_workers, shared=(2, 1), steps=steps, lr=lr,
                      sync_every=k, ids=[0, 1, 1])
-    assert r["table"] == [[-lr * steps] * 2, [-2 * lr * steps] * 2, [0.0, 0.0]]
-    assert r["w"] == [2.0 - lr * steps] * 4
-    closures = r["closures"]
+    assert r.table == [[-lr * steps] * 2, [-2 * lr * steps] * 2, [0.0, 0.0]]
+    assert r.w == [2.0 - lr * steps] * 4
+    closures = r.closures
     assert sum(closures) == steps
     # Per worker: an exchange at the start of each closure after k local
     # steps since its last, then the join's push of the rest: ceil(c / k).
     syncs = sum(math.ceil(c / k) for c in closures)
-    assert r["part_updates"] == {"sparse": steps, "dense": syncs}
-    s = r["stats"]
-    assert s["parts"] == r["part_updates"]  # staleness_stats().parts
-    assert (s["applied"], s["dropped"], s["global_step"], s["local_steps"]) == (
+    assert r.part_updates == {"sparse": steps, "dense": syncs}
+    s = r.stats
+    assert s.parts == r.part_updates  # staleness_stats().parts
+    assert (s.applied, s.dropped, s.global_step, s.local_steps) == (
         steps, 0, steps, steps)
-    assert r["iterations"] == steps
+    assert r.iterations == steps
