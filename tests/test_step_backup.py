@@ -124,3 +124,16 @@ def _deltas_resume(got):
     assert not again["started"] and again["resume_step"] == 14 and again["backups"] == []
     assert again["global_step"] == again["iterations"] == 14
     assert again["diff_to_reference"] < 1e-5
+
+
+def test_a_delta_backup_is_the_resume_point_with_its_format(tmp_path):
+    """A delta's meta.json holds the delta format (delta_chain.DELTA_FORMAT)."""
+    from tf_asyncps.callbacks import delta_chain
+    root = str(tmp_path)
+    _backup_dir(root, 5)
+    path = os.path.join(root, f"step-{10:012d}")
+    os.makedirs(path)
+    with open(os.path.join(path, step_backup.META_FILE), "w") as f:
+        json.dump({"format": delta_chain.DELTA_FORMAT, "kind": "delta", "worker_steps": 10,
+                   "base_id": f"step-{5:012d}", "seq": 1}, f)
+    assert step_backup.newest_backup(root)[0] == path

@@ -79,7 +79,9 @@ def newest_backup(backup_dir: str) -> Optional[Tuple[str, Dict]]:
         return None
     path = found[-1][1]
     meta = read_json(os.path.join(path, META_FILE))
-    if meta is None or meta.get("format") != _FORMAT:
+    # A delta's meta.json carries the delta format (delta_chain.DELTA_FORMAT).
+    want = delta_chain.DELTA_FORMAT if (meta or {}).get("kind") == "delta" else _FORMAT
+    if meta is None or meta.get("format") != want:
         raise ValueError(f"StepBackup: {os.path.join(path, META_FILE)} is unreadable or not "
                          f"format {_FORMAT}; delete that backup or use a new backup_dir.")
     return path, meta
