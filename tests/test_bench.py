@@ -1,5 +1,9 @@
-"""tf-asyncps bench (its logic and a tiny real run) and straggler injection."""
+"""tf-asyncps bench (its logic and a tiny real run) and straggler injection.
 
+The cluster scenario sits above the test that reads it and returns the
+dataclass declared with it (docs/tests.md#scenarios-beside-their-tests)."""
+
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +14,7 @@ import time
 import pytest
 
 from conftest import proc_state, run_command, run_scenario, wait_dead
+from scenarios import cluster, scenario
 from tf_asyncps.app import bench, bench_report
 from tf_asyncps.cluster import netns
 from tf_asyncps.app.straggler import StopContCycler, slow_dataset_fn
@@ -438,11 +443,49 @@ def test_slow_dataset_fn_rejects_bad_arguments():
         slow_dataset_fn(lambda ctx: None, 0, -5)
 
 
+@dataclasses.dataclass(frozen=True)
+class StragglerCounts:
+    """Attributes: counts: closures run by each worker index, counted on the PS."""
+    counts: list[int]
+
+
+@scenario(shares_cluster=True)
+def straggler_counts(num_workers=2, slow_worker=0, delay_ms=30, steps=40) -> StragglerCounts:
+    """tf_asyncps.straggler.slow_dataset_fn: closures taken by each worker,
+    counted on the PS (ClusterCoordinator gives closures to free workers)."""
+    import tensorflow as tf
+    import tf_asyncps
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False)
+
+        def dataset_fn(ctx):
+            return tf.data.Dataset.from_tensors(tf.constant(1, tf.int64)).repeat()
+
+        slow = slow_dataset_fn(dataset_fn, slow_worker, delay_ms)
+        it = iter(coord.create_per_worker_dataset(
+            lambda: slow(tf.distribute.InputContext())))
+
+        @tf.function
+        def step(iterator):
+            one = next(iterator)
+            w = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                        tf.int64)
+            counts.scatter_add(tf.IndexedSlices(tf.reshape(one, [1]), tf.reshape(w, [1])))
+
+        for _ in range(steps):
+            coord.schedule(step, args=(it,))
+        coord.join()
+        return StragglerCounts(counts=counts.numpy().tolist())
+
+
 @pytest.mark.cluster
 def test_straggler_injection_slows_the_chosen_worker():
-    r = run_scenario("straggler_counts", shared=(2, 1), num_workers=2, slow_worker=0,
+    r = run_scenario(straggler_counts, shared=(2, 1), num_workers=2, slow_worker=0,
                      delay_ms=80, steps=40)
-    slow, fast = r["counts"]
+    slow, fast = r.counts
     assert slow + fast == 40  # every closure ran once
     # The slowed worker took far fewer closures (80 ms per batch dwarfs a fast
     # step even with the other test process loading the cores).

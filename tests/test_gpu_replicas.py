@@ -5,11 +5,105 @@ once, in one update through the policy, counted once: so one worker with K
 replicas equals one-process training on batches K times as large, and the
 counters count worker steps, not replicas. On CPU the test stand-in in
 scenarios.common.fake_multi_replica_workers gives each worker K CPU devices.
+
+Each cluster scenario sits above the tests that read it and returns the
+dataclass declared with it (docs/tests.md#scenarios-beside-their-tests).
 """
 
-import pytest
+import dataclasses
 
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_asyncps
 from conftest import run_scenario
+from scenarios import scenario
+from scenarios.common import (
+    fake_multi_replica_workers, full_value, in_process_cluster, make_optimizer,
+    make_partitioner, mlp, small_problem)
+from tf_asyncps import StalenessStats
+from tf_asyncps.compat import variables as variables_compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicasFit:
+    """model.fit of the small MLP with K replicas per worker, and (in the
+    scenario's process) the same MLP trained on batches K times as large.
+
+    Attributes:
+      replicas: the strategy's num_replicas_in_sync.
+      max_abs_diff: max |weight - one-process weight| over all weights.
+      moved: max |one-process weight - initial weight| (training moved them).
+      iterations: the optimizer's step counter at the end (int).
+      finite: every weight is finite at the end.
+      rounds: the policy's completed rounds (``sync_replicas``; None for others).
+      loss_scale: the LossScaleOptimizer's scale at the end (mixed_float16
+        only; None otherwise).
+      stats: the strategy's staleness counters.
+    """
+    replicas: int
+    max_abs_diff: float
+    moved: float
+    iterations: int
+    finite: bool
+    rounds: int | None
+    loss_scale: float | None
+    stats: StalenessStats
+
+
+@scenario
+def replicas_fit(replicas=2, num_workers=1, policy="async", policy_args=None,
+                 optimizer="momentum", lr=0.1, locking=False, epochs=2, steps_per_epoch=10,
+                 batch=8, precision=None) -> ReplicasFit:
+    """model.fit with ``replicas`` replicas per worker (the K-GPU worker path,
+    on CPU devices). With one worker, compared with one-process training on
+    batches of replicas * batch examples in the same order."""
+    fake_multi_replica_workers(replicas)
+    servers, resolver = in_process_cluster(num_workers, cpus_per_worker=replicas)
+    x, y = small_problem(n=steps_per_epoch * batch * replicas * num_workers)
+    rng = np.random.RandomState(1)
+    w0 = [rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+          for shape in [(8, 16), (16,), (16, 3), (3,)]]
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dataset_fn(ctx):  # each replica takes its own batch, in turn
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(batch).repeat()
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        resolver, update_policy=tf_asyncps.policies.get(policy, **(policy_args or {})))
+    ref = mlp()
+    ref.set_weights(w0)
+    ref.compile(make_optimizer(optimizer, lr), loss)
+    ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * replicas).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    if precision:
+        tf_keras.mixed_precision.set_global_policy(precision)
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(w0)
+        opt = make_optimizer(optimizer, lr)
+        if precision == "mixed_float16":
+            opt = tf_keras.mixed_precision.LossScaleOptimizer(opt)
+        if locking:
+            opt = tf_asyncps.optimizers.LockingOptimizer(opt)
+        model.compile(opt, loss)
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())]
+    moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
+    p = strategy.update_policy
+    return ReplicasFit(
+        replicas=strategy.num_replicas_in_sync, max_abs_diff=max(diffs), moved=max(moved),
+        iterations=int(model.optimizer.iterations.numpy()),
+        finite=all(bool(np.all(np.isfinite(v))) for v in model.get_weights()),
+        rounds=p.rounds() if hasattr(p, "rounds") else None,
+        loss_scale=(float(model.optimizer.loss_scale.numpy())
+                    if precision == "mixed_float16" else None),
+        stats=strategy.staleness_stats())
 
 
 @pytest.mark.parametrize("policy,optimizer,locking", [
@@ -18,53 +112,125 @@ from conftest import run_scenario
 ])
 @pytest.mark.cluster
 def test_two_replicas_one_worker_equal_one_process_training(policy, optimizer, locking):
-    r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy=policy,
+    r = run_scenario(replicas_fit, replicas=2, num_workers=1, policy=policy,
                      optimizer=optimizer, locking=locking, epochs=2, steps_per_epoch=10,
                      batch=8)
-    assert r["replicas"] == 2
-    assert r["moved"] > 0.05  # training did move the weights
-    assert r["max_abs_diff"] < 1e-5, r
-    s = r["stats"]
-    assert r["iterations"] == 20 and s["global_step"] == 20 and s["applied"] == 20
-    assert s["dropped"] == 0 and s["histogram"][0] == 20  # one worker: tau = 0
+    assert r.replicas == 2
+    assert r.moved > 0.05  # training did move the weights
+    assert r.max_abs_diff < 1e-5, r
+    s = r.stats
+    assert r.iterations == 20 and s.global_step == 20 and s.applied == 20
+    assert s.dropped == 0 and s.histogram[0] == 20  # one worker: tau = 0
 
 
 @pytest.mark.cluster
 def test_two_replicas_two_workers_sync_replicas_counts_worker_steps():
-    r = run_scenario("replicas_fit", replicas=2, num_workers=2, policy="sync_replicas",
+    r = run_scenario(replicas_fit, replicas=2, num_workers=2, policy="sync_replicas",
                      policy_args={"replicas_to_aggregate": 2, "timeout_s": 60},
                      optimizer="sgd", epochs=2, steps_per_epoch=10, batch=8)
-    s = r["stats"]
-    assert r["replicas"] == 2 and r["finite"]
+    s = r.stats
+    assert r.replicas == 2 and r.finite
     # Every worker step (not every replica) reaches the aggregator once.
-    assert s["applied"] + s["dropped"] == 20
+    assert s.applied + s.dropped == 20
     # The identity of docs/concepts/staleness.md: a gradient computed before a drain's release
     # may arrive stale and be dropped (seen: 19 applied, 1 dropped, 9 rounds).
-    assert s["global_step"] == s["applied"] // 2 == r["rounds"]
-    assert r["iterations"] == s["global_step"]
+    assert s.global_step == s.applied // 2 == r.rounds
+    assert r.iterations == s.global_step
 
 
 @pytest.mark.cluster
 def test_two_replicas_mixed_float16_loss_scaling_once_per_worker_step():
-    r = run_scenario("replicas_fit", replicas=2, num_workers=1, policy="async",
+    r = run_scenario(replicas_fit, replicas=2, num_workers=1, policy="async",
                      optimizer="sgd", precision="mixed_float16", epochs=2,
                      steps_per_epoch=10, batch=8)
     # float16 compute: close to float32 one-process training, not equal.
-    assert r["finite"] and r["max_abs_diff"] < 1e-3 and r["moved"] > 0.05
-    s = r["stats"]
-    assert r["iterations"] == 20 == s["global_step"] == s["applied"] and s["dropped"] == 0
+    assert r.finite and r.max_abs_diff < 1e-3 and r.moved > 0.05
+    s = r.stats
+    assert r.iterations == 20 == s.global_step == s.applied and s.dropped == 0
     # One loss-scale update per worker step, not per replica: 20 finite steps
     # at the default growth interval (2000) leave the initial scale.
-    assert r["loss_scale"] == 2.0 ** 15
+    assert r.loss_scale == 2.0 ** 15
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicasEmbeddingFit:
+    """The Embedding model's fit with K replicas on one worker, and (in the
+    scenario's process) the same model trained on batches K times as large.
+
+    Attributes:
+      max_abs_diff: max |weight - one-process weight| over all weights.
+      moved: max |one-process weight - initial weight|.
+      shards: the embedding table's shards (1: not split).
+      iterations: the optimizer's step counter at the end (int).
+      stats: the strategy's staleness counters.
+    """
+    max_abs_diff: float
+    moved: float
+    shards: int
+    iterations: int
+    stats: StalenessStats
+
+
+@scenario
+def replicas_embedding_fit(replicas=2, policy="async", epochs=2, steps_per_epoch=10, batch=8,
+                           num_ps=1) -> ReplicasEmbeddingFit:
+    """An Embedding model (sparse IndexedSlices gradients) with ``replicas``
+    replicas on one worker, against one-process training on batches of
+    replicas * batch examples in the same order. ``num_ps`` > 1: the table
+    and the Dense layer are split over the ps tasks (FixedShardsPartitioner)."""
+    fake_multi_replica_workers(replicas)
+    servers, resolver = in_process_cluster(1, cpus_per_worker=replicas, num_ps=num_ps)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 50, size=(steps_per_epoch * batch * replicas, 3)).astype("int32")
+    y = (ids[:, 0] % 2).astype("int64")
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    w0 = [np.random.RandomState(1).uniform(-0.5, 0.5, shape).astype(np.float32)
+          for shape in [(50, 4), (12, 2), (2,)]]
+
+    def build():  # constant initializers: every shard starts from its rows of w0
+        c = tf_keras.initializers.Constant
+        return tf_keras.Sequential([tf_keras.layers.Input((3,), dtype="int32"),
+                                    tf_keras.layers.Embedding(50, 4,
+                                                              embeddings_initializer=c(w0[0])),
+                                    tf_keras.layers.Flatten(),
+                                    tf_keras.layers.Dense(2, kernel_initializer=c(w0[1]),
+                                                          bias_initializer=c(w0[2]))])
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        resolver, update_policy=policy,
+        variable_partitioner=make_partitioner("fixed", num_ps) if num_ps > 1 else None)
+    ref = build()
+    ref.compile(tf_keras.optimizers.SGD(0.1), loss)
+    ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(batch * replicas).repeat(),
+            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
+    with strategy.scope():
+        model = build()
+        model.compile(tf_keras.optimizers.SGD(0.1), loss)
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((ids, y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch).repeat()
+
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+              steps_per_epoch=steps_per_epoch, verbose=0)
+    full = [full_value(v) for v in (model.layers[0].embeddings, model.layers[2].kernel,
+                                    model.layers[2].bias)]
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(full, ref.get_weights())]
+    moved = [float(np.max(np.abs(a - b))) for a, b in zip(ref.get_weights(), w0)]
+    return ReplicasEmbeddingFit(
+        max_abs_diff=max(diffs), moved=max(moved),
+        shards=len(variables_compat.shards(model.layers[0].embeddings) or [None]),
+        iterations=int(model.optimizer.iterations.numpy()), stats=strategy.staleness_stats())
 
 
 @pytest.mark.cluster
 def test_two_replicas_sparse_embedding_gradients_stay_exact():
     # Each replica's IndexedSlices are joined by concatenating rows (no
     # densifying); drop_stale takes the locked path.
-    r = run_scenario("replicas_embedding_fit", replicas=2, policy="drop_stale")
-    assert r["moved"] > 0.01 and r["max_abs_diff"] < 1e-5, r
-    assert r["iterations"] == 20 == r["stats"]["global_step"] == r["stats"]["applied"]
+    r = run_scenario(replicas_embedding_fit, replicas=2, policy="drop_stale")
+    assert r.moved > 0.01 and r.max_abs_diff < 1e-5, r
+    assert r.iterations == 20 == r.stats.global_step == r.stats.applied
 
 
 @pytest.mark.cluster
@@ -72,7 +238,7 @@ def test_two_replicas_sparse_embedding_gradients_stay_exact():
 def test_two_replicas_on_a_table_split_over_two_ps_tasks_stay_exact(policy):
     # variable_partitioner with K = 2 replicas: each shard's rows from both
     # replicas are joined and applied once per worker step.
-    r = run_scenario("replicas_embedding_fit", replicas=2, policy=policy, num_ps=2)
-    assert r["shards"] == 2
-    assert r["moved"] > 0.01 and r["max_abs_diff"] < 1e-5, r
-    assert r["iterations"] == 20 == r["stats"]["global_step"] == r["stats"]["applied"]
+    r = run_scenario(replicas_embedding_fit, replicas=2, policy=policy, num_ps=2)
+    assert r.shards == 2
+    assert r.moved > 0.01 and r.max_abs_diff < 1e-5, r
+    assert r.iterations == 20 == r.stats.global_step == r.stats.applied
