@@ -86,6 +86,9 @@ def test_fit_resumes_mid_epoch_from_its_step_backup(tmp_path):
     for got, (first, later, redone) in zip(r["cases"], [(6, 11, 3), (5, 10, 4)]):
         assert got["moved"] > 1e-2
         crash, resumed, again = got["runs"]
+        # One traced checkpoint write per fit, however many full saves
+        # (the resumed fit writes 2): none retraced.
+        assert [run["save_traces"] for run in got["runs"]] == [1, 1, 0]
         assert crash["crashed"] and crash["backups"] == [first]
         assert crash["global_step"] == crash["iterations"] == 9
         assert crash["summary"] == {"chief_runs": 1, "resumed_from_step": 0,
@@ -124,16 +127,3 @@ def _deltas_resume(got):
     assert not again["started"] and again["resume_step"] == 14 and again["backups"] == []
     assert again["global_step"] == again["iterations"] == 14
     assert again["diff_to_reference"] < 1e-5
-
-
-def test_a_delta_backup_is_the_resume_point_with_its_format(tmp_path):
-    """A delta's meta.json holds the delta format (delta_chain.DELTA_FORMAT)."""
-    from tf_asyncps.callbacks import delta_chain
-    root = str(tmp_path)
-    _backup_dir(root, 5)
-    path = os.path.join(root, f"step-{10:012d}")
-    os.makedirs(path)
-    with open(os.path.join(path, step_backup.META_FILE), "w") as f:
-        json.dump({"format": delta_chain.DELTA_FORMAT, "kind": "delta", "worker_steps": 10,
-                   "base_id": f"step-{5:012d}", "seq": 1}, f)
-    assert step_backup.newest_backup(root)[0] == path

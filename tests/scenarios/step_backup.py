@@ -7,6 +7,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
+from tf_asyncps import export
 from tf_asyncps.callbacks import StepBackup, step_backup
 
 from scenarios import cluster, scenario
@@ -61,24 +62,36 @@ def _table_model(spe):
     return model
 
 
+def _k3_table_model(spe):
+    """A Keras 3 embedding table (50 rows) under Adagrad: StepBackup writes deltas."""
+    import keras
+    model = keras.Sequential([keras.Input((3,), dtype="int64"), keras.layers.Embedding(50, 4),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adagrad(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
 def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, batch=16,
-                   full_every=10):
+                   full_every=10, publish_every=None):
     x, y = small_problem(n=steps * epochs * batch)
     make = _k3_model if keras == "3" else _tf_keras_model
-    if keras == "tf_keras_table":
-        make, keras = _table_model, "tf_keras"
+    if keras in ("tf_keras_table", "3_table"):
+        make, keras = (_table_model, "tf_keras") if keras == "tf_keras_table" else \
+            (_k3_table_model, "3")
         x = (np.abs(x[:, :3]) * 10).astype(np.int64) % 50
 
     def data(skip):
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat().skip(skip)
 
-    def fit(model, backup, skip):
+    def fit(model, callbacks, skip):
         if keras == "3":
             return model.fit(data(skip), epochs=epochs, steps_per_epoch=steps, verbose=0,
-                             callbacks=[backup])
+                             callbacks=callbacks)
         creator = tf_keras.utils.experimental.DatasetCreator(lambda ctx: data(skip))
         return model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                         callbacks=[backup])
+                         callbacks=callbacks)
 
     runs = []
     for run in range(3):  # crashes at crash_at; resumes and ends; re-run of an ended fit
@@ -98,8 +111,12 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
         else:
             backup = StepBackup(backup_dir, every, period_s=3600, full_every=full_every)
         resume_step = backup.resume_step
+        # A serving stream beside the backups: it reads its own bit of the
+        # same dirty marks (after the backup's restore: listed after it).
+        pub = export.DeltaPublisher(f"{backup_dir}_publish{run}", publish_every) \
+            if publish_every else None
         try:
-            fit(model, backup, resume_step)
+            fit(model, [backup] + ([pub] if pub else []), resume_step)
             crashed = False
         except RuntimeError as e:
             assert "crash" in str(e), e
@@ -112,8 +129,15 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
             "iterations": int(model.optimizer.iterations.numpy()),
             "diff_to_reference": _max_diff(model.get_weights(), ref.get_weights()),
             "dirs": sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json")),
+            "save_traces": (backup.save_function.experimental_get_tracing_count()
+                            if backup.save_function is not None else 0),
             "kinds": [step_backup._kind(os.path.join(backup_dir, d))
                       for d in sorted(os.listdir(backup_dir)) if d.startswith("step-")]})
+        if pub is not None:
+            query = x[:8]
+            runs[-1].update({"published": pub.published, "saved_model": pub.saved_model_dir,
+                             "query": query.tolist(),
+                             "predictions": np.asarray(model(query, training=False)).tolist()})
     return {"runs": runs, "moved": _max_diff(ref.get_weights(), w0)}
 
 

@@ -116,9 +116,10 @@ class StepBackup(tf_keras.callbacks.Callback):
     idea is DeepRec's incremental checkpoint (Alibaba, 2022). A resume reads
     the base and applies the chain, refusing a gap, a duplicate, a delta of
     another base or a half-written file (delta_chain.ChainError, naming
-    the file). A model without a table, Keras 3's fit, or a step traced
-    before this callback registered its marks (no row marked after steps
-    ran) get full saves. A chain restores onto the same number of ps tasks.
+    the file). A model without a table or with a DynamicEmbedding, Keras
+    3's fit, or a step traced before this callback registered its marks (no
+    row marked after steps ran) get full saves. A chain restores onto
+    another number of ps tasks (rows by global row).
 
     Saved: the model, its optimizer (slots, ``iterations``) and the
     strategy's global step (``strategy.staleness_tracker.global_step``,
@@ -152,6 +153,8 @@ class StepBackup(tf_keras.callbacks.Callback):
     Attributes:
       resume_step: worker steps of the backup a fit resumes from (int, 0 if
         none), read at construction.
+      save_function: the tf.function writing full backups (traced once per
+        fit), None before the first.
       chief_runs, resumed_from_step, steps_redone: as ResumeTracker's.
       backups: worker steps of each backup this object wrote (list of ints).
 
@@ -204,6 +207,9 @@ class StepBackup(tf_keras.callbacks.Callback):
         self._deltas = None  # delta_chain.ModelDeltas while deltas are written
         self._base = None  # folder name of the chain's full backup
         self._seq = 0  # deltas written on it
+        self._ckpt = None
+        self.save_function = None  # the traced checkpoint write (one trace per fit)
+        self._first_closure = True
 
     # -- fit position ---------------------------------------------------------
     @property
@@ -252,11 +258,27 @@ class StepBackup(tf_keras.callbacks.Callback):
 
     # -- save and restore -----------------------------------------------------
     def _checkpoint(self):
-        objects = {"model": self.model,
-                   "global_step": self._strategy.staleness_tracker.global_step}
-        if getattr(self.model, "optimizer", None) is not None:
-            objects["optimizer"] = self.model.optimizer
-        return tf.train.Checkpoint(**objects)
+        """The fit's one tf.train.Checkpoint (model, optimizer, global step)."""
+        if self._ckpt is None:
+            objects = {"model": self.model,
+                       "global_step": self._strategy.staleness_tracker.global_step}
+            if getattr(self.model, "optimizer", None) is not None:
+                objects["optimizer"] = self.model.optimizer
+            self._ckpt = tf.train.Checkpoint(**objects)
+        return self._ckpt
+
+    def _write_checkpoint(self, prefix: str) -> None:
+        """Writes the checkpoint through one traced function per fit. An
+        eager ``Checkpoint.write`` over variables of several tasks traces a
+        new function per call (TensorFlow's MultiDeviceSaver.save: seconds
+        per backup, and its retracing warning); traced once, each backup
+        runs the same graph with another prefix."""
+        if self.save_function is None:
+            ckpt = self._checkpoint()
+            self.save_function = tf.function(
+                lambda path: ckpt.write(path),
+                input_signature=[tf.TensorSpec([], tf.string)], autograph=False)
+        self.save_function(tf.constant(prefix))
 
     def fit_resume_point(self, steps_per_epoch: int) -> Optional[Tuple[int, int]]:
         """(epoch, step in epoch) the fit resumes at, or None for a fresh fit
@@ -266,6 +288,7 @@ class StepBackup(tf_keras.callbacks.Callback):
         return divmod(self.resumed_from_step, int(steps_per_epoch))
 
     def on_train_begin(self, logs=None):
+        self._ckpt, self.save_function, self._first_closure = None, None, True
         self._strategy = strategy_of(self.model)
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self._strategy)
         self._steps_per_epoch = int((self.params or {}).get("steps") or 0)
@@ -292,6 +315,7 @@ class StepBackup(tf_keras.callbacks.Callback):
             self._restore(path, meta)
             self.resumed_from_step = int(meta["worker_steps"])
             self.steps_redone = self._prev_redone + max(0, self._prev_done - self.resumed_from_step)
+        # Keras 3 fit: full saves (its deltas were not exact on a cluster yet).
         if self.full_every > 1 and not keras3:
             self._deltas = self._model_deltas()
             if self._deltas is not None:
@@ -311,7 +335,10 @@ class StepBackup(tf_keras.callbacks.Callback):
         optimizer first (in the strategy's scope; tf_keras's build is
         idempotent): its slots must exist to be written and restored."""
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and callable(getattr(optimizer, "build", None)):
+        keras3 = models_compat.is_keras3_model(self.model)
+        # Keras 3's fit builds it (per shard) before train begin.
+        if optimizer is not None and callable(getattr(optimizer, "build", None)) and \
+                not (keras3 and getattr(optimizer, "built", False)):
             with self._strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         try:
@@ -366,8 +393,13 @@ class StepBackup(tf_keras.callbacks.Callback):
         self._scheduled = epoch * self._steps_per_epoch + int(steps_in_epoch)
         if self._scheduled >= self._next_backup:
             self.backup_now()
+        elif self._first_closure:
+            # Its scheduling traced the step: the period starts now, so the
+            # next closures' hooks (timed by tf_keras) do no file I/O.
+            self._last_write = time.monotonic()
         elif time.monotonic() - self._last_write >= self.period_s:
             self._write_progress()
+        self._first_closure = False
 
     def backup_now(self) -> str:
         """Drains the schedule and writes a backup of the fit's position;
@@ -410,7 +442,7 @@ class StepBackup(tf_keras.callbacks.Callback):
         tmp = os.path.join(self.backup_dir, f".tmp-step-{steps:012d}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        self._checkpoint().write(os.path.join(tmp, "ckpt"))
+        self._write_checkpoint(os.path.join(tmp, "ckpt"))
         atomic_write_json(os.path.join(tmp, META_FILE), dict(meta, kind="full"))
         if os.path.isdir(final):  # a backup of these steps from an earlier run
             shutil.rmtree(final)
