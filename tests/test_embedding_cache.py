@@ -3,13 +3,17 @@
 per-worker ones)."""
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+import tf_asyncps
+from conftest import run_scenario
 from local_engine import local_engine
+from scenarios import cluster, scenario
 from tf_asyncps.core import embedding_cache
 from tf_asyncps.core.embedding_cache import CachedTable, EmbeddingCache
 from tf_asyncps.core.step import WorkerStep
@@ -191,3 +195,136 @@ def test_two_workers_pull_and_push_at_the_closed_form_steps():
     for e in engines:
         e.stop_watchdogs()
 
+
+# -- under the strategy: fit on a cluster -----------------------------------------
+FIT_ROWS, FIT_DIM, BATCH, SEQ = 40, 4, 4, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedFits:
+    """Attributes: runs: per case, the model's weights after fit (lists),
+    ``cache_stats()`` and ``staleness_stats()`` (cached_reads)."""
+    runs: list
+
+
+def _fit(c, optimizer="sgd", cache=None, steps=12):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, FIT_ROWS, size=(steps * BATCH, SEQ))
+    y = rng.normal(size=(steps * BATCH, 1)).astype(np.float32)
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), embedding_cache=None if cache is None else EmbeddingCache(**cache))
+    with strategy.scope():
+        model = tf_keras.Sequential([
+            tf_keras.Input([SEQ], dtype="int64"),
+            tf_keras.layers.Embedding(FIT_ROWS, FIT_DIM,
+                                      embeddings_initializer=tf_keras.initializers.RandomUniform(
+                                          -0.5, 0.5, seed=1)),
+            tf_keras.layers.Flatten(),
+            tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(2))])
+        opt = {"sgd": tf_keras.optimizers.SGD(0.1),
+               "adagrad": tf_keras.optimizers.Adagrad(0.2)}[optimizer]
+        model.compile(opt, "mse")
+    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+              steps_per_epoch=steps, verbose=0)
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "cache": strategy.cache_stats(),
+            "cached_reads": strategy.staleness_stats().cached_reads}
+
+
+@scenario(shares_cluster=True)
+def cached_fits(cases) -> CachedFits:
+    """tf_keras fit on one worker, one strategy per case (kwargs of _fit)."""
+    with cluster(num_workers=1, num_ps=1) as c:
+        return CachedFits(runs=[_fit(c, **case) for case in cases])
+
+
+@pytest.mark.cluster
+def test_fit_with_bounds_zero_equals_the_uncached_fit_exactly():
+    """SGD and Adagrad: tf_keras fit with pull_bound=0, push_bound=0 (cache
+    of 6 rows, 8 ids per batch) gives the uncached fit's weights exactly;
+    every row read was pulled, and the cached reads' staleness is all 0."""
+    zero = {"rows": 6, "pull_bound": 0, "push_bound": 0}
+    r = run_scenario(cached_fits, shared=(1, 1), timeout=300, cases=[
+        {"optimizer": "sgd"}, {"optimizer": "sgd", "cache": zero},
+        {"optimizer": "adagrad"}, {"optimizer": "adagrad", "cache": zero}]).runs
+    for plain, cached in ((r[0], r[1]), (r[2], r[3])):
+        for a, b in zip(plain["weights"], cached["weights"]):
+            np.testing.assert_array_equal(np.array(b), np.array(a))
+        (stats,) = cached["cache"].values()
+        assert stats["lookups"] == 12 * BATCH * SEQ
+        assert stats["rows_pulled"] == stats["distinct"] and stats["hits"] == 0
+        assert stats["updates_pushed"] == stats["rows_pushed"] == stats["distinct"]
+        assert list(cached["cached_reads"].values()) == [[0]]
+    assert r[0]["cache"] == {} and r[0]["cached_reads"] == {}
+
+
+@dataclasses.dataclass(frozen=True)
+class NothingLost:
+    """Attributes: table: the table after fit and join (list of rows).
+    expected: the closed form init - lr * n_r / (BATCH * SEQ) * steps.
+    stats: cache_stats() of the one table. closures: closures per worker.
+    unpushed: every worker's unpushed update counts after join (lists)."""
+    table: list
+    expected: list
+    stats: dict
+    closures: list
+    unpushed: list
+
+
+@scenario(shares_cluster=True)
+def nothing_lost(steps=30, rows=4, bound=5, lr=0.5) -> NothingLost:
+    """Two workers, SGD, every batch the same 7 distinct ids (a 4-row cache:
+    4 cached, 3 pushed at once), loss mean(avg-pooled rows @ ones): each
+    occurrence's gradient is 1 / (BATCH * SEQ) per element whatever the
+    weights, so the table after fit is a closed form iff no update is lost."""
+    batch = np.array([[0, 1], [2, 3], [4, 5], [6, 7]], np.int64)
+    batch[3, 1] = 0  # id 0 twice, 7 ids
+    batch[2, 1] = 8
+    n = np.bincount(batch.ravel(), minlength=FIT_ROWS)
+
+    def dataset_fn(ctx):
+        return tf.data.Dataset.from_tensors((batch, np.zeros((BATCH, 1), np.float32))).repeat()
+
+    with cluster(num_workers=2, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), embedding_cache=EmbeddingCache(rows, bound, bound))
+        with strategy.scope():
+            model = tf_keras.Sequential([
+                tf_keras.Input([SEQ], dtype="int64"),
+                tf_keras.layers.Embedding(FIT_ROWS, FIT_DIM, embeddings_initializer="zeros"),
+                tf_keras.layers.GlobalAveragePooling1D(),
+                tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                      trainable=False)])
+            model.compile(tf_keras.optimizers.SGD(lr), lambda y, p: tf.reduce_mean(p))
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                  steps_per_epoch=steps, verbose=0)
+        (table,) = strategy.extended.caches.tables[:1]
+        from tf_asyncps.compat import variables as variables_compat
+        unpushed = [v.numpy().tolist()
+                    for v in variables_compat.per_worker_values(table.count)]
+        expected = -lr * n[:, None] / (BATCH * SEQ) * steps * np.ones((1, FIT_DIM))
+        return NothingLost(table=model.get_weights()[0].tolist(), expected=expected.tolist(),
+                           stats=list(strategy.cache_stats().values())[0],
+                           closures=list(strategy.closures_done_per_worker()),
+                           unpushed=unpushed)
+
+
+@pytest.mark.cluster
+def test_no_unpushed_update_is_lost_at_the_end_of_fit():
+    """After fit (its join), every worker's unpushed updates reached the ps:
+    the table is the closed form, each worker's counts are 0, and the counters
+    add up: 7 distinct ids x 30 updates pushed, the cached rows of a worker whose
+    steps are not a multiple of 6 flushed."""
+    r = run_scenario(nothing_lost, shared=(2, 1), timeout=300)
+    np.testing.assert_allclose(np.array(r.table), np.array(r.expected), rtol=1e-6)
+    assert r.unpushed == [[0] * 4, [0] * 4]
+    assert sum(r.closures) == 30
+    s = r.stats
+    assert s["distinct"] == 7 * 30 and s["lookups"] == 8 * 30
+    assert s["updates_pushed"] == 7 * 30
+    assert s["rows_flushed"] == 4 * sum(1 for k in r.closures if k % 6)
+    assert s["hits"] + s["rows_pulled"] == s["distinct"]

@@ -257,7 +257,7 @@ class _AsyncExtended(strategy_compat.pss_extended_base(), table_seam.StrategySea
         self.engine.track_variable(part, trainable=trainable)
         wire = None if self.engine.trains_locally(part) else self.wire_dtype
         if trainable and self.caches is not None and not self.engine.trains_locally(part) \
-                and self.caches.add(part, (shape if shape is not None else part.shape)[0] or 0):
+                and self.caches.add(part, shape):
             # Row reads through the worker's cache (distinct ids, wire dtype).
             wire_reads.cast_dense_reads(part, wire)
             return

@@ -512,16 +512,19 @@ class Caches:
         self._register = register
         self._wire_dtype = wire_dtype
 
-    def add(self, part, table_rows: int) -> bool:
+    def add(self, part, table_shape=None) -> bool:
         """Caches ``part`` (a trainable rank-2 variable of static shape, a
-        table or one of its shards; ``table_rows``: the whole table's rows):
+        table or one of its shards; ``table_shape``: the whole table's):
         its row reads in functions go through the cache. Its state is built
         at its first traced row read (a Dense kernel, never read by rows,
         gets none). Returns False for any other variable."""
         shape = part.shape
         if shape.rank != 2 or not shape.is_fully_defined():
             return False
-        capacity = max(1, -(-self.config.rows * shape[0] // max(1, table_rows)))
+        table_rows = shape[0]
+        if table_shape is not None and table_shape.rank == 2 and table_shape[0]:
+            table_rows = table_shape[0]
+        capacity = max(1, -(-self.config.rows * shape[0] // table_rows))
         strategy = self._strategy
         table = CachedTable(
             part, self.config, min(capacity, shape[0]),
