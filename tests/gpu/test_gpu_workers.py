@@ -3,18 +3,29 @@
 Run with ``tests/gpu/run_gpu_checks.sh RESULTS_DIR`` (bounded, writes logs and
 metrics there) or ``python -m pytest -q -s tests/gpu``. Throughput lines are
 printed (``-s``) and, with ``ASYNCPS_GPU_RESULTS=DIR``, written to DIR.
+
+The cluster scenario sits above the test that reads it and returns the
+dataclass declared with it (docs/tests.md#scenarios-beside-their-tests).
 """
 
+import dataclasses
 import functools
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
 import pytest
+import tensorflow as tf
+import tf_keras
 
+import tf_asyncps
 from conftest import run_command, run_scenario, subprocess_env
+from scenarios import cluster, scenario
+from scenarios.common import run_steps
+from tf_asyncps import StalenessStats
 from tf_asyncps.cluster import devices
 
 GPU_IDS = devices.available_gpus()  # nvidia-smi -L; CUDA is not touched here
@@ -62,26 +73,106 @@ def _launch_env(**extra):
     return env
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuPlacement:
+    """Where a matmul step's ops and variables go on workers with one GPU each.
+
+    Attributes:
+      worker_devices: the strategy's devices per worker.
+      gpus_per_worker: the strategy's GPUs per worker.
+      remote_gpus: the logical GPU devices the chief sees (the workers'), sorted.
+      var_device: the weight's device. matmul_device: the traced matmul's device.
+      steps_per_sec: worker steps per second after 10 warm-up steps.
+      flops_per_step: floating-point operations of one step (6 dim^3).
+      gpu_pids: the pids nvidia-smi lists as using a GPU, sorted.
+      nvidia_smi_apps: nvidia-smi's compute-apps output (or why it failed).
+      worker_pids, ps_pid, chief_pid: the tasks' pids.
+      stats: the strategy's staleness counters. steps: worker steps scheduled.
+    """
+    worker_devices: list[str]
+    gpus_per_worker: int
+    remote_gpus: list[str]
+    var_device: str
+    matmul_device: str
+    steps_per_sec: float
+    flops_per_step: int
+    gpu_pids: list[int]
+    nvidia_smi_apps: str
+    worker_pids: list[int]
+    ps_pid: int
+    chief_pid: int
+    stats: StalenessStats
+    steps: int
+
+
+@scenario
+def gpu_placement(gpu_ids, steps=200, dim=1024) -> GpuPlacement:
+    """Workers with one GPU each (ids from the caller): where ops and variables
+    go, which processes hold GPU memory, and steps/s of a matmul step."""
+    plan = devices.plan_gpus(len(gpu_ids), 1, gpu_ids)
+    with cluster(num_workers=len(gpu_ids), num_ps=1, worker_env=plan.worker_env) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = tf.Variable(tf.random.normal([dim, dim], stddev=0.01, seed=0), name="w")
+            opt = tf_keras.optimizers.SGD(0.01)
+        traced = {}
+
+        @tf.function
+        def step():
+            def replica_fn():
+                x = tf.random.normal([dim, dim])
+                with tf.GradientTape() as tape:
+                    y = tf.matmul(x, w)
+                    loss = tf.reduce_mean(tf.square(y))
+                traced["matmul"] = y.device
+                opt.apply_gradients([(tape.gradient(loss, w), w)])
+                return loss
+            return strategy.run(replica_fn)
+
+        run_steps(coord, step, 10)  # warm-up and tracing
+        t0 = time.perf_counter()
+        run_steps(coord, step, steps)
+        rate = steps / (time.perf_counter() - t0)
+        try:
+            apps = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            apps = f"nvidia-smi failed: {e}"
+        gpu_pids = sorted(int(line.split(",")[0]) for line in apps.splitlines()
+                          if line.split(",")[0].strip().isdigit())
+        return GpuPlacement(
+            worker_devices=list(strategy.extended.worker_devices),
+            gpus_per_worker=strategy.gpus_per_worker,
+            remote_gpus=sorted(d.name for d in tf.config.list_logical_devices("GPU")),
+            var_device=w.device, matmul_device=traced["matmul"], steps_per_sec=rate,
+            flops_per_step=6 * dim ** 3, gpu_pids=gpu_pids, nvidia_smi_apps=apps,
+            worker_pids=[c.pids[f"worker:{i}"] for i in range(len(gpu_ids))],
+            ps_pid=c.pids["ps:0"], chief_pid=os.getpid(),
+            stats=strategy.staleness_stats(), steps=steps + 10)
+
+
 @pytest.mark.cluster
 def test_worker_ops_on_gpu_variables_on_ps():
     ids = list(GPU_IDS[:2])
-    r = run_scenario("gpu_placement", timeout=280, gpu_ids=ids)
-    _record("placement", {k: r[k] for k in (
+    r = run_scenario(gpu_placement, timeout=280, gpu_ids=ids)
+    _record("placement", {k: getattr(r, k) for k in (
         "worker_devices", "gpus_per_worker", "remote_gpus", "var_device", "matmul_device",
         "steps_per_sec", "gpu_pids", "worker_pids", "ps_pid", "chief_pid")})
     print(f"[gpu] throughput: {len(ids)} worker(s) x 1 GPU, 1024x1024 matmul step: "
-          f"{r['steps_per_sec']:.1f} steps/s "
-          f"({r['steps_per_sec'] * r['flops_per_step'] / 1e12:.2f} TFLOP/s)", flush=True)
-    assert r["gpus_per_worker"] == 1 and r["worker_devices"] == ["/device:GPU:0"]
-    assert len(r["remote_gpus"]) == len(ids)
-    assert all("/job:worker/" in d for d in r["remote_gpus"])
-    assert "/job:ps/" in r["var_device"]
-    assert "GPU:0" in r["matmul_device"].upper()
-    s = r["stats"]
-    assert s["applied"] == s["global_step"] == r["steps"]
-    if r["gpu_pids"]:  # nvidia-smi shows processes (not always inside containers)
-        assert set(r["worker_pids"]) <= set(r["gpu_pids"]), r["nvidia_smi_apps"]
-        assert r["ps_pid"] not in r["gpu_pids"] and r["chief_pid"] not in r["gpu_pids"]
+          f"{r.steps_per_sec:.1f} steps/s "
+          f"({r.steps_per_sec * r.flops_per_step / 1e12:.2f} TFLOP/s)", flush=True)
+    assert r.gpus_per_worker == 1 and r.worker_devices == ["/device:GPU:0"]
+    assert len(r.remote_gpus) == len(ids)
+    assert all("/job:worker/" in d for d in r.remote_gpus)
+    assert "/job:ps/" in r.var_device
+    assert "GPU:0" in r.matmul_device.upper()
+    s = r.stats
+    assert s.applied == s.global_step == r.steps
+    if r.gpu_pids:  # nvidia-smi shows processes (not always inside containers)
+        assert set(r.worker_pids) <= set(r.gpu_pids), r.nvidia_smi_apps
+        assert r.ps_pid not in r.gpu_pids and r.chief_pid not in r.gpu_pids
 
 
 @pytest.mark.parametrize("precision", ["none", "auto"])
