@@ -207,7 +207,7 @@ def ssp_straggler(max_staleness=1, num_workers=3, slow_worker=0, delay_ms=40, st
 def test_ssp_bounds_the_clock_spread_with_a_straggler_also_inside_a_chain():
     # Run inside chain(ssp, "async"): the wait, the clock tick and the
     # end-of-schedule release (attach) must all still happen, so this is
-    # ssp's own test and the chain's (ssp alone: test_sigstop.py, digits).
+    # ssp's own test and the chain's (ssp alone: test_frozen_worker.py, digits).
     r = run_scenario(ssp_straggler, shared=(3, 1), max_staleness=1, num_workers=3, slow_worker=0,
                      delay_ms=120, steps=45, chained=True)
     assert r.max_spread <= 1

@@ -1,5 +1,6 @@
-"""Issue 6, item 3: a worker frozen with SIGSTOP for 5 s and then continued
-must not deadlock any policy; every worker step is still counted once.
+"""A frozen worker (issue 6, item 3): a worker frozen with SIGSTOP for 5 s
+and then continued must not deadlock any policy; every worker step is still
+counted once.
 
 The cluster scenario sits above the test that reads it and returns the
 dataclass declared with it (docs/tests.md#scenarios-beside-their-tests)."""
