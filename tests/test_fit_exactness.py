@@ -4,7 +4,7 @@ docs/design.md#6-tests).
 Each cluster scenario sits above the tests that read it and returns the
 dataclass declared with it (docs/tests.md#scenarios-beside-their-tests).
 ``single_worker_fits`` is also read by test_local_sgd.py,
-test_policies_cluster.py and test_wire_dtype.py."""
+test_policy_training.py and test_wire_dtype.py."""
 
 import dataclasses
 

@@ -3,7 +3,7 @@ workers, stragglers, dead workers and bad configurations.
 
 Each cluster scenario sits above the tests that read it and returns the
 dataclass declared with it (docs/tests.md#scenarios-beside-their-tests);
-``full_batch_policy`` is test_policies_cluster.py's."""
+``full_batch_policy`` is test_policy_training.py's."""
 
 import dataclasses
 import json
@@ -21,7 +21,7 @@ from conftest import run_command, run_scenario
 from scenarios import cluster, scenario
 from scenarios.common import least_squares, mlp, run_steps, small_problem, step_fn
 from scenarios.common import train_with_straggler
-from test_policies_cluster import full_batch_policy
+from test_policy_training import full_batch_policy
 from tf_asyncps import StalenessStats
 
 pytestmark = pytest.mark.timeout(300)
