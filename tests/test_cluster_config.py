@@ -1,17 +1,13 @@
-"""TF_CONFIG validation (case 001 and its variants) and LocalCluster lifecycle."""
+"""TF_CONFIG validation (case 001 and its variants) and the cluster rules that
+follow TensorFlow (LocalCluster's lifecycle: tests/test_local_cluster.py)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import pid_alive
 from tf_asyncps import cluster
-from tf_asyncps.cluster import LocalCluster, validate_tf_config
+from tf_asyncps.cluster import validate_tf_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,96 +154,6 @@ def test_wait_for_tasks_names_the_unreachable_task():
     with pytest.raises(TimeoutError, match=rf"ps:0 at 127.0.0.1:{port}"):
         cluster.wait_for_tasks(cfg, timeout_s=1.0, jobs=("ps",))
     assert time.perf_counter() - t0 < 5
-
-
-@pytest.mark.cluster
-def test_local_cluster_stops_every_child_even_when_the_body_raises(tmp_path):
-    pids = {}
-    with pytest.raises(RuntimeError, match="boom"):
-        with LocalCluster(num_workers=2, num_ps=1, log_dir=str(tmp_path)) as c:
-            pids = c.pids
-            assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
-            assert all(pid_alive(p) for p in pids.values())
-            raise RuntimeError("boom")
-    assert pids and not any(pid_alive(p) for p in pids.values())
-    assert (tmp_path / "worker-1.log").exists()
-
-
-def _poll(cond, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)  # polling interval, not synchronisation
-
-
-@pytest.mark.cluster
-def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
-    with LocalCluster(num_workers=1, num_ps=1, log_dir=str(tmp_path)) as c:
-        with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
-            c.supervise(max_restarts=-1)
-        with pytest.raises(ValueError, match="poll_s"):
-            c.supervise(poll_s=0)
-        c.supervise(max_restarts=1, poll_s=0.1)
-        with pytest.raises(ValueError, match="already supervised"):
-            c.supervise()
-        old = c.pids["worker:0"]
-        c.kill("worker:0")
-        _poll(lambda: c.restarts == {"worker:0": 1} and c.pids["worker:0"] != old
-              and cluster.reachable(c.config["worker"][0], 0.5))
-        state = json.loads((tmp_path / "cluster.json").read_text())
-        assert state["tasks"]["worker:0"]["pid"] == c.pids["worker:0"]
-        assert state["restarts"] == {"worker:0": 1}
-        # A restart by hand while supervised is not doubled by the supervisor.
-        manual = c.pids["worker:0"]
-        c.restart("worker:0")
-        assert not pid_alive(manual) and pid_alive(c.pids["worker:0"])
-        assert cluster.reachable(c.config["worker"][0], 1.0) and c.restarts == {"worker:0": 1}
-        with pytest.raises(ValueError, match="no task 'worker:7'"):
-            c.kill("worker:7")
-        second = c.pids["worker:0"]
-        c.kill("worker:0")  # its one supervised restart is used up: it stays down
-        _poll(lambda: "worker:0" in c.gave_up)
-        assert c.gave_up == {"worker:0": -signal.SIGKILL}
-        assert c.pids["worker:0"] == second and not pid_alive(second)
-        assert pid_alive(c.pids["ps:0"]) and c.restarts == {"worker:0": 1}
-    assert not pid_alive(c.pids["ps:0"])
-
-
-@pytest.mark.cluster
-def test_children_die_with_a_killed_parent(tmp_path):
-    """A parent killed with SIGKILL (no cleanup runs) still takes its children."""
-    code = (
-        "import sys, time; from tf_asyncps.cluster import LocalCluster\n"
-        f"c = LocalCluster(1, 1, log_dir={str(tmp_path)!r}).start()\n"
-        "print(' '.join(str(p) for p in c.pids.values()), flush=True)\n"
-        "print('tensorflow' in sys.modules, flush=True)\n"
-        "time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(x) for x in p.stdout.readline().split()]
-        assert len(pids) == 2 and all(pid_alive(x) for x in pids)
-        # Starting a LocalCluster (cluster.json included) never loads TensorFlow.
-        assert p.stdout.readline().strip() == "False"
-        p.kill()
-        p.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while any(pid_alive(x) for x in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(pid_alive(x) for x in pids)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        for x in locals().get("pids", []):
-            if pid_alive(x):
-                os.kill(x, signal.SIGKILL)
-
-
-@pytest.mark.cluster
-def test_local_cluster_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
-        LocalCluster(num_workers=0)
-    with pytest.raises(ValueError, match="num_ps"):
-        LocalCluster(num_workers=1, num_ps=True)
 
 
 # -- the "chief" rule (issue 14): follows TensorFlow -------------------------------

@@ -1,8 +1,11 @@
-"""Children die with their launcher, not with the thread that started them.
+"""LocalCluster's lifecycle: its tasks stop with it (also when the body
+raises or the launcher is killed), the supervisor's and manual restarts, bad
+sizes refused; children die with their launcher, not with the thread that
+started them.
 
-Linux sends the parent-death signal when the forking *thread* exits; these
-tests end that thread (a helper thread, the LocalCluster supervisor) while
-the launcher lives, then SIGKILL the launcher.
+Linux sends the parent-death signal when the forking *thread* exits; the
+launcher tests end that thread (a helper thread, the LocalCluster
+supervisor) while the launcher lives, then SIGKILL the launcher.
 """
 
 import json
@@ -16,7 +19,8 @@ import time
 import pytest
 
 from conftest import ROOT, pid_alive, run_command, subprocess_env, wait_dead
-from tf_asyncps.cluster import PROBE_OK, probe_grpc
+from tf_asyncps import cluster
+from tf_asyncps.cluster import PROBE_OK, LocalCluster, probe_grpc
 from tf_asyncps.cluster import spawn as spawn_lib
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,3 +207,93 @@ def test_default_log_dir_is_removed_at_exit_unless_kept(keep_logs, tmp_path):
         assert os.path.isdir(log_dir) == keep_logs
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.mark.cluster
+def test_local_cluster_stops_every_child_even_when_the_body_raises(tmp_path):
+    pids = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        with LocalCluster(num_workers=2, num_ps=1, log_dir=str(tmp_path)) as c:
+            pids = c.pids
+            assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
+            assert all(pid_alive(p) for p in pids.values())
+            raise RuntimeError("boom")
+    assert pids and not any(pid_alive(p) for p in pids.values())
+    assert (tmp_path / "worker-1.log").exists()
+
+
+def _poll(cond, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)  # polling interval, not synchronisation
+
+
+@pytest.mark.cluster
+def test_supervisor_and_manual_restarts_then_giving_up(tmp_path):
+    with LocalCluster(num_workers=1, num_ps=1, log_dir=str(tmp_path)) as c:
+        with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
+            c.supervise(max_restarts=-1)
+        with pytest.raises(ValueError, match="poll_s"):
+            c.supervise(poll_s=0)
+        c.supervise(max_restarts=1, poll_s=0.1)
+        with pytest.raises(ValueError, match="already supervised"):
+            c.supervise()
+        old = c.pids["worker:0"]
+        c.kill("worker:0")
+        _poll(lambda: c.restarts == {"worker:0": 1} and c.pids["worker:0"] != old
+              and cluster.reachable(c.config["worker"][0], 0.5))
+        state = json.loads((tmp_path / "cluster.json").read_text())
+        assert state["tasks"]["worker:0"]["pid"] == c.pids["worker:0"]
+        assert state["restarts"] == {"worker:0": 1}
+        # A restart by hand while supervised is not doubled by the supervisor.
+        manual = c.pids["worker:0"]
+        c.restart("worker:0")
+        assert not pid_alive(manual) and pid_alive(c.pids["worker:0"])
+        assert cluster.reachable(c.config["worker"][0], 1.0) and c.restarts == {"worker:0": 1}
+        with pytest.raises(ValueError, match="no task 'worker:7'"):
+            c.kill("worker:7")
+        second = c.pids["worker:0"]
+        c.kill("worker:0")  # its one supervised restart is used up: it stays down
+        _poll(lambda: "worker:0" in c.gave_up)
+        assert c.gave_up == {"worker:0": -signal.SIGKILL}
+        assert c.pids["worker:0"] == second and not pid_alive(second)
+        assert pid_alive(c.pids["ps:0"]) and c.restarts == {"worker:0": 1}
+    assert not pid_alive(c.pids["ps:0"])
+
+
+@pytest.mark.cluster
+def test_children_die_with_a_killed_parent(tmp_path):
+    """A parent killed with SIGKILL (no cleanup runs) still takes its children."""
+    code = (
+        "import sys, time; from tf_asyncps.cluster import LocalCluster\n"
+        f"c = LocalCluster(1, 1, log_dir={str(tmp_path)!r}).start()\n"
+        "print(' '.join(str(p) for p in c.pids.values()), flush=True)\n"
+        "print('tensorflow' in sys.modules, flush=True)\n"
+        "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(x) for x in pids)
+        # Starting a LocalCluster (cluster.json included) never loads TensorFlow.
+        assert p.stdout.readline().strip() == "False"
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(pid_alive(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(x) for x in pids)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for x in locals().get("pids", []):
+            if pid_alive(x):
+                os.kill(x, signal.SIGKILL)
+
+
+@pytest.mark.cluster
+def test_local_cluster_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        LocalCluster(num_workers=0)
+    with pytest.raises(ValueError, match="num_ps"):
+        LocalCluster(num_workers=1, num_ps=True)
