@@ -10,8 +10,11 @@ Cluster tier (one small test, 1 worker, 2 ps, the table split over both):
 the strategy's fit equals one-process training (tf_keras and Keras 3), with
 one gather and one gradient push per shard per step; and
 DynamicEmbeddingCollection split the same way equals one process, with one
-lookup of each shard's map per step (tests/scenarios/embedding_collection.py).
+lookup of each shard's map per step (its scenario is above the test).
 """
+
+import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,10 +22,13 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
+from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import lookup
 from tf_asyncps.layers import embedding_collection as ec_lib
 
 from conftest import run_scenario
+from scenarios import cluster, scenario
+from scenarios.common import full_value, make_optimizer
 
 keras = pytest.importorskip("keras")
 
@@ -251,6 +257,315 @@ def test_the_strategys_row_read_reads_the_one_table_once():
     assert ops.count("ResourceGather") == 1 and ops.count("Unique") == 1
 
 
+# The cluster scenario (docs/tests.md#scenarios-beside-their-tests): 1 worker,
+# 2 ps, the 88-row table of 4 features split in two by MinSizePartitioner.
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOps:
+    """What one traced worker step does with the split table.
+
+    Attributes:
+      reads: per ResourceGather of the layer's lookup, ``{"ids_dtype": the
+        dtype name of its ids, "uniques_upstream": the Unique ops its ids
+        are computed from}``.
+      grad_uniques: Unique ops on the table's gradient rows (a second
+        de-duplication; 0 when the distinct read's rows go as they are).
+      scatter_adds_by_task: ResourceScatterAdd ops (Adagrad's accumulator and
+        rows) per ps task (its index as a string), function bodies included.
+    """
+    reads: list[dict]
+    grad_uniques: int
+    scatter_adds_by_task: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRun:
+    """One tf_keras fit of the EmbeddingCollection model on the split table.
+
+    Attributes:
+      shards: the table's shards. shard_rows: rows per shard.
+      shard_tasks: the ps task of each shard, sorted.
+      applied: updates applied (the staleness counters).
+      part_updates: under ``route``, updates per part (``{"sparse": n,
+        "dense": n}``); None under ``async``.
+      step_ops: the traced step's ops (the ``async`` run only, else None).
+      max_abs_diff: max |weight - one-process tf_keras weight| over the table
+        and the kernel.
+      moved: max |table - initial table| (training moved it).
+    """
+    shards: int
+    shard_rows: list[int]
+    shard_tasks: list[int]
+    applied: int
+    part_updates: dict[str, int] | None
+    step_ops: StepOps | None
+    max_abs_diff: float
+    moved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKeras3Run:
+    """The Keras 3 layer under the strategy's Keras 3 fit.
+
+    Attributes:
+      max_abs_diff: max |weight - one-process Keras 3 weight|.
+      shards: the table's shards. moved: max |table - initial table|.
+    """
+    max_abs_diff: float
+    shards: int
+    moved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDynamicRun:
+    """DynamicEmbeddingCollection on raw ids, split over the 2 ps.
+
+    Attributes:
+      max_abs_diff: max |row - one-process row| over every feature's rows
+        (by raw id) and the kernel.
+      live: live rows per feature. want_live: distinct raw ids per feature.
+      shards: the dynamic table's shards.
+      finds: hash-map finds (LookupTableFindV2) in a traced step.
+      applied: updates applied. moved: max |row| (rows start at zero).
+    """
+    max_abs_diff: float
+    live: list[int]
+    want_live: list[int]
+    shards: int
+    finds: int
+    applied: int
+    moved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingCollectionFit:
+    """Attributes: plain: the ``async`` run; routed: the ``route`` run with
+    bfloat16 rows on the wire; keras3: the Keras 3 layer; dynamic: the
+    DynamicEmbeddingCollection run."""
+    plain: SplitRun
+    routed: SplitRun
+    keras3: SplitKeras3Run
+    dynamic: SplitDynamicRun
+
+
+SPLIT_DIMS = [40, 8, 24, 16]  # 88 rows x 4 float32: split in two by MinSizePartitioner
+SPLIT_DIM, SPLIT_BATCH = 4, 8
+
+
+def _split_problem(steps, seed=0):
+    rng = np.random.RandomState(seed)
+    # Ids from the first half of each feature's range: repeats in every batch,
+    # rows of both shards touched.
+    ids = np.stack([rng.randint(0, d // 2, steps * SPLIT_BATCH) for d in SPLIT_DIMS], 1)
+    ids = ids.astype(np.int64)
+    ys = rng.uniform(-1, 1, (steps * SPLIT_BATCH, 1)).astype(np.float32)
+    table = rng.uniform(-0.5, 0.5, (sum(SPLIT_DIMS), SPLIT_DIM)).astype(np.float32)
+    kernel = rng.uniform(-0.5, 0.5, (len(SPLIT_DIMS) * SPLIT_DIM, 1)).astype(np.float32)
+    return ids, ys, table, kernel
+
+
+def _split_model(table, kernel):
+    const = tf_keras.initializers.Constant
+    inp = tf_keras.Input((len(SPLIT_DIMS),), dtype="int64")
+    rows = ec_lib.EmbeddingCollection(SPLIT_DIMS, SPLIT_DIM,
+                                      embeddings_initializer=const(table), name="tables")(inp)
+    return tf_keras.Model(inp, tf_keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=const(kernel))(tf_keras.layers.Flatten()(rows)))
+
+
+def _task(device):
+    return tf.DeviceSpec.from_string(device).task if device else None
+
+
+def _step_ops(graph_def):
+    """What one traced worker step does with the table: its row reads (the
+    ResourceGathers of the layer's lookup, with the op making their ids),
+    the worker's de-duplication of the table's gradient rows, and the
+    sparse updates (ResourceScatterAdd: Adagrad's accumulator and rows) by
+    ps task, the function bodies included."""
+    nodes = {n.name: n for n in graph_def.node}
+
+    def upstream(name):  # the op types a node's value is computed from
+        seen, todo = collections.Counter(), [name]
+        names = set()
+        while todo:
+            node = nodes.get(todo.pop().lstrip("^").split(":")[0])
+            if node is not None and node.name not in names:
+                names.add(node.name)
+                seen[node.op] += 1
+                todo.extend(node.input)
+        return seen
+
+    reads = [{"ids_dtype": tf.as_dtype(nodes[n.input[1].split(":")[0]].attr["DstT"].type).name,
+              "uniques_upstream": upstream(n.input[1])["Unique"]}
+             for n in graph_def.node
+             if n.op == "ResourceGather" and n.name.startswith("model/tables/")]
+    grad_uniques = sum(1 for n in graph_def.node if n.op == "Unique" and any(
+        i.startswith("gradient_tape/model/tables/") for i in n.input))
+    scatters = collections.Counter(
+        _task(n.device) for fn in graph_def.library.function for n in fn.node_def
+        if n.op == "ResourceScatterAdd")
+    scatters.update(_task(n.device) for n in graph_def.node if n.op == "ResourceScatterAdd")
+    return StepOps(reads=reads, grad_uniques=grad_uniques, scatter_adds_by_task={
+        str(k): v for k, v in sorted(scatters.items(), key=str)})
+
+
+def _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, policy, wire_dtype, trace):
+    """One fit on the split table: (SplitRun's fields but the two differences,
+    the table, the kernel)."""
+    if policy == "route":
+        policy = tf_asyncps.policies.route(sparse="async", dense="async")
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), update_policy=policy, wire_dtype=wire_dtype,
+        variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=64, max_shards=2))
+    with strategy.scope():
+        model = _split_model(table0, kernel0)
+        model.compile(make_optimizer(optimizer, lr), "mse")
+    data = tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((ids, ys)).batch(SPLIT_BATCH).repeat())
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    var = model.get_layer("tables").embeddings
+    shards = variables_compat.shards(var) or [var]
+    table, kernel = full_value(var), full_value(model.layers[-1].kernel)
+    step_ops = None
+    if trace:
+        # fit's step (the model's train_step under strategy.run), traced
+        # again here to read its graph.
+        @tf.function
+        def step(x, y):
+            return strategy.run(model.train_step, args=((x, y),))
+
+        step_ops = _step_ops(step.get_concrete_function(
+            tf.TensorSpec([SPLIT_BATCH, len(SPLIT_DIMS)], tf.int64),
+            tf.TensorSpec([SPLIT_BATCH, 1], tf.float32)).graph.as_graph_def())
+    return dict(
+        shards=len(shards), shard_rows=[int(s.shape[0]) for s in shards],
+        shard_tasks=sorted(_task(s.device) for s in shards),
+        applied=strategy.staleness_stats().applied,
+        part_updates=(strategy.update_policy.part_updates()
+                      if hasattr(strategy.update_policy, "part_updates") else None),
+        step_ops=step_ops), table, kernel
+
+
+def _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr):
+    """The Keras 3 layer under the strategy's Keras 3 fit, against Keras 3
+    in one process."""
+    import keras
+
+    def make():
+        const = keras.initializers.Constant
+        inp = keras.Input((len(SPLIT_DIMS),), dtype="int64")
+        rows = ec_lib.keras3_layer()(SPLIT_DIMS, SPLIT_DIM,
+                                     embeddings_initializer=const(table0), name="tables")(inp)
+        model = keras.Model(inp, keras.layers.Dense(
+            1, use_bias=False, kernel_initializer=const(kernel0))(keras.layers.Flatten()(rows)))
+        model.compile(make_optimizer(optimizer, lr, "keras3"), "mse")
+        return model
+
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+        .MinSizePartitioner(min_shard_bytes=64, max_shards=2))
+    with strategy.scope():
+        model = make()
+    data = tf.data.Dataset.from_tensor_slices((ids, ys)).batch(SPLIT_BATCH).repeat()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    ref = make()
+    ref.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    got, want = model.get_weights(), ref.get_weights()
+    return SplitKeras3Run(
+        max_abs_diff=float(max(np.max(np.abs(a - b)) for a, b in zip(got, want))),
+        shards=len(tf_asyncps.keras3.trainable_shards(model)) - 1,
+        moved=float(np.max(np.abs(got[0] - table0))))
+
+
+def _split_dynamic_model(kernel):
+    """DynamicEmbeddingCollection of the 4 features (capacity 88, zero rows)."""
+    from tf_asyncps.layers import dynamic_collection
+    inp = tf_keras.Input((len(SPLIT_DIMS),), dtype="int64")
+    rows = dynamic_collection.DynamicEmbeddingCollection(
+        len(SPLIT_DIMS), SPLIT_DIM, capacity=sum(SPLIT_DIMS), initializer="zeros",
+        name="tables")(inp)
+    return tf_keras.Model(inp, tf_keras.layers.Dense(1, use_bias=False, kernel_initializer=(
+        tf_keras.initializers.Constant(kernel)))(tf_keras.layers.Flatten()(rows)))
+
+
+def _find_ops(graph_def):
+    """The hash-map finds (LookupTableFindV2) of a traced step, its
+    functions' bodies (the shards' critical sections) included."""
+    return sum(1 for fn in graph_def.library.function for n in fn.node_def
+               if n.op == "LookupTableFindV2") + sum(
+        1 for n in graph_def.node if n.op == "LookupTableFindV2")
+
+
+def _run_dynamic(c, ids, ys, kernel0, steps, optimizer, lr):
+    """DynamicEmbeddingCollection on raw ids (every feature the same raw
+    values), its table split over the 2 ps, against one process."""
+    raw = ids.astype(np.int64) * 1_000_000_007 + 2**40  # equal raw ids across features
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=tf.distribute.experimental.partitioners
+        .MinSizePartitioner(min_shard_bytes=64, max_shards=2))
+    with strategy.scope():
+        model = _split_dynamic_model(kernel0)
+        model.compile(make_optimizer(optimizer, lr), "mse")
+    data = tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((raw, ys)).batch(SPLIT_BATCH).repeat())
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    ref = _split_dynamic_model(kernel0)
+    ref.compile(make_optimizer(optimizer, lr), "mse")
+    ref.fit(raw, ys, batch_size=SPLIT_BATCH, epochs=1, shuffle=False, verbose=0)
+    got, want = model.get_layer("tables").export(), ref.get_layer("tables").export()
+    diff = float(np.max(np.abs(full_value(model.layers[-1].kernel) -
+                               np.asarray(ref.layers[-1].kernel.numpy()))))
+    live = []
+    for f in range(len(SPLIT_DIMS)):
+        rows = dict(zip(want[f][0].tolist(), want[f][1]))
+        assert sorted(rows) == sorted(got[f][0].tolist()), f
+        live.append(len(rows))
+        for r, row in zip(got[f][0].tolist(), got[f][1]):
+            diff = max(diff, float(np.max(np.abs(row - rows[r]))))
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    graph = step.get_concrete_function(tf.TensorSpec([SPLIT_BATCH, len(SPLIT_DIMS)], tf.int64),
+                                       tf.TensorSpec([SPLIT_BATCH, 1], tf.float32)).graph
+    table = model.get_layer("tables").dynamic_table
+    return SplitDynamicRun(
+        max_abs_diff=diff, live=live,
+        want_live=[len(set(raw[:, f].tolist())) for f in range(len(SPLIT_DIMS))],
+        shards=len(table.shards), finds=_find_ops(graph.as_graph_def()),
+        applied=strategy.staleness_stats().applied,
+        moved=float(max(np.max(np.abs(got[f][1])) for f in range(len(SPLIT_DIMS)))))
+
+
+@scenario(shares_cluster=True)
+def embedding_collection_fit(steps=8, optimizer="adagrad", lr=0.3) -> EmbeddingCollectionFit:
+    """fit with the table split over 2 ps tasks (MinSizePartitioner) against
+    one-process tf_keras training on the same batches: ``async`` (and the
+    ops of its traced step), then ``route`` (tables async, the rest async)
+    with rows crossing as bfloat16; then the Keras 3 layer against Keras 3;
+    then DynamicEmbeddingCollection (raw ids) against one process."""
+    ids, ys, table0, kernel0 = _split_problem(steps)
+    with cluster(num_workers=1, num_ps=2) as c:
+        runs = [_run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "async", None, True),
+                _run(c, ids, ys, table0, kernel0, steps, optimizer, lr, "route", "bfloat16",
+                     False)]
+        keras3 = _run_keras3(c, ids, ys, table0, kernel0, steps, optimizer, lr)
+        dynamic = _run_dynamic(c, ids, ys, kernel0, steps, optimizer, lr)
+    ref = _split_model(table0, kernel0)
+    ref.compile(make_optimizer(optimizer, lr), "mse")
+    ref.fit(ids, ys, batch_size=SPLIT_BATCH, epochs=1, shuffle=False, verbose=0)
+    ref_table, ref_kernel = ref.get_weights()
+    plain, routed = (SplitRun(**fields, moved=float(np.max(np.abs(table - table0))),
+                              max_abs_diff=float(max(np.max(np.abs(table - ref_table)),
+                                                     np.max(np.abs(kernel - ref_kernel)))))
+                     for fields, table, kernel in runs)
+    return EmbeddingCollectionFit(plain=plain, routed=routed, keras3=keras3, dynamic=dynamic)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per_shard():
@@ -264,28 +579,28 @@ def test_the_strategys_fit_on_a_split_table_equals_one_process_with_one_read_per
     the default sparse_names) with rows crossing as bfloat16 every step
     updates the sparse part. The Keras 3 layer, split the same way, trains
     under the strategy's Keras 3 fit as Keras 3 does in one process."""
-    r = run_scenario("embedding_collection_fit", timeout=240, shared=(1, 2))
-    plain, routed = r["runs"]
+    r = run_scenario(embedding_collection_fit, timeout=240, shared=(1, 2))
+    plain, routed = r.plain, r.routed
     for run in (plain, routed):
-        assert run["shards"] == 2 and run["shard_rows"] == [44, 44]
-        assert run["shard_tasks"] == [0, 1] and run["applied"] == 8
-        assert run["moved"] > 0.1
-    assert plain["max_abs_diff"] <= 1e-5
-    ops = plain["step_ops"]
-    assert ops["reads"] == [{"ids_dtype": "int32", "uniques_upstream": 1}] * 2
-    assert ops["grad_uniques"] == 0
-    assert ops["scatter_adds_by_task"] == {"0": 2, "1": 2}
-    assert routed["part_updates"] == {"sparse": 8, "dense": 8}
+        assert run.shards == 2 and run.shard_rows == [44, 44]
+        assert run.shard_tasks == [0, 1] and run.applied == 8
+        assert run.moved > 0.1
+    assert plain.max_abs_diff <= 1e-5
+    ops = plain.step_ops
+    assert ops.reads == [{"ids_dtype": "int32", "uniques_upstream": 1}] * 2
+    assert ops.grad_uniques == 0
+    assert ops.scatter_adds_by_task == {"0": 2, "1": 2}
+    assert routed.part_updates == {"sparse": 8, "dense": 8}
     # bfloat16 rows (8 bits of mantissa): near the float32 run, not equal to it.
-    assert 1e-6 < routed["max_abs_diff"] < 1e-2
+    assert 1e-6 < routed.max_abs_diff < 1e-2
     # The Keras 3 layer under the strategy's Keras 3 fit, split in two as well.
-    k3 = r["keras3"]
-    assert k3["shards"] == 2 and k3["moved"] > 0.1 and k3["max_abs_diff"] <= 1e-5
+    k3 = r.keras3
+    assert k3.shards == 2 and k3.moved > 0.1 and k3.max_abs_diff <= 1e-5
     # DynamicEmbeddingCollection (tests/test_dynamic_collection.py) on raw
     # ids, 4 features with equal raw ids, its 88-row table split in two:
     # each feature's rows equal one-process training; a step finds in each
     # shard's map twice (before and after admission) for all 4 features.
-    dyn = r["dynamic"]
-    assert dyn["shards"] == 2 and dyn["applied"] == 8 and dyn["moved"] > 0.01
-    assert dyn["live"] == dyn["want_live"] and dyn["max_abs_diff"] <= 1e-5
-    assert dyn["finds"] == 2 * 2
+    dyn = r.dynamic
+    assert dyn.shards == 2 and dyn.applied == 8 and dyn.moved > 0.01
+    assert dyn.live == dyn.want_live and dyn.max_abs_diff <= 1e-5
+    assert dyn.finds == 2 * 2
