@@ -2,14 +2,14 @@
 
 import json
 import re
+import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import run_command, subprocess_env
-from tf_asyncps.app import datasets
-from tf_asyncps.app import job
+from conftest import ROOT, run_command, subprocess_env
+from tf_asyncps.app import datasets, job, job_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,25 +19,50 @@ def _cli(*args, env=None):
                        env=env, check=False)
 
 
-@pytest.mark.parametrize("args,words", [
-    (["launch", "--policy=nope"],  # names the flag and every choice, before TensorFlow
+# Runs `tf-asyncps ARGS` (cli.run, the console script's entry) for each ARGS
+# in one process, one after another: per run its exit status, output and
+# whether TensorFlow was imported. One process for all: each would pay
+# Python's and absl's start-up.
+_RUN_ALL = r"""
+import contextlib, io, json, sys
+from absl import app, flags
+from tf_asyncps.app import cli
+results = []
+for args in json.loads(sys.stdin.read()):
+    flags.FLAGS.unparse_flags()
+    app._register_and_parse_flags_with_usage.done = False  # absl parses once per process
+    sys.argv = ["tf-asyncps", *args]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            cli.run()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    text = out.getvalue()
+    if isinstance(code, str):  # the interpreter prints it to stderr
+        text, code = text + code + "\n", 1
+    results.append({"rc": code or 0, "out": text, "tensorflow": "tensorflow" in sys.modules})
+print("RESULTS " + json.dumps(results))
+"""
+
+COMMANDS = ("launch", "train", "server", "bench", "reference")
+
+# (args, words its output holds), each refused before TensorFlow is imported.
+REFUSED = [
+    (["launch", "--policy=nope"],  # names the flag and every choice
      ["--policy=nope", "<async|drop_stale|staleness_aware|ssp|dc_asgd|sync_replicas|"
-      "local_sgd>"]),
+      "local_sgd|route>"]),
     (["launch", "--bench_steps=3"],
      ["tf-asyncps: --bench_steps is a flag of `tf-asyncps bench`"]),
     (["launch", "--num_workers=100000"],
      ["--num_workers=100000 with --num_ps=1 needs at least 46876.2 GiB", "MemAvailable"]),
     (["launch", "--policy_args=max_staleness"], ["not key=value"]),
-    (["launch", "--policy=async", "--policy_args=foo=1"], ["bad arguments", "async"]),
     (["launch", "--optimizer=lamb"], ["--optimizer", "sgd"]),
     (["launch", "--dataset=cifar"], ["--dataset", "digits"]),
     (["launch", "--epochs=0"], ["epochs"]),
-    (["frobnicate"], ["usage: tf-asyncps", "launch"]),
-    # One line, not absl's usage page before it.
     (["launch", "--hidden=12,x"], ["tf-asyncps launch: error: --hidden must be integers, got "
                                    "['12', 'x']; write e.g. --hidden=128,64."]),
-    ([], ["usage: tf-asyncps"]),
-    # At flag parsing, before TensorFlow is imported:
     (["launch", "--flagfile=configs/movielens_async.flags", "--model=mlp"],
      ["--model=recommender goes with --dataset=movielens"]),
     (["reference", "--dataset=digits", "--model=recommender"],
@@ -46,17 +71,133 @@ def _cli(*args, env=None):
     (["launch", "--output_dir=pyproject.toml"], ["--output_dir=pyproject.toml is a file"]),
     (["launch", "--output_dir=/proc/no-such-dir"],
      ["--output_dir=/proc/no-such-dir is not a writable directory"]),
-])
-def test_bad_flags_fail_before_any_process_starts(args, words):
-    t0 = time.perf_counter()
-    rc, out = _cli(*args)
-    assert rc != 0
+    # A flag of another job was ignored silently (the digits job trained).
+    (["launch", "--ctr_zipf=nan"],
+     ["tf-asyncps launch: error: --ctr_zipf is a flag of the CTR job (--model=dlrm "
+      "--dataset=criteo_synthetic, configs/ctr.flags); the mlp job on --dataset=digits does "
+      "not read it"]),
+    (["reference", "--flagfile=configs/movielens_async.flags", "--ctr_embedding=offset"],
+     ["--ctr_embedding is a flag of the CTR job", "the recommender job on "
+      "--dataset=movielens"]),
+    (["launch", "--flagfile=configs/ctr.flags", "--hidden=64"],
+     ["--hidden is a flag of the mlp and recommender jobs; the CTR job's MLPs are "
+      "--ctr_bottom_mlp and --ctr_top_mlp."]),
+    (["launch", "--flagfile=configs/ctr.flags", "--dynamic_ids"],
+     ["--dynamic_ids is a flag of the recommender job"]),
+    (["launch", "--flagfile=configs/digits_async.flags", "--embedding_dim=8"],
+     ["--embedding_dim is a flag of the recommender and CTR jobs"]),
+    (["launch", "--flagfile=configs/movielens_async.flags", "--dynamic_capacity=0.5"],
+     ["--dynamic_capacity sizes the dynamic tables of --dynamic_ids"]),
+    (["launch", "--flagfile=configs/ctr.flags", "--ctr_zipf=nan"],
+     ["error: --ctr_zipf=nan is not a number"]),
+    (["launch", "--flagfile=configs/ctr.flags", "--ctr_scale=1.5"],
+     ["error: --ctr_scale must be in (0, 1]"]),
+    (["launch", "--timeout_s=nan"], ["error: --timeout_s=nan is not a number"]),
+    (["launch", "--policy=route", "--policy_args=sparse=nope"],
+     ["--policy=route: sparse='nope' is not a policy", "--policy_args=sparse=async,"
+      "dense=local_sgd,dense.sync_every=16"]),
+    (["launch", "--policy=route", "--policy_args=sync_every=4"],
+     ["--policy=route takes no argument 'sync_every'", "PART.NAME=VALUE"]),
+]
+# A mistyped command: one line (not the help page) and exit status 2.
+MISTYPED = [
+    (["lanch"], "tf-asyncps: unknown command 'lanch'; did you mean launch? usage: tf-asyncps "
+                "{launch|train|server|bench|reference} [--flags] (tf-asyncps --help)."),
+    ([], "tf-asyncps: no command given; usage: tf-asyncps {launch|train|server|bench|"
+         "reference} [--flags] (tf-asyncps --help)."),
+    (["frobnicate"], "tf-asyncps: unknown command 'frobnicate'; usage: tf-asyncps "
+                     "{launch|train|server|bench|reference} [--flags] (tf-asyncps --help)."),
+    (["launch", "now"], "tf-asyncps: unexpected arguments ['now'] after 'launch'; flags look "
+                        "like --name=value; usage: tf-asyncps {launch|train|server|bench|"
+                        "reference} [--flags] (tf-asyncps --help)."),
+]
+# Help last, bench's after the others (running bench defines its flags).
+HELP = ([["--help"], ["--helpfull"]] + [[c, "--help"] for c in COMMANDS if c != "bench"] +
+        [["bench", "--help"], ["bench", "--helpfull"]])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``{tuple(args): {"rc", "out", "tensorflow"}}`` for every case above."""
+    cases = [a for a, _ in REFUSED] + [a for a, _ in MISTYPED] + HELP
+    proc = subprocess.run([sys.executable, "-c", _RUN_ALL], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=90, env=subprocess_env(),
+                          cwd=ROOT)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert line, proc.stderr[-3000:]
+    results = json.loads(line[-1][len("RESULTS "):])
+    assert len(results) == len(cases)
+    return {tuple(a): r for a, r in zip(cases, results)}
+
+
+@pytest.mark.parametrize("args,words", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_bad_flags_are_refused_before_tensorflow_is_imported(runs, args, words):
+    run = runs[tuple(args)]
+    assert run["rc"] != 0
     for w in words:
-        assert w in out, out[-2000:]
-    assert "Traceback" not in out
-    if args[1:2] == ["--hidden=12,x"]:
-        assert len(out.strip().splitlines()) == 1, out
-    assert time.perf_counter() - t0 < 60
+        assert w in run["out"], run["out"][-2000:]
+    assert "Traceback" not in run["out"]
+    assert not run["tensorflow"]
+    if "--hidden=12,x" in args or "--ctr_zipf=nan" in args:
+        assert len(run["out"].strip().splitlines()) == 1, run["out"]  # not absl's usage page
+
+
+@pytest.mark.parametrize("args,line", MISTYPED, ids=[" ".join(a) or "none" for a, _ in MISTYPED])
+def test_a_mistyped_command_gets_one_line_with_the_nearest_commands(runs, args, line):
+    run = runs[tuple(args)]
+    assert (run["rc"], run["out"], run["tensorflow"]) == (2, line + "\n", False)
+
+
+def test_the_console_script_refuses_a_mistyped_command_in_one_line():
+    rc, out = _cli("lanch")
+    assert (rc, out) == (2, MISTYPED[0][1] + "\n")
+
+
+def test_a_bad_policy_argument_names_the_policy_and_what_it_takes():
+    # launch runs validate() once TensorFlow is imported: the policy's signature.
+    with pytest.raises(ValueError, match=r"bad arguments for policy 'async': .*'foo'.* "
+                                         r"It takes Async\(\)"):
+        job.JobConfig(policy="async", policy_args={"foo": 1}).validate()
+
+
+def test_route_is_made_from_policy_args_a_policy_per_part():
+    from tf_asyncps import policies
+    args = job_config.parse_policy_args(
+        "sparse=ssp,sparse.max_staleness=3,dense=local_sgd,dense.sync_every=4")
+    assert job_config.route_parts(args) == (
+        {"sparse": ("ssp", {"max_staleness": 3}),
+         "dense": ("local_sgd", {"sync_every": 4})}, None)
+    made = job_config.make_policy("route", args)
+    want = policies.route(sparse=policies.get("ssp", max_staleness=3),
+                          dense=policies.get("local_sgd", sync_every=4))
+    assert isinstance(made, policies.Route) and repr(made) == repr(want)
+    assert repr(job_config.make_policy("route", {"sparse_names": "table"})) == repr(
+        policies.route(sparse="async", dense="async", sparse_names="table"))
+    job.JobConfig(model="recommender", dataset="movielens", policy="route",
+                  policy_args=args).validate()
+    # route's own refusals reach the flag's user, e.g. the tables on local steps:
+    with pytest.raises(ValueError, match=r"route\(\): dense is on local steps and \['sparse'\] "
+                                         r"is atomic"):
+        job_config.make_policy("route", {"sparse": "drop_stale", "dense": "local_sgd"})
+    with pytest.raises(ValueError, match=r"route\(\): sparse=.* trains per-worker copies"):
+        job.JobConfig(policy="route", policy_args={"sparse": "local_sgd"}).validate()
+    with pytest.raises(ValueError, match=r"--policy=route: dense=ssp: bad arguments for "
+                                         r"policy 'ssp'"):
+        job.JobConfig(policy="route", policy_args={"dense": "ssp", "dense.x": 1}).validate()
+
+
+def test_flags_of_another_job_are_named_with_their_job():
+    ctr = job_config.CtrConfig()
+    job_config.check_flags_apply(ctr, ["ctr_zipf", "embedding_dim", "epochs"])
+    job_config.check_flags_apply(job_config.JobConfig(), ["hidden", "epochs"])
+    job_config.check_flags_apply(job_config.JobConfig(
+        model="recommender", dataset="movielens", dynamic_ids=True), ["dynamic_capacity"])
+    job_config.check_flags_apply(job_config.CtrConfig(ctr_embedding="dynamic"),
+                                 ["dynamic_evict_every"])
+    with pytest.raises(ValueError, match=r"^--dynamic_evict_every sizes the dynamic tables"):
+        job_config.check_flags_apply(ctr, ["dynamic_evict_every"])
+    with pytest.raises(ValueError, match=r"^--ctr_max_rows is a flag of the CTR job"):
+        job_config.check_flags_apply(job_config.JobConfig(), ["epochs", "ctr_max_rows"])
 
 
 @pytest.mark.cluster
@@ -98,9 +239,18 @@ def test_digits_split_is_fixed():
     assert (a.y_test == b.y_test).all() and a.x_train.max() <= 1.0
 
 
-def test_model_and_dataset_names_match_the_cli_choices():
-    from tf_asyncps.app import cli, datasets, models
-    assert cli.MODELS == models.NAMES and cli.DATASETS == datasets.NAMES
+def test_the_checks_choices_are_the_packages():
+    # job_config repeats them so that checking a flag imports no TensorFlow.
+    from tf_asyncps import policies
+    from tf_asyncps.app import cli, ctr_model, datasets, models
+    from tf_asyncps.core import mixed_precision
+    assert cli.MODELS == job_config.MODELS == models.NAMES
+    assert cli.DATASETS == job_config.DATASETS == datasets.NAMES
+    assert job_config.KERAS == models.KERAS_CHOICES
+    assert job_config.PRECISIONS == mixed_precision.PRECISIONS
+    assert job_config.CTR_EMBEDDINGS == ctr_model.EMBEDDINGS
+    assert job_config.CTR_RAW_ID_EMBEDDINGS == ctr_model.RAW_ID_EMBEDDINGS
+    assert job_config.OPTIMIZERS == job.OPTIMIZERS
 
 
 def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):
@@ -130,10 +280,10 @@ def test_an_interrupted_command_says_so_without_a_traceback(monkeypatch, capsys)
     assert str(e.value.code) == "tf-asyncps bench: interrupted; every process it started is stopped."
 
 
-def test_help_exits_0_and_lists_each_command_once_with_its_flags():
+def test_help_exits_0_and_lists_each_command_once_with_its_flags(runs):
     from tf_asyncps.app import cli  # noqa: F401 - defines the flags
     from absl import flags
-    rc, out = _cli("--help")
+    rc, out = runs[("--help",)]["rc"], runs[("--help",)]["out"]
     assert rc == 0, out
     lines = out.splitlines()
     for command in ("launch", "train", "server", "bench", "reference"):
@@ -146,10 +296,10 @@ def test_help_exits_0_and_lists_each_command_once_with_its_flags():
 
 
 @pytest.mark.parametrize("command", ["launch", "train", "server", "bench", "reference"])
-def test_command_help_lists_that_commands_flags_with_their_help(command):
+def test_command_help_lists_that_commands_flags_with_their_help(runs, command):
     # `bench --help` printed the general help, without a word of bench's flags.
     from tf_asyncps.app.cli_help import COMMAND_HELP, JOB_FLAGS
-    rc, out = _cli(command, "--help")
+    rc, out = runs[(command, "--help")]["rc"], runs[(command, "--help")]["out"]
     assert rc == 0, out
     assert out.startswith(f"tf-asyncps {command}: ")
     names = next(c[3] for c in COMMAND_HELP if c[0] == command)
@@ -164,17 +314,19 @@ def test_command_help_lists_that_commands_flags_with_their_help(command):
         assert not any(f.startswith("bench_") for f in listed)
 
 
-def test_bench_flags_are_listed_by_bench_helpfull_only():
-    rc, out = _cli("--helpfull")
-    assert rc == 0 and "--bench_steps" not in out and "--num_workers" in out
-    rc, out = _cli("bench", "--helpfull")
-    assert rc == 0 and "--bench_steps" in out
+def test_bench_flags_are_listed_by_bench_helpfull_only(runs):
+    run = runs[("--helpfull",)]
+    assert run["rc"] == 0 and "--bench_steps" not in run["out"] and "--num_workers" in run["out"]
+    run = runs[("bench", "--helpfull")]
+    assert run["rc"] == 0 and "--bench_steps" in run["out"]
+    assert not any(r["tensorflow"] for r in runs.values())  # help imports no TensorFlow
 
 
 def test_policy_flag_names_every_registered_policy():
     from tf_asyncps import policies
     from tf_asyncps.app import cli
-    assert sorted(cli.POLICIES) == policies.names()
+    assert sorted(job_config.REGISTERED_POLICIES) == policies.names()
+    assert cli.POLICIES == job_config.REGISTERED_POLICIES + ("route",)
     help_text = cli.FLAGS["policy"].help
     for name in cli.POLICIES:
         assert f"{name} (" in help_text, name

@@ -9,18 +9,16 @@ import time
 
 from absl import app, flags, logging
 
+from tf_asyncps.app import job_config
 from tf_asyncps.app.console import sigterm_as_ctrl_c
 
 FLAGS = flags.FLAGS
 COMMANDS = ("launch", "train", "server", "bench", "reference")
 
-# The names are repeated here (not imported) so that a bad one fails at flag
-# parsing, before TensorFlow is imported; tests/test_cli.py keeps them equal.
-MODELS = ("mlp", "linear", "recommender", "dlrm")
-DATASETS = ("digits", "mnist", "movielens", "criteo_synthetic")
-KERAS = ("tf_keras", "3")
-POLICIES = ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas",
-            "local_sgd")
+# The choices come from job_config (no TensorFlow import): a bad one fails at
+# flag parsing; tests/test_cli.py keeps them equal to the package's.
+MODELS, DATASETS, KERAS, POLICIES = (job_config.MODELS, job_config.DATASETS, job_config.KERAS,
+                                     job_config.POLICIES)
 flags.DEFINE_enum("keras", "tf_keras", KERAS, "Keras library of the model: tf_keras "
                   "(Keras 2) or 3 (Keras 3 model.fit on parameter servers, tf_asyncps.keras3).")
 flags.DEFINE_enum("model", "mlp", MODELS, "Model: mlp, linear, recommender (movielens), or "
@@ -48,8 +46,7 @@ flags.DEFINE_float("ctr_scale", 1.0, "dlrm: each feature's (capped) rows times t
                    "least 1 (in (0, 1]; scales the tables down for tests).")
 flags.DEFINE_float("ctr_zipf", 1.1, "dlrm: Zipf exponent of each feature's ids (0: uniform).",
                    lower_bound=0.0)
-flags.DEFINE_enum("ctr_embedding", "tables", ["tables", "offset", "collection", "dynamic",
-                                              "dynamic_collection"],
+flags.DEFINE_enum("ctr_embedding", "tables", job_config.CTR_EMBEDDINGS,
                   "dlrm: one Embedding per feature (tables), one Embedding read at ids "
                   "offset per feature (offset), one tf_asyncps.layers."
                   "EmbeddingCollection for all (collection), or a DynamicEmbedding per "
@@ -76,14 +73,16 @@ flags.DEFINE_integer("epochs", 10, "Epochs of model.fit.", lower_bound=1)
 flags.DEFINE_integer("steps_per_epoch", 100, "Worker steps per epoch.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 32, "Examples per worker step.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.1, "Optimizer learning rate.", lower_bound=0.0)
-flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adagrad", "rmsprop"],
+flags.DEFINE_enum("optimizer", "sgd", job_config.OPTIMIZERS,
                   "tf_keras optimizer.")
 flags.DEFINE_enum("policy", "async", POLICIES,
                   "Update policy: async (apply every gradient), drop_stale (drop tau > "
                   "max_staleness), staleness_aware (scale by 1/max(1, tau)), ssp (bounded "
                   "staleness: the fastest waits), dc_asgd (delay-compensated), "
                   "sync_replicas (mean of N gradients per update), local_sgd (local "
-                  "steps, periodic averaging); their arguments: --policy_args, "
+                  "steps, periodic averaging), route (a policy per part: the embedding "
+                  "tables' and the rest's, e.g. --policy_args=sparse=async,dense=local_sgd,"
+                  "dense.sync_every=16); their arguments: --policy_args, "
                   "docs/concepts/policies.md.")
 flags.DEFINE_string("policy_args", "", "Policy arguments as k=v,k2=v2.")
 flags.DEFINE_list("hidden", ["128"], "Hidden layer sizes of the mlp.")
@@ -115,7 +114,7 @@ flags.DEFINE_enum("wire_dtype", "float32", ["float32", "bfloat16"],
                   "the network in; bfloat16 halves those bytes (variables and slots stay float32 on the "
                   "ps; docs/guides/mixed_precision.md#bfloat16-on-the-wire).")
 flags.DEFINE_enum("mixed_precision", "none",
-                  ["none", "mixed_float16", "mixed_bfloat16", "auto"],
+                  job_config.PRECISIONS,
                   "tf_keras mixed-precision policy of the model (variables stay float32); "
                   "mixed_float16 adds loss scaling; auto: mixed_float16 if the workers have "
                   "GPUs, else mixed_bfloat16.")
@@ -187,23 +186,27 @@ def _is_ctr() -> bool:
 
 
 def _job_config():
+    """The job's settings from the flags, checked without importing
+    TensorFlow (``cfg.validate()`` adds the checks that need it).
+
+    Raises:
+      ValueError: a bad value, or a flag the job does not read.
+    """
     hidden = _hidden()
-    from tf_asyncps.app import job
     ctr = {}
     if _is_ctr():
-        from tf_asyncps.app import ctr_job
-        make = ctr_job.CtrConfig
+        make = job_config.CtrConfig
         ctr = dict(ctr_max_rows=FLAGS.ctr_max_rows, ctr_scale=FLAGS.ctr_scale,
                    ctr_zipf=FLAGS.ctr_zipf, ctr_embedding=FLAGS.ctr_embedding,
                    ctr_bottom_mlp=_sizes("ctr_bottom_mlp"), ctr_top_mlp=_sizes("ctr_top_mlp"),
                    ctr_test_examples=FLAGS.ctr_test_examples)
     else:
-        make = job.JobConfig
+        make = job_config.JobConfig
     cfg = make(
         model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         steps_per_epoch=FLAGS.steps_per_epoch, batch_size=FLAGS.batch_size,
         learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
-        policy=FLAGS.policy, policy_args=job.parse_policy_args(FLAGS.policy_args),
+        policy=FLAGS.policy, policy_args=job_config.parse_policy_args(FLAGS.policy_args),
         hidden=hidden, seed=FLAGS.seed, output_dir=FLAGS.output_dir,
         steps_per_execution=FLAGS.steps_per_execution,
         connect_timeout_s=FLAGS.connect_timeout_s,
@@ -214,8 +217,24 @@ def _job_config():
         keras=FLAGS.keras, dynamic_ids=FLAGS.dynamic_ids,
         dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every,
         **ctr)
-    cfg.validate()
+    job_config.check_flags_apply(cfg, [n for n in _our_flags() if FLAGS[n].present])
+    _refuse_nan()
+    cfg.check()
     return cfg
+
+
+def _our_flags():
+    """The flags defined here (the job's and the commands'; not absl's own)."""
+    return [f.name for f in FLAGS.flags_by_module_dict().get(__name__, ())]
+
+
+def _refuse_nan() -> None:
+    """absl's float flags take nan (no bound refuses it): refused here, naming the flag."""
+    for name in _our_flags():
+        value = FLAGS[name].value
+        if isinstance(value, float) and value != value:
+            raise ValueError(f"--{name}=nan is not a number; give a number "
+                             f"(default: {FLAGS[name].default}).")
 
 
 def _quiet_tensorflow():
@@ -316,6 +335,7 @@ def cmd_train(argv):
     if config.task_type in ("ps", "worker"):
         return _serve(config)
     cfg = _job_config()
+    cfg.validate()
     _quiet_tensorflow()
     if _is_ctr():
         from tf_asyncps.app import ctr_job
@@ -331,12 +351,13 @@ def cmd_bench(argv):
 
 def cmd_reference(argv):
     """The job's model trained in this one process: no cluster, no TF_CONFIG."""
-    if _quiet_console():  # the child checks the rest (no TensorFlow import here)
-        _hidden()
+    if _quiet_console():  # the flags are checked here, without TensorFlow
+        _job_config()
         out = os.path.normpath(FLAGS.output_dir) + "_reference" if FLAGS.output_dir else None
         return _filtered_self("reference", "reference",
                               out and os.path.join(out, "logs"))
     cfg = _job_config()
+    cfg.validate()
     _quiet_tensorflow()
     if _is_ctr():
         from tf_asyncps.app import ctr_job
@@ -353,19 +374,21 @@ class _ShowAll(contextlib.nullcontext):
 
 
 def cmd_launch(argv):
+    # The flags are checked first, without TensorFlow: a bad one is refused at once.
+    cfg, backup_default, gpu_plan = _launch_checks()
     from tf_asyncps.app.console import NativeStderrFilter
-    # This process imports TensorFlow to check the flags; TensorFlow's C++
+    # This process imports TensorFlow to check the policy; TensorFlow's C++
     # start-up notices (written to fd 2 whatever TF_CPP_MIN_LOG_LEVEL says)
     # stay off the console; any other output of the checks is shown after.
     quiet = _ShowAll() if FLAGS.console == "full" else NativeStderrFilter()
     with quiet:
-        return _launch(argv, quiet)
+        return _launch(argv, cfg, backup_default, gpu_plan, quiet)
 
 
-def _launch(argv, quiet):
-    from tf_asyncps import cluster
+def _launch_checks():
+    """launch's checks that need no TensorFlow: memory, GPUs, the job's flags.
+    Returns ``(JobConfig, whether --backup_dir was defaulted, the GPU plan)``."""
     from tf_asyncps.cluster import devices
-    # Memory and GPU placement first: they need neither TensorFlow nor CUDA.
     devices.check_memory(FLAGS.num_workers, FLAGS.num_ps, devices.available_memory_mb())
     if FLAGS["gpus"].present:
         raise ValueError("--gpus is for `train`/`server` tasks started by hand; launch gives "
@@ -373,14 +396,11 @@ def _launch(argv, quiet):
     if FLAGS.gpus_per_worker > 1 and FLAGS.policy == "local_sgd":  # before counting GPUs
         raise ValueError(devices.local_copies_replicas_message(
             FLAGS.policy, FLAGS.gpus_per_worker, FLAGS.num_workers))
-    gpu_plan = devices.plan_gpus(
-        FLAGS.num_workers, FLAGS.gpus_per_worker,
-        devices.available_gpus() if FLAGS.gpus_per_worker else (),
-        memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
-    from tf_asyncps.compat import startup as startup_compat
-    startup_compat.import_without_keras()  # for the checks below; this process runs no Keras
-    backup_default = (FLAGS.restart_failed_tasks or FLAGS.backup_every_steps) and \
-        not FLAGS.backup_dir
+    if FLAGS.host_bandwidth_mbit and FLAGS.hosts != "netns":
+        raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
+                         "--hosts=netns or drop it.")
+    backup_default = bool((FLAGS.restart_failed_tasks or FLAGS.backup_every_steps) and
+                          not FLAGS.backup_dir)
     if backup_default:
         # A chief re-run must find the checkpoints of the run that failed.
         if FLAGS.output_dir:
@@ -388,9 +408,21 @@ def _launch(argv, quiet):
         else:
             import tempfile
             FLAGS.backup_dir = tempfile.mkdtemp(prefix="tf_asyncps_backup_")
-    cfg = _job_config()  # bad flags fail here, before any process starts
-    from tf_asyncps import policies
-    policy = policies.get(cfg.policy, **cfg.policy_args)
+    cfg = _job_config()  # bad flags fail here, before TensorFlow and any process
+    gpu_plan = devices.plan_gpus(
+        FLAGS.num_workers, FLAGS.gpus_per_worker,
+        devices.available_gpus() if FLAGS.gpus_per_worker else (),
+        memory_growth=os.environ.get(devices.ALLOW_GROWTH, "true").lower() != "false")
+    return cfg, backup_default, gpu_plan
+
+
+def _launch(argv, cfg, backup_default, gpu_plan, quiet):
+    from tf_asyncps import cluster
+    from tf_asyncps.cluster import devices
+    from tf_asyncps.compat import startup as startup_compat
+    startup_compat.import_without_keras()  # for the checks below; this process runs no Keras
+    cfg.validate()
+    policy = job_config.make_policy(cfg.policy, cfg.policy_args)
     policy.validate_cluster(FLAGS.num_workers)
     if policy.local_copies and FLAGS.gpus_per_worker > 1:  # a registered local-copy policy
         raise ValueError(devices.local_copies_replicas_message(
@@ -404,9 +436,6 @@ def _launch(argv, quiet):
     args = [a for a in sys.argv[1:] if a != "launch"]
     if backup_default:
         args.append(f"--backup_dir={FLAGS.backup_dir}")
-    if FLAGS.host_bandwidth_mbit and FLAGS.hosts != "netns":
-        raise ValueError("--host_bandwidth_mbit limits the links of --hosts=netns; add "
-                         "--hosts=netns or drop it.")
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C.
     sigterm_as_ctrl_c()
     quiet.release()  # the checks are done: fd 2 is the console again
@@ -534,13 +563,10 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         # Quiet by default (TensorFlow logs cluster set-up at INFO); --verbosity=0 shows it.
         logging.set_verbosity(logging.WARNING)
-    if len(argv) < 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(
-            f"usage: tf-asyncps {{{'|'.join(COMMANDS)}}} [--flags]; got "
-            f"{argv[1:2] or 'no command'}. Example: tf-asyncps launch "
-            "--flagfile=configs/digits_async.flags")
-    if len(argv) > 2:
-        raise app.UsageError(f"unexpected arguments {argv[2:]}; flags look like --name=value.")
+    if len(argv) < 2 or argv[1] not in COMMANDS or len(argv) > 2:
+        # One line, not absl's usage page: the unknown word and what was meant.
+        print(f"tf-asyncps: {_command_error(argv[1:])}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if argv[1] in ("train", "server"):
         # `kill -USR1 PID` prints every thread's Python stack to the task's
         # stderr (its log under launch) and it runs on: what a stuck task waits on.
@@ -561,6 +587,20 @@ def main(argv):
             raise
         print(f"tf-asyncps {argv[1]}: error: {lost}", file=sys.stderr, flush=True)
         sys.exit(EXIT_LOST_TASK)
+
+
+def _command_error(words) -> str:
+    """What a bad command line gets: the unknown word and the nearest commands."""
+    import difflib
+    usage = f"usage: tf-asyncps {{{'|'.join(COMMANDS)}}} [--flags] (tf-asyncps --help)"
+    if not words:
+        return f"no command given; {usage}."
+    if words[0] not in COMMANDS:
+        near = difflib.get_close_matches(words[0], COMMANDS, n=2, cutoff=0.7)
+        meant = (f"did you mean {' or '.join(near)}? " if near else "")
+        return f"unknown command {words[0]!r}; {meant}{usage}."
+    return (f"unexpected arguments {words[1:]} after {words[0]!r}; flags look like "
+            f"--name=value; {usage}.")
 
 
 #: Exit status of a chief that lost a ps (or worker) task: a re-run can resume

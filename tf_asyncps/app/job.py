@@ -7,12 +7,11 @@ by plain TensorFlow in one process; with ``--dynamic_ids`` raw ids) and
 ``test_predictions.npy``.
 """
 
-import dataclasses
 import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 import numpy as np
 import tensorflow as tf
@@ -22,171 +21,17 @@ from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps.callbacks import recovery
 from tf_asyncps.callbacks.dynamic import DynamicEviction
 from tf_asyncps import cluster as cluster_lib
-from tf_asyncps import policies
 from tf_asyncps.app import datasets, dynamic_ids
-from tf_asyncps.app.flag_checks import check_writable_dir
+from tf_asyncps.app.job_config import OPTIMIZERS, JobConfig, make_policy, parse_policy_args
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import mixed_precision
 from tf_asyncps.app import models
 from tf_asyncps.optimizers import LockingOptimizer
 from tf_asyncps.strategy import AsyncParameterServerStrategy
-from tf_asyncps.validate import check_int, check_number, is_int
 
 __all__ = ["JobConfig", "run", "run_reference", "reference_dir", "partitioner",
            "parse_policy_args", "set_precision", "steady_rate", "sharding",
            "make_optimizer", "OPTIMIZERS"]
-
-OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
-
-
-@dataclasses.dataclass
-class JobConfig:
-    """Settings of one training job (the CLI flags of the same names).
-
-    Units: ``epochs`` and ``steps_per_epoch`` count worker steps (one batch of
-    ``batch_size`` examples on one worker); times are seconds.
-    """
-
-    model: str = "mlp"
-    dataset: str = "digits"
-    epochs: int = 10
-    steps_per_epoch: int = 100
-    batch_size: int = 32
-    learning_rate: float = 0.1
-    optimizer: str = "sgd"
-    policy: str = "async"
-    policy_args: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    hidden: Tuple[int, ...] = (128,)
-    seed: int = 0
-    output_dir: Optional[str] = None
-    steps_per_execution: int = 1
-    connect_timeout_s: float = 30.0
-    max_tracked_staleness: int = 32
-    locking: bool = False
-    mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
-    wire_dtype: str = "float32"  # or "bfloat16": AsyncParameterServerStrategy(wire_dtype=)
-    backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
-    # > 0: StepBackup every that many worker steps (mid-epoch resume) instead.
-    backup_every_steps: int = 0
-    embedding_dim: int = 32  # recommender: width of each embedding table
-    # variable_partitioner: MinSizePartitioner(min_shard_bytes, max_shards=num_ps);
-    # 0 keeps every variable whole.
-    min_shard_bytes: int = 0
-    num_workers: int = 0  # informational: taken from the cluster
-    num_ps: int = 0
-    keras: str = "tf_keras"  # "tf_keras" or "3" (Keras 3: tf_asyncps/keras3)
-    # recommender: raw ids into DynamicEmbedding tables of dynamic_capacity x
-    # (the column's distinct ids) rows, an eviction pass every dynamic_evict_every
-    # global steps.
-    dynamic_ids: bool = False
-    dynamic_capacity: float = 0.7
-    dynamic_evict_every: int = 20
-
-    def validate(self) -> None:
-        """Raises ValueError naming the first bad field and its valid range."""
-        for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution",
-                     "embedding_dim", "dynamic_evict_every"):
-            check_int(getattr(self, name), f"--{name}", min=1)
-        if not self.hidden or any(not is_int(h) or h < 1 for h in self.hidden):
-            raise ValueError(f"--hidden must be layer sizes >= 1 (e.g. --hidden=128,64), got "
-                             f"{list(self.hidden)!r}.")
-        check_number(self.learning_rate, "--learning_rate", above=0)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"--optimizer={self.optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}.")
-        if self.model not in models.NAMES:
-            raise ValueError(f"--model={self.model!r} is unknown; choose one of {list(models.NAMES)}.")
-        if self.dataset not in datasets.NAMES:
-            raise ValueError(
-                f"--dataset={self.dataset!r} is unknown; choose one of {list(datasets.NAMES)}.")
-        if (self.model == "recommender") != (self.dataset == "movielens"):
-            raise ValueError(
-                f"--model={self.model} does not fit --dataset={self.dataset}: "
-                "--model=recommender needs the id columns of --dataset=movielens, and "
-                "movielens needs --model=recommender.")
-        if (self.model == "dlrm") != (self.dataset == "criteo_synthetic"):
-            raise ValueError(
-                f"--model={self.model} does not fit --dataset={self.dataset}: the CTR job is "
-                "--model=dlrm --dataset=criteo_synthetic (configs/ctr.flags).")
-        self._validate_dynamic()
-        check_int(self.min_shard_bytes, "--min_shard_bytes", min=0,
-                  hint="0: no variable_partitioner")
-        check_int(self.backup_every_steps, "--backup_every_steps", min=0,
-                  hint="0: epoch-end backups")
-        if self.backup_every_steps and self.backup_dir is None:
-            raise ValueError("--backup_every_steps needs --backup_dir=DIR (where the backups "
-                             "go; launch defaults it to OUTPUT_DIR/backup).")
-        if self.backup_dir is not None:
-            check_writable_dir(
-                self.backup_dir, "--backup_dir", "checkpoints",
-                if_empty="leave the flag out for none (launch --restart_failed_tasks then "
-                         "uses OUTPUT_DIR/backup)")
-        if self.output_dir:
-            check_writable_dir(self.output_dir, "--output_dir",
-                               "metrics.json, logs and the SavedModel")
-        if self.keras not in models.KERAS_CHOICES:
-            raise ValueError(f"--keras={self.keras!r} is unknown; choose one of "
-                             f"{list(models.KERAS_CHOICES)}.")
-        if self.keras == "3":
-            from tf_asyncps.keras3.trainer import unsupported_version
-            message = unsupported_version()
-            if message:
-                raise ValueError(f"--keras=3: {message}")
-        policy = policies.get(self.policy, **self.policy_args)  # ValueError lists the choices
-        mixed_precision.resolve(self.mixed_precision, 0)  # ValueError lists the choices
-        if self.wire_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--wire_dtype must be float32 or bfloat16, got {self.wire_dtype!r}.")
-        mixed_precision.check_local_copies(policy, precision=self.mixed_precision)
-
-    def _validate_dynamic(self) -> None:
-        """--dynamic_ids needs the recommender, tf_keras and a capacity > 0."""
-        if not self.dynamic_ids:
-            return
-        if self.model != "recommender":
-            raise ValueError("--dynamic_ids feeds raw user and movie ids into DynamicEmbedding "
-                             "tables: it needs --model=recommender --dataset=movielens.")
-        if self.keras != "tf_keras":
-            raise ValueError("--dynamic_ids needs --keras=tf_keras (tf_asyncps.layers."
-                             "DynamicEmbedding is a tf_keras layer).")
-        check_number(self.dynamic_capacity, "--dynamic_capacity", above=0,
-                     hint="rows of each table as a fraction of its column's distinct ids, "
-                          "e.g. 0.7; >= 1 gives every id a row")
-
-
-def parse_policy_args(text: str) -> Dict[str, Any]:
-    """Parses ``"k=v,k2=v2"`` into a dict; values become int, float, bool or str.
-
-    Raises:
-      ValueError: an item without ``=`` (naming the item and the format); a
-        key given twice (naming it: which value was meant is unknown).
-    """
-    out = {}
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        key, sep, val = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(
-                f"--policy_args item {item!r} is not key=value; write e.g. "
-                "--policy_args=max_staleness=2,mode=inverse.")
-        if key in out:
-            raise ValueError(
-                f"--policy_args gives {key!r} twice ({text!r}); give each "
-                "argument once.")
-        val = val.strip()
-        low = val.lower()
-        if low in ("true", "false"):
-            parsed = low == "true"
-        else:
-            try:
-                parsed = int(val)
-            except ValueError:
-                try:
-                    parsed = float(val)
-                except ValueError:
-                    parsed = val
-        out[key] = parsed
-    return out
-
 
 def make_optimizer(name: str, learning_rate: float, keras=tf_keras):
     """An optimizer of ``keras`` (tf_keras or Keras 3) by name (see OPTIMIZERS)."""
@@ -335,7 +180,7 @@ def run(cfg: JobConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
     spec = resolver.cluster_spec()
     num_workers, num_ps = spec.num_tasks("worker"), spec.num_tasks("ps")
     strategy = AsyncParameterServerStrategy(
-        resolver, update_policy=policies.get(cfg.policy, **cfg.policy_args),
+        resolver, update_policy=make_policy(cfg.policy, cfg.policy_args),
         variable_partitioner=partitioner(cfg.min_shard_bytes, num_ps),
         connect_timeout_s=cfg.connect_timeout_s, _connect_timeout_name="--connect_timeout_s",
         max_tracked_staleness=cfg.max_tracked_staleness, wire_dtype=cfg.wire_dtype)
