@@ -10,6 +10,8 @@ export per feature. Under the strategy (2 ps, the table split in two):
 tests/test_embedding_collection.py's shared cluster scenario.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -139,6 +141,27 @@ def test_raw_ids_outside_56_bits_and_bad_input_are_refused_naming_the_feature(ke
         layer(np.zeros((2, 3), np.float32))
     with pytest.raises(TypeError, match="got string.*key_dtype=tf.string"):
         layer(tf.constant([["a", "b", "c"]]))
+
+
+@pytest.mark.parametrize("keras_name", list(KERASES))
+@pytest.mark.parametrize("ids", [np.zeros((F,), np.int64), np.zeros((2, 1, F), np.int64)],
+                         ids=["rank1", "rank3"])
+def test_both_collections_refuse_ids_of_another_rank_naming_the_shape(keras_name, ids):
+    # A [F] or [batch, 1, F] input was taken (its last axis is F) and read as
+    # rows of other examples or features.
+    fixed = {"tf_keras": tf_asyncps.layers.EmbeddingCollection,
+             "keras3": tf_asyncps.keras3.EmbeddingCollection}[keras_name]([5, 3, 7], DIM,
+                                                                          name="ec")
+    dynamic = KERASES[keras_name][1](F, DIM, capacity=8, name="dc")
+    shape = re.escape(str(tf.TensorShape(ids.shape)))
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'ec': ids must have shape "
+                                         rf"\[batch, 3\] \(rank 2: .*got {shape}\."):
+        fixed(ids)
+    with pytest.raises(ValueError, match=r"DynamicEmbeddingCollection 'dc': ids must have "
+                                         rf"shape \[batch, 3\] \(rank 2: .*got {shape}\."):
+        dynamic(ids, training=True)
+    with pytest.raises(ValueError, match=r"ids must have shape \[batch, 3\]"):
+        fixed.build(ids.shape)  # a functional model's symbolic input
 
 
 @pytest.mark.parametrize("value", [0, 129, True, 2.0])

@@ -73,7 +73,7 @@ def keys_of(ids, num_features: int, name: str = "layer") -> tf.Tensor:
 
     Raises:
       TypeError: ids of another dtype (strings, floats, uint64).
-      ValueError: a last axis other than F.
+      ValueError: ids not of shape [batch, F] (rank 2, F columns).
       tf.errors.InvalidArgumentError: a raw id outside ``[0, 2**56)``
         (eagerly, or when the traced check runs), naming the feature and the id.
     """
@@ -84,11 +84,11 @@ def keys_of(ids, num_features: int, name: str = "layer") -> tf.Tensor:
                         f"{ids.dtype.name}; for string ids use one DynamicEmbedding("
                         f"key_dtype=tf.string) per feature, for uint64 pass "
                         f"tf.bitwise.bitwise_and(tf.bitcast(ids, tf.int64), 2**56 - 1).")
-    if ids.shape.rank is not None and (ids.shape.rank < 1 or (
+    if ids.shape.rank is not None and (ids.shape.rank != 2 or (
             ids.shape[-1] is not None and ids.shape[-1] != num_features)):
         raise ValueError(f"{_NAME} {name!r}: ids must have shape [batch, {num_features}] "
-                         f"(one column per feature, num_features={num_features}), got "
-                         f"{ids.shape}.")
+                         f"(rank 2: one row per example, one column per feature, "
+                         f"num_features={num_features}), got {ids.shape}.")
     ids = tf.cast(ids, tf.int64)
     ok = tf.reduce_all(tf.logical_and(ids >= 0, ids < _ID_LIMIT))
 
@@ -191,7 +191,7 @@ _DOC = """Many categorical features' raw ids in one dynamic table (tf_keras).
 
     Raises:
       ValueError: ``num_features`` not an int in [1, 128], the other fields
-        as ``DynamicEmbedding``'s, naming them; ids whose last axis is not F.
+        as ``DynamicEmbedding``'s, naming them; ids not of shape [batch, F].
       TypeError: ids of another dtype; the other Keras's KerasTensor.
       tf.errors.InvalidArgumentError: at call, a raw id outside
         ``[0, 2**56)``, naming the feature and the id, and the fix

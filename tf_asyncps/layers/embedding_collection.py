@@ -85,6 +85,17 @@ class _Mixin:
         """The tf.Variable (or ShardedVariable) of the table."""
         return self.embeddings
 
+    def _check_shape(self, shape):
+        """Refuses ids of a known shape other than [batch, F] (a rank-1 or
+        rank-3 input would be read as other features' ids)."""
+        shape = tf.TensorShape(shape)
+        features = len(self.input_dims)
+        if shape.rank is not None and (shape.rank != 2 or (
+                shape[-1] is not None and shape[-1] != features)):
+            raise ValueError(f"{_NAME} {self.name!r}: ids must have shape [batch, {features}] "
+                             f"(rank 2: one row per example, one column per feature of "
+                             f"input_dims), got {shape}.")
+
     def _check_ids(self, ids):
         """``ids`` as int64, after the range check of each column."""
         if not isinstance(ids, tf.Tensor) or ids.dtype not in (tf.int32, tf.int64):
@@ -94,10 +105,7 @@ class _Mixin:
                             f"{ids.dtype.name}; cast them (column f holds feature f's ids "
                             f"in [0, input_dims[f])).")
         features = len(self.input_dims)
-        if ids.shape.rank is not None and (ids.shape.rank < 1 or (
-                ids.shape[-1] is not None and ids.shape[-1] != features)):
-            raise ValueError(f"{_NAME} {self.name!r}: ids must have shape [batch, {features}] "
-                             f"(one column per feature of input_dims), got {ids.shape}.")
+        self._check_shape(ids.shape)
         ids = tf.cast(ids, tf.int64)
         dims = tf.constant(self.input_dims, tf.int64)
         ok = tf.reduce_all(tf.logical_and(ids >= 0, ids < dims))
@@ -201,7 +209,8 @@ class EmbeddingCollection(_Mixin, _tf_keras().layers.Layer):
 
     Raises:
       ValueError: empty ``input_dims``, an entry or ``output_dim`` that is not
-        an int >= 1 (bools too), naming it; ids whose last axis is not F.
+        an int >= 1 (bools too), naming it; ids (or a built input) not of
+        shape [batch, F].
       TypeError: ids of another dtype; the other Keras's KerasTensor.
       tf.errors.InvalidArgumentError: at call, an id out of its feature's
         range, naming the feature, its range and the id.
@@ -216,6 +225,7 @@ class EmbeddingCollection(_Mixin, _tf_keras().layers.Layer):
         self.embeddings_initializer = _tf_keras().initializers.get(embeddings_initializer)
 
     def build(self, input_shape):
+        self._check_shape(input_shape)
         # No AutoCastVariable (it wraps no ShardedVariable): float32 table,
         # rows cast to the compute dtype, as tf_keras's Embedding.
         self.embeddings = self.add_weight(
@@ -263,6 +273,8 @@ def keras3_layer():
             self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
 
         def build(self, input_shape=None):
+            if input_shape is not None:
+                self._check_shape(input_shape)
             self.embeddings = self.add_weight(
                 shape=(self.total_rows, self.output_dim), initializer=self.embeddings_initializer,
                 dtype=self.variable_dtype, trainable=True, name="embeddings", autocast=False)
