@@ -297,3 +297,23 @@ def test_local_cluster_rejects_bad_sizes():
         LocalCluster(num_workers=0)
     with pytest.raises(ValueError, match="num_ps"):
         LocalCluster(num_workers=1, num_ps=True)
+
+
+def test_leaving_a_connected_cluster_closes_this_process_log_files(tmp_path, monkeypatch):
+    """Before: the deferred stop returned before closing the parent's log
+    handles (the tasks keep writing through their own descriptors)."""
+    from tf_asyncps.cluster import launcher
+    cluster = launcher.LocalCluster(1, 1, log_dir=str(tmp_path))
+
+    class Alive:
+        pid = 1
+
+        def poll(self):
+            return None
+
+    cluster.procs["ps:0"] = Alive()
+    log = open(cluster.log_path("ps:0"), "ab")
+    cluster._logs["ps:0"] = log
+    monkeypatch.setattr(launcher.startup_compat, "context_connected", lambda: True)
+    cluster.stop(defer_if_connected=True)
+    assert log.closed and cluster._logs == {}

@@ -1,5 +1,6 @@
 """StalenessLogger's console lines follow fit's verbose (no cluster: a stand-in
-strategy gives the counters)."""
+strategy gives the counters); its summary writer is closed when fit ends, and
+ProgressLine says why it stopped drawing (issue #26, item 1)."""
 
 import dataclasses
 import json
@@ -74,3 +75,37 @@ def test_staleness_stats_print_as_one_readable_line():
     routed = dataclasses.replace(empty, parts={"sparse": 7, "dense": 2})
     assert repr(routed).endswith("histogram={}, parts={'sparse': 7, 'dense': 2})")
     assert json.loads(json.dumps(routed.to_dict()))["parts"] == {"sparse": 7, "dense": 2}
+
+
+def test_the_summary_writer_is_closed_when_fit_ends(tmp_path):
+    import types
+    from tf_asyncps.callbacks import StalenessLogger
+    logger = StalenessLogger(log_dir=str(tmp_path))
+    logger.set_model(types.SimpleNamespace(distribute_strategy=types.SimpleNamespace(
+        staleness_stats=lambda: None)))
+    logger.on_train_begin()
+    writer = logger._writer
+    closed = []
+    real_close = writer.close
+    writer.close = lambda: (closed.append(1), real_close())
+    logger.on_train_end()
+    assert closed == [1] and logger._writer is None
+
+
+def test_progress_line_says_why_it_stopped_drawing(caplog):
+    """Before: every exception was swallowed, a bug in drawing included."""
+    import io
+    import types
+    from tf_asyncps.callbacks import ProgressLine
+
+    def stats():
+        raise KeyError("worker_steps")
+
+    line = ProgressLine(total_steps=10, period_s=0.0, stream=io.StringIO(), force=True)
+    line._strategy = types.SimpleNamespace(staleness_stats=stats)
+    line._base, line._t0 = 0, 0.0
+    with caplog.at_level("WARNING"):
+        line._run()  # returns after the failed draw
+    assert isinstance(line.error, KeyError) and line.draws == 0
+    assert [r.getMessage() for r in caplog.records if "ProgressLine" in r.getMessage()] == [
+        "ProgressLine stopped drawing: KeyError: 'worker_steps'"]
