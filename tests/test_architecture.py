@@ -451,14 +451,18 @@ print("FAILED " + json.dumps(failed))
 """
 
 
-def test_every_module_and_root_name_imports_first_in_a_fresh_package():
+def test_every_module_and_root_name_imports_first_in_a_fresh_package(tmp_path):
     """Each module (and each lazy name of the root, e.g. SyncReplicasAggregator)
     is the first tf_asyncps import of a fresh package state: an import circle
     shows up as 'partially initialized module'."""
     import tf_asyncps
     names = sorted(m for m in _modules() if not m.endswith(("__main__", "deathsig_shim")))
     attrs = [a for a in tf_asyncps.__all__ if a != "__version__"]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+               PYTHONPYCACHEPREFIX=str(tmp_path))
+    # Each fresh state re-runs the package's modules; compiled once (bytecode
+    # under tmp_path), not from source in every round, most of the test's time.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run([sys.executable, "-c", _FIRST_TOUCH, json.dumps(names), json.dumps(attrs)],
                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("FAILED ")]

@@ -22,7 +22,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_asyncps
-from conftest import (ROOT, SCENARIOS_DIR, poll_until, run_command, run_scenario, stop_process,
+from conftest import (ROOT, poll_until, run_command, run_scenario, stop_process,
                       subprocess_env)
 from scenarios import scenario
 from scenarios.common import make_optimizer, mlp, small_problem
@@ -100,65 +100,51 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
         m["test_accuracy"], baseline["test_accuracy"])
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointCrash:
-    """What checkpoint_crash returns if it does not crash (it should).
-
-    Attributes:
-      crashed: False (a process that crashed returns nothing).
-    """
-    crashed: bool
-
-
-@scenario
-def checkpoint_crash(backup_dir, crash_at="state") -> CheckpointCrash:
-    """A process that crashes (os._exit) inside its second epoch-end
-    BackupAndRestore save: after the new checkpoint's data is written but
-    before the ``checkpoint`` state file names it (``crash_at="state"``), or
-    before the shards are merged into it (``"merge"``). Returns (if it does
-    not crash) nothing useful; the first checkpoint's weights are saved to
-    ``backup_dir/../epoch1_weights.npz`` for the test to compare."""
+def test_crash_inside_a_checkpoint_save_leaves_the_previous_one_latest(tmp_path, monkeypatch):
+    # A process that dies inside its second epoch-end save (before the shards
+    # are merged, or after the data is written but before the state file names
+    # it) leaves on disk what was written up to that call: each point's files
+    # are copied when the save reaches it (what a crash there would leave), in
+    # this process, not one process killed per point. The latest checkpoint of
+    # each copy must still be the complete first.
+    import shutil
     from tensorflow.python.checkpoint import checkpoint_management, functional_saver
+    backup = str(tmp_path / "backup")
     x, y = small_problem()
     model = mlp()
     model.compile(tf_keras.optimizers.SGD(0.1),
                   tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    backup = lambda: tf_keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
-    model.fit(x, y, epochs=1, batch_size=32, verbose=0, callbacks=[backup()])
-    np.savez(os.path.join(os.path.dirname(backup_dir), "epoch1_weights.npz"),
-             *model.get_weights())
+    save = lambda: tf_keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)
+    model.fit(x, y, epochs=1, batch_size=32, verbose=0, callbacks=[save()])
+    epoch1 = model.get_weights()
+    reached = []
 
-    def crash(*args, **kwargs):
-        sys.stdout.flush()
-        os._exit(17)
+    def crash_point(name, original):
+        def at(*args, **kwargs):
+            if name not in reached:  # a crash stops at the first call
+                reached.append(name)
+                shutil.copytree(backup, str(tmp_path / name))
+            return original(*args, **kwargs)
+        return at
 
-    if crash_at == "state":
-        checkpoint_management.update_checkpoint_state_internal = crash
-    else:
-        functional_saver.gen_io_ops.merge_v2_checkpoints = crash
-    model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[backup()])
-    return CheckpointCrash(crashed=False)
-
-
-@pytest.mark.parametrize("crash_at", ["merge", "state"])
-def test_crash_inside_a_checkpoint_save_leaves_the_previous_one_latest(tmp_path, crash_at):
-    # The process dies (exit 17) inside its second epoch-end save: before the
-    # shards are merged, or after the data is written but before the state
-    # file names it. The latest checkpoint must still be the complete first.
-    backup = str(tmp_path / "backup")
-    rc, out = run_command([sys.executable, SCENARIOS_DIR, checkpoint_crash.scenario_key,
-                           json.dumps({"backup_dir": backup, "crash_at": crash_at})],
-                          timeout=90, check=False)
-    assert rc == 17, out[-3000:]
-    latest = tf.train.latest_checkpoint(os.path.join(backup, "chief"))
-    assert latest is not None and latest.endswith("ckpt-1"), latest
-    reader = tf.train.load_checkpoint(latest)
-    assert reader.get_tensor("ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE") == 0
-    saved = np.load(tmp_path / "epoch1_weights.npz")
-    for i, key in enumerate(["model/layer_with_weights-0/kernel", "model/layer_with_weights-0/bias",
-                             "model/layer_with_weights-1/kernel", "model/layer_with_weights-1/bias"]):
-        np.testing.assert_array_equal(reader.get_tensor(key + "/.ATTRIBUTES/VARIABLE_VALUE"),
-                                      saved[f"arr_{i}"])
+    monkeypatch.setattr(functional_saver.gen_io_ops, "merge_v2_checkpoints", crash_point(
+        "merge", functional_saver.gen_io_ops.merge_v2_checkpoints))
+    monkeypatch.setattr(checkpoint_management, "update_checkpoint_state_internal", crash_point(
+        "state", checkpoint_management.update_checkpoint_state_internal))
+    model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[save()])
+    assert reached == ["merge", "state"]  # in the second epoch's save, in this order
+    assert tf.train.latest_checkpoint(os.path.join(backup, "chief")).endswith("ckpt-2")
+    for point in reached:
+        latest = tf.train.latest_checkpoint(str(tmp_path / point / "chief"))
+        assert latest is not None and latest.endswith("ckpt-1"), (point, latest)
+        reader = tf.train.load_checkpoint(latest)
+        assert reader.get_tensor("ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE") == 0
+        for i, key in enumerate(["model/layer_with_weights-0/kernel",
+                                 "model/layer_with_weights-0/bias",
+                                 "model/layer_with_weights-1/kernel",
+                                 "model/layer_with_weights-1/bias"]):
+            np.testing.assert_array_equal(
+                reader.get_tensor(key + "/.ATTRIBUTES/VARIABLE_VALUE"), epoch1[i])
 
 
 def test_atomic_write_json_keeps_the_old_file_when_a_write_fails(tmp_path):
