@@ -23,7 +23,7 @@ import tf_keras
 import tf_asyncps
 from conftest import run_command, run_scenario
 from scenarios import cluster, scenario
-from scenarios.common import fake_multi_replica_workers, in_process_cluster, make_optimizer
+from scenarios.common import make_optimizer
 from tf_asyncps import StalenessStats
 
 pytestmark = pytest.mark.cluster
@@ -732,56 +732,6 @@ def test_keras3_overflowing_steps_are_dropped_and_lower_the_scale(policy):
     assert r.iterations == s.applied  # iterations count applied updates only
     assert r.dynamic_scale == 2.0 ** 30 / 2 ** s.nonfinite  # one halving per overflow
     assert r.finite_weights
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicasFit:
-    """Attributes: replicas: the strategy's num_replicas_in_sync. max_abs_diff:
-    largest absolute weight difference from one-process training. moved:
-    largest absolute weight change in one-process training. iterations: the
-    optimizer's counter. stats: the strategy's staleness counters."""
-    replicas: int
-    max_abs_diff: float
-    moved: float
-    iterations: int
-    stats: StalenessStats
-
-
-@scenario
-def keras3_replicas_fit(replicas=2, optimizer="sgd", epochs=2, steps_per_epoch=10,
-                        batch=8) -> ReplicasFit:
-    """Keras 3 fit with ``replicas`` replicas on one worker (the K-GPU worker
-    path on CPU devices) against one-process Keras 3 training on batches of
-    replicas * batch examples in the same order."""
-    fake_multi_replica_workers(replicas)
-    servers, resolver = in_process_cluster(1, cpus_per_worker=replicas)
-    x, y = _k3_regression(n=steps_per_epoch * batch * replicas)
-    strategy = tf_asyncps.AsyncParameterServerStrategy(resolver)
-
-    def dataset_fn(ctx):  # each replica takes its own batch, in turn
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
-
-    with strategy.scope():
-        model = _k3_model(optimizer=optimizer, lr=0.05)
-    w0 = model.get_weights()
-    model.fit(tf_asyncps.keras3.DatasetFn(dataset_fn), epochs=epochs,
-              steps_per_epoch=steps_per_epoch, verbose=0)
-    ref = _k3_model(optimizer=optimizer, lr=0.05)
-    ref.set_weights(w0)
-    ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * replicas).repeat(),
-            epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0)
-    return ReplicasFit(replicas=strategy.num_replicas_in_sync,
-                       max_abs_diff=_max_diff(model.get_weights(), ref.get_weights()),
-                       moved=_max_diff(ref.get_weights(), w0),
-                       iterations=int(model.optimizer.iterations.numpy()),
-                       stats=strategy.staleness_stats())
-
-
-def test_two_replicas_one_worker_equal_one_process_keras3():
-    r = run_scenario(keras3_replicas_fit, replicas=2, epochs=2, steps_per_epoch=10, batch=8)
-    assert r.replicas == 2 and r.moved > 0.01
-    assert r.max_abs_diff < 1e-5, r
-    assert r.iterations == 20 == r.stats.applied
 
 
 @dataclasses.dataclass(frozen=True)
