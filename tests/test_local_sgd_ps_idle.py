@@ -5,22 +5,24 @@ no ps resource (so TensorFlow makes it no ps partition), and the ps tasks'
 sockets carry not one byte while such closures run; the exchange, when due,
 runs as a function of its own before the closure (core/local_copies.py).
 
-Run as a script, this module is the scenario (one cluster per process).
+The scenario (a cluster of its own: it measures the ps tasks' sockets) is
+above the test (docs/tests.md#scenarios-beside-their-tests).
 """
 
-import json
+import dataclasses
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+import tensorflow as tf
+import tf_keras
 
-if __name__ != "__main__":
-    from conftest import run_scenario
+import tf_asyncps
+from conftest import run_scenario
+from scenarios import cluster, scenario
 
 
-# -- the scenario (runs in its own process) ---------------------------------------
 def _ps_sockets(ps_ports):
     """{(local address, peer address): (bytes sent, data segments sent)} of
     every TCP connection with a ps task at one end (``ss -tin``; both ends of
@@ -83,23 +85,42 @@ def _reads_before_adds(concrete):
             if n.op == "ReadVariableOp" and "/job:ps" in n.device]
 
 
-def idle_ps(sync_every=8, num_ps=2):
+@dataclasses.dataclass(frozen=True)
+class IdlePs:
+    """Attributes: idle: [bytes, data segments] each ps socket sent while the
+    closures with no exchange due ran. exchange_bytes: bytes the ps sockets
+    sent during the closure that exchanged. ps_reads: [ps ReadVariableOp
+    name, its AssignAddVariableOp ancestors] in the exchange function.
+    exchanged_variables: variables the exchange moves. g: the global step
+    [after closure sync_every, after closure sync_every + 1]. devices,
+    captured: the scheduled step's op devices and captured tensors' devices.
+    local_steps, applied: the staleness counters at the end. table: the
+    table's shards' values (nested lists). b: the vector b, shards joined."""
+    idle: list[list[int]]
+    exchange_bytes: int
+    ps_reads: list
+    exchanged_variables: int
+    g: list[int]
+    devices: list[str]
+    captured: list[str]
+    local_steps: int
+    applied: int
+    table: list
+    b: list[float]
+
+
+@scenario
+def idle_ps(sync_every=8, num_ps=2) -> IdlePs:
     """One worker, a table split over ``num_ps`` ps tasks and a dense
     vector, both split over the ps tasks, SGD on loss = sum of a few rows + sum(b): one worker step per
     closure. Closure 1 pulls; closures 2..sync_every train without an
     exchange (3..sync_every are counted); closure sync_every + 1 exchanges."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # gRPC's bandwidth probes (HTTP/2 PINGs sent a while after data arrives)
-    # off on every task's client channels (they inherit this environment);
-    # servers ignore it and still probe (TRANSPORT_FRAMES_BYTES).
+    # off on every task's client channels (they inherit this environment, and
+    # this process's channels open after the cluster starts); servers ignore
+    # it and still probe (TRANSPORT_FRAMES_BYTES).
     os.environ["TF_GRPC_DEFAULT_OPTIONS"] = "grpc.http2.bdp_probe=0"
-    import tensorflow as tf
-    import tf_keras
-
-    import tf_asyncps
-    from tf_asyncps.cluster import LocalCluster
-
-    with LocalCluster(num_workers=1, num_ps=num_ps) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         ps_ports = {a.rsplit(":", 1)[1] for a in c.config["ps"]}
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), update_policy=tf_asyncps.policies.get("local_sgd",
@@ -146,21 +167,12 @@ def idle_ps(sync_every=8, num_ps=2):
         n_exchanged = len(local.exchanged(local._copies.values()))
         coord.join()
         s = strategy.staleness_stats()
-        return {"idle": idle, "exchange_bytes": exchanged, "ps_reads": ps_reads,
-                "exchanged_variables": n_exchanged,
-                "g": [g_idle, g_after], "devices": devices, "captured": captured,
-                "local_steps": s.local_steps, "applied": s.applied,
-                "table": [v.numpy().tolist() for v in table.variables],
-                "b": [x for v in b.variables for x in v.numpy().tolist()],
-                "_child_pids": list(c.pids.values())}
-
-
-SCENARIOS = {"idle_ps": idle_ps}
-
-if __name__ == "__main__":
-    result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2]))
-    print("RESULT: " + json.dumps(result), flush=True)
-    os._exit(0)  # skip TensorFlow's teardown (the cluster is stopped)
+        return IdlePs(idle=[list(x) for x in idle], exchange_bytes=exchanged,
+                      ps_reads=ps_reads, exchanged_variables=n_exchanged,
+                      g=[g_idle, g_after], devices=devices, captured=captured,
+                      local_steps=s.local_steps, applied=s.applied,
+                      table=[v.numpy().tolist() for v in table.variables],
+                      b=[x for v in b.variables for x in v.numpy().tolist()])
 
 
 # -- the test ---------------------------------------------------------------------
@@ -180,27 +192,27 @@ def test_a_closure_without_an_exchange_runs_nothing_on_the_ps():
     lowered into the scheduled function): here 43.7 KB in 237 TCP segments
     to and from the 2 ps tasks for the 6 closures (up to 19.2 KB on one
     socket), taken branch or not."""
-    r = run_scenario("idle_ps", timeout=200, script=os.path.abspath(__file__), sync_every=8)
+    r = run_scenario(idle_ps, timeout=200, sync_every=8)
     # The scheduled function: no op placed on a ps task, no ps resource captured.
-    assert [d for d in r["devices"] + r["captured"] if "/job:ps" in d] == []
+    assert [d for d in r.devices + r.captured if "/job:ps" in d] == []
     # 6 closures with no exchange due: no call reached a ps task (usually
     # not one byte; at most gRPC's own frames).
-    assert max(b for b, _ in r["idle"]) <= TRANSPORT_FRAMES_BYTES, r["idle"]
+    assert max(b for b, _ in r.idle) <= TRANSPORT_FRAMES_BYTES, r.idle
     # ... and no exchange counted; the 9th closure's exchange reached the ps.
-    assert r["g"] == [0, 1]  # [after closure 8, after closure 9]
-    assert r["exchange_bytes"] > 4 * (8 * 4 + 4)  # the deltas pushed and the model pulled
+    assert r.g == [0, 1]  # [after closure 8, after closure 9]
+    assert r.exchange_bytes > 4 * (8 * 4 + 4)  # the deltas pushed and the model pulled
     # The exchange reads each ps copy before its own add, so the model comes
     # down while the deltas go up (before: every read waited for every add,
     # and each direction of a link idled while the other carried a model).
     # Those reads, one per exchanged variable (2 table shards, 2 b shards,
     # the optimizer's iterations and learning rate), have no assign_add
     # among their inputs; the rest (the global step's) come after the adds.
-    early = [name for name, adds in r["ps_reads"] if not adds]
-    assert len(early) == r["exchanged_variables"] == 6, r["ps_reads"]
-    assert len(r["ps_reads"]) > len(early)
+    early = [name for name, adds in r.ps_reads if not adds]
+    assert len(early) == r.exchanged_variables == 6, r.ps_reads
+    assert len(r.ps_reads) > len(early)
     # The drain pushes the last step: 9 local steps in all, plain SGD's result.
-    assert r["local_steps"] == 9
+    assert r.local_steps == 9
     # d loss / d row: the number of times its id appears; d loss / d b: 1.
     rows = [1.0 - 0.5 * 9 * {0: 1, 5: 2, 7: 1}.get(i, 0) for i in range(8)]
-    assert [x for shard in r["table"] for x in shard] == [[v] * 4 for v in rows]
-    assert r["b"] == [1.0 - 0.5 * 9] * 4
+    assert [x for shard in r.table for x in shard] == [[v] * 4 for v in rows]
+    assert r.b == [1.0 - 0.5 * 9] * 4
