@@ -28,6 +28,12 @@ from tf_asyncps import StalenessStats
 
 pytestmark = pytest.mark.cluster
 
+#: The shared clusters (workers, ps tasks) this file's scenarios run on: the
+#: one-worker ones share the partitioned tests' three ps tasks, the two-worker
+#: ones the NaN test's two (a cluster start each fewer; the weights of the
+#: others then sit on several ps tasks instead of one).
+ONE_WORKER, TWO_WORKERS = (1, 3), (2, 2)
+
 
 def _k3_regression(n=64, features=4, outputs=2, seed=0):
     rng = np.random.RandomState(seed)
@@ -96,13 +102,13 @@ class FitAgainstOneProcess:
 
 
 @scenario(shares_cluster=True)
-def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8,
-                                  tmpdir=None) -> FitAgainstOneProcess:
+def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8, tmpdir=None,
+                                  num_ps=ONE_WORKER[1]) -> FitAgainstOneProcess:
     """One worker, SGD, the same data order: Keras 3 fit under the strategy
     against plain Keras 3 fit in this process; then evaluate, predict, save."""
     import keras
     x, y = _k3_regression()
-    with cluster(num_workers=1, num_ps=1) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         # Datasets made after connecting: before, they would live on /job:localhost.
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
@@ -136,7 +142,7 @@ def keras3_fit_equals_one_process(steps_per_execution=1, epochs=2, steps=8,
 
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_one_worker_fit_equals_one_process_keras3(steps_per_execution, tmp_path):
-    r = run_scenario(keras3_fit_equals_one_process, shared=(1, 1),
+    r = run_scenario(keras3_fit_equals_one_process, shared=ONE_WORKER,
                      steps_per_execution=steps_per_execution, tmpdir=str(tmp_path))
     # Same data order, SGD: the same weights and the same epoch logs.
     assert r.weights_diff < 1e-5
@@ -248,7 +254,7 @@ class CustomLoop:
 
 
 @scenario(shares_cluster=True)
-def keras3_custom_loop(steps=12) -> CustomLoop:
+def keras3_custom_loop(steps=12, num_ps=ONE_WORKER[1]) -> CustomLoop:
     """A custom loop (coordinator.schedule) over a Keras 3 model's own layers
     and optimizer, against the same loop in one process."""
     x, y = _k3_regression()
@@ -260,7 +266,7 @@ def keras3_custom_loop(steps=12) -> CustomLoop:
     def loss_of(model, xb, yb):
         return tf.reduce_mean(tf.square(model(xb, training=True) - yb))
 
-    with cluster(num_workers=1, num_ps=1) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
@@ -297,7 +303,7 @@ def keras3_custom_loop(steps=12) -> CustomLoop:
 
 
 def test_custom_loop_over_keras3_layers_and_optimizer_equals_one_process():
-    r = run_scenario(keras3_custom_loop, shared=(1, 1), steps=12)
+    r = run_scenario(keras3_custom_loop, shared=ONE_WORKER, steps=12)
     assert r.weights_diff < 1e-5
     assert r.iterations == 12 == r.stats.applied
 
@@ -313,7 +319,7 @@ class Misuses:
 
 
 @scenario(shares_cluster=True)
-def keras3_fit_errors() -> Misuses:
+def keras3_fit_errors(num_ps=ONE_WORKER[1]) -> Misuses:
     """Each misuse fails at once with its message, before any worker step."""
     import keras
     x, y = _k3_regression()
@@ -326,7 +332,7 @@ def keras3_fit_errors() -> Misuses:
         def on_train_batch_end(self, batch, logs=None):
             pass
 
-    with cluster(num_workers=1, num_ps=1) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         outside = _k3_model()
@@ -384,7 +390,7 @@ def keras3_fit_errors() -> Misuses:
 def test_keras3_misuse_fails_at_once_with_its_message():
     from tf_asyncps.compat.versions import KERAS3
     (lo_a, lo_b), (hi_a, hi_b) = KERAS3
-    r = run_scenario(keras3_fit_errors, shared=(1, 1))
+    r = run_scenario(keras3_fit_errors, shared=ONE_WORKER)
     a = r.attempts
     for name, want, words in [
             ("created_outside_scope", "ValueError", ["outside", "strategy.scope()"]),
@@ -421,17 +427,19 @@ class CompiledOutside:
 
 
 @scenario(shares_cluster=True)
-def keras3_fit_fails() -> CompiledOutside:
+def keras3_fit_fails(num_ps=ONE_WORKER[1]) -> CompiledOutside:
     """A Keras 3 model created in the scope but compiled outside it never got
     this strategy's fit: each input form (arrays, Dataset, DatasetFn,
     DatasetCreator) and evaluate/predict fail at once with our message."""
     import keras  # Keras 3
     from tf_asyncps.keras3 import DatasetFn
-    with cluster(num_workers=1, num_ps=1) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-            uncompiled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            # Named: on a shared cluster other scenarios' models took the default names.
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="outside")
+            uncompiled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)],
+                                          name="uncompiled")
         model.compile(keras.optimizers.SGD(0.1), "mse")
         x, y = np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32)
 
@@ -459,9 +467,9 @@ def keras3_fit_fails() -> CompiledOutside:
 
 
 def test_model_compiled_outside_the_scope_is_refused_for_every_input_form():
-    r = run_scenario(keras3_fit_fails, shared=(1, 1))
+    r = run_scenario(keras3_fit_fails, shared=ONE_WORKER)
     compiled_outside = (
-        "Keras 3 model 'sequential' was created inside AsyncParameterServerStrategy.scope() "
+        "Keras 3 model 'outside' was created inside AsyncParameterServerStrategy.scope() "
         "but compiled outside it, so its {} would be Keras 3's own loop, which has no "
         "parameter-server path (it runs steps on the chief and takes no DatasetFn). Create "
         "AND compile the model inside `with strategy.scope():` (its fit/evaluate/predict "
@@ -472,7 +480,7 @@ def test_model_compiled_outside_the_scope_is_refused_for_every_input_form():
         assert a[name].error == "ValueError", (name, a[name])
         assert a[name].message == compiled_outside.format(name.split("_")[0]), name
     assert a["uncompiled_fit"].error == "ValueError"
-    assert "'sequential_1' was created inside AsyncParameterServerStrategy.scope() but " \
+    assert "'uncompiled' was created inside AsyncParameterServerStrategy.scope() but " \
         "not compiled, so its fit would be" in a["uncompiled_fit"].message
     assert r.global_step == 0
 
@@ -502,12 +510,13 @@ class Callbacks:
 
 
 @scenario(shares_cluster=True)
-def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10) -> Callbacks:
+def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10,
+                        num_ps=TWO_WORKERS[1]) -> Callbacks:
     """Keras' epoch-level callbacks and StalenessLogger in one Keras 3 fit,
     then BackupAndRestore resuming an interrupted fit."""
     import keras
     x, y = _k3_regression(n=128)
-    with cluster(num_workers=num_workers, num_ps=1) as c:
+    with cluster(num_workers=num_workers, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         val = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -564,7 +573,7 @@ def keras3_fit_callbacks(tmpdir, num_workers=2, epochs=3, steps=10) -> Callbacks
 
 
 def test_epoch_level_callbacks_run_and_backup_and_restore_resumes(tmp_path):
-    r = run_scenario(keras3_fit_callbacks, shared=(2, 1), tmpdir=str(tmp_path),
+    r = run_scenario(keras3_fit_callbacks, shared=TWO_WORKERS, tmpdir=str(tmp_path),
                      epochs=3, steps=10)
     assert len(r.history["loss"]) == 3 and len(r.history["val_loss"]) == 3
     # verbose=1: one line per epoch and no per-batch bar (the live line needs a
@@ -602,10 +611,11 @@ class DigitsJob:
 
 @scenario(shares_cluster=True)
 def keras3_digits_job(policy="async", policy_args=None, locking=False, epochs=4,
-                      steps_per_epoch=100, optimizer="sgd", learning_rate=0.1) -> DigitsJob:
+                      steps_per_epoch=100, optimizer="sgd", learning_rate=0.1,
+                      num_ps=TWO_WORKERS[1]) -> DigitsJob:
     """The digits main job (tf_asyncps.app.job.run) on Keras 3, 2 workers."""
     from tf_asyncps.app import job
-    with cluster(num_workers=2, num_ps=1) as c:
+    with cluster(num_workers=2, num_ps=num_ps) as c:
         cfg = job.JobConfig(keras="3", policy=policy, policy_args=policy_args or {},
                             locking=locking, epochs=epochs, steps_per_epoch=steps_per_epoch,
                             steps_per_execution=10, optimizer=optimizer,
@@ -615,11 +625,17 @@ def keras3_digits_job(policy="async", policy_args=None, locking=False, epochs=4,
 
 
 @pytest.mark.parametrize("policy,args", [
-    ("async", {}), ("drop_stale", {"max_staleness": 2}), ("staleness_aware", {}),
-    ("ssp", {"max_staleness": 2}), ("dc_asgd", {"lambda_": 0.04}),
+    ("async", {}),
+    # Per-step rules with no gate of their own take async's path through
+    # Keras 3's fit: -m long (on a cluster in CI: drop_stale and dc_asgd in
+    # test_policy_training.py, staleness_aware in test_sharded.py).
+    pytest.param("drop_stale", {"max_staleness": 2}, marks=pytest.mark.long),
+    pytest.param("staleness_aware", {}, marks=pytest.mark.long),
+    ("ssp", {"max_staleness": 2}),
+    pytest.param("dc_asgd", {"lambda_": 0.04}, marks=pytest.mark.long),
     ("local_sgd", {"sync_every": 16}), ("sync_replicas", {"replicas_to_aggregate": 2})])
 def test_every_policy_trains_the_digits_job_on_keras3(policy, args):
-    r = run_scenario(keras3_digits_job, shared=(2, 1), policy=policy, policy_args=args,
+    r = run_scenario(keras3_digits_job, shared=TWO_WORKERS, policy=policy, policy_args=args,
                      epochs=4, steps_per_epoch=100)
     assert r.keras.startswith("3.") and r.policy == policy
     # >= 90% of the 360 test examples, counted: Keras 3 reports a float32
@@ -670,14 +686,14 @@ class MixedFloat16:
 
 
 @scenario(shares_cluster=True)
-def keras3_mixed_float16(num_workers=2, steps=60, initial_scale=None,
-                         policy="async") -> MixedFloat16:
+def keras3_mixed_float16(num_workers=2, steps=60, initial_scale=None, policy="async",
+                         num_ps=TWO_WORKERS[1]) -> MixedFloat16:
     """Keras 3 fit under mixed_float16: compile wraps the optimizer in Keras 3's
     LossScaleOptimizer, whose counters live on the ps. ``initial_scale``
     high enough overflows float16 in the first steps."""
     import keras
     x, y = _k3_regression(n=256)
-    with cluster(num_workers=num_workers, num_ps=1) as c:
+    with cluster(num_workers=num_workers, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
         keras.mixed_precision.set_global_policy("mixed_float16")
@@ -708,7 +724,7 @@ def keras3_mixed_float16(num_workers=2, steps=60, initial_scale=None,
 
 
 def test_mixed_float16_fit_uses_keras3_loss_scaling_on_the_ps():
-    r = run_scenario(keras3_mixed_float16, shared=(2, 1), steps=60)
+    r = run_scenario(keras3_mixed_float16, shared=TWO_WORKERS, steps=60)
     assert r.optimizer == "LossScaleOptimizer"
     assert r.iterations == 60 == r.stats.applied
     assert r.weight_dtypes == ["float32"]  # variables stay float32
@@ -720,7 +736,7 @@ def test_mixed_float16_fit_uses_keras3_loss_scaling_on_the_ps():
 
 @pytest.mark.parametrize("policy", ["async", "sync_replicas"])
 def test_keras3_overflowing_steps_are_dropped_and_lower_the_scale(policy):
-    r = run_scenario(keras3_mixed_float16, shared=(2, 1), steps=60,
+    r = run_scenario(keras3_mixed_float16, shared=TWO_WORKERS, steps=60,
                      initial_scale=2.0 ** 30, policy=policy)
     s = r.stats
     assert s.nonfinite >= 1, s
@@ -815,7 +831,7 @@ def keras3_partitioned_fit(num_ps=3, optimizer="adam", epochs=2, steps=10, tmpdi
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
 def test_partitioned_table_and_kernel_over_three_ps_equal_one_process_keras3(optimizer,
                                                                             tmp_path):
-    r = run_scenario(keras3_partitioned_fit, shared=(1, 3), num_ps=3, optimizer=optimizer,
+    r = run_scenario(keras3_partitioned_fit, shared=ONE_WORKER, num_ps=3, optimizer=optimizer,
                      epochs=2, steps=10, tmpdir=str(tmp_path))
     assert r.shard_tasks == [0, 1, 2] and r.table_shape == [60, 4]
     assert r.num_shards == 3 + 3 + 2  # table, kernel in 3; the bias (2,) in 2 (its rows)
@@ -833,7 +849,7 @@ def test_partitioned_table_and_kernel_over_three_ps_equal_one_process_keras3(opt
 def test_whole_table_looked_up_by_distinct_ids_equals_one_process_keras3(optimizer, tmp_path):
     # Keras 3's Embedding reads its whole table (ops.take); under the strategy
     # it reads the distinct ids' rows (core/lookup.py): same training.
-    r = run_scenario(keras3_partitioned_fit, shared=(1, 3), num_ps=3, optimizer=optimizer,
+    r = run_scenario(keras3_partitioned_fit, shared=ONE_WORKER, num_ps=3, optimizer=optimizer,
                      epochs=2, steps=10, tmpdir=str(tmp_path), partition=False)
     assert r.table_shape == [60, 4] and r.num_shards == 3  # table, kernel, bias
     assert r.moved > 0.01
@@ -870,12 +886,13 @@ class RecompileAndVectorMetric:
 
 
 @scenario(shares_cluster=True)
-def keras3_recompile_and_vector_metric(steps=10) -> RecompileAndVectorMetric:
+def keras3_recompile_and_vector_metric(steps=10,
+                                       num_ps=ONE_WORKER[1]) -> RecompileAndVectorMetric:
     """compile again between fits (inside the scope) takes effect; a metric
     with a vector result (Precision at 2 thresholds) is logged per epoch."""
     import keras
     x, y = _k3_regression()
-    with cluster(num_workers=1, num_ps=1) as c:
+    with cluster(num_workers=1, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         with strategy.scope():
@@ -909,7 +926,7 @@ def keras3_recompile_and_vector_metric(steps=10) -> RecompileAndVectorMetric:
 
 
 def test_compiling_again_takes_effect_and_vector_metrics_are_logged():
-    r = run_scenario(keras3_recompile_and_vector_metric, shared=(1, 1), steps=10)
+    r = run_scenario(keras3_recompile_and_vector_metric, shared=ONE_WORKER, steps=10)
     # The second compile's SGD(0.0) trains, not the first optimizer.
     assert r.moved_with_lr0 == 0.0
     assert r.first_iterations == 10 and r.second_iterations == 10
@@ -938,7 +955,8 @@ class RegularizedEvaluate:
 
 
 @scenario(shares_cluster=True)
-def keras3_evaluate_with_regularizer(num_workers=2, l2=0.01) -> RegularizedEvaluate:
+def keras3_evaluate_with_regularizer(num_workers=2, l2=0.01,
+                                     num_ps=TWO_WORKERS[1]) -> RegularizedEvaluate:
     """A model with an L2 kernel regularizer: fit with validation_data and
     evaluate under the strategy, against one-process Keras 3 evaluate of the
     same weights, and the regularization term by its closed form."""
@@ -956,7 +974,7 @@ def keras3_evaluate_with_regularizer(num_workers=2, l2=0.01) -> RegularizedEvalu
         model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
         return model
 
-    with cluster(num_workers=num_workers, num_ps=1) as c:
+    with cluster(num_workers=num_workers, num_ps=num_ps) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver())
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
         val = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
@@ -981,7 +999,7 @@ def test_evaluate_and_validation_of_a_regularized_model_equal_one_process():
     validation failed with 'NoneType' object has no attribute 'dtype'. Both
     equal one-process Keras 3 evaluate of the same weights, whose loss is the
     mean squared error plus l2 * sum(w^2) of the regularized weights."""
-    r = run_scenario(keras3_evaluate_with_regularizer, shared=(2, 1), num_workers=2)
+    r = run_scenario(keras3_evaluate_with_regularizer, shared=TWO_WORKERS, num_workers=2)
     ref = r.ref_evaluate
     for key in ("loss", "mae"):
         assert r.evaluate[key] == pytest.approx(ref[key], abs=1e-5), key
