@@ -184,16 +184,135 @@ def test_two_workers_pull_and_push_at_the_closed_form_steps():
     sa, sb = a.stats(), b.stats()
     assert {k: sa[k] for k in embedding_cache.STATS} == {
         "lookups": 7, "distinct": 7, "hits": 2, "rows_pulled": 5, "rows_pushed": 3,
-        "updates_pushed": 5, "evictions": 1, "rows_flushed": 0}
+        "updates_pushed": 5, "evictions": 1, "rows_flushed": 0, "updates": 7,
+        "updates_lost": 0}
     assert sa["staleness"] == [2, 0]
     assert {k: sb[k] for k in embedding_cache.STATS} == {
         "lookups": 2, "distinct": 2, "hits": 0, "rows_pulled": 2, "rows_pushed": 1,
-        "updates_pushed": 2, "evictions": 0, "rows_flushed": 0}
+        "updates_pushed": 2, "evictions": 0, "rows_flushed": 0, "updates": 2,
+        "updates_lost": 0}
     # A holds 1 and 3 with one unpushed update each.
     assert sorted(a.ids.numpy().tolist()) == [1, 3]
     assert a.count.numpy().tolist() == [1, 1]
+    # A dies: its replacement's state is the initial one (TensorFlow rebuilds
+    # per-worker variables so); the updates it held are counted lost.
+    for k, v in a.worker_state().items():
+        v.assign(tf.fill(v.shape, tf.constant(-1, v.dtype)) if k in ("slot_of", "ids")
+                 else tf.zeros_like(v))
+    assert a.count_lost() == 2 and a.stats()["updates_lost"] == 2
+    assert a.count_lost() == 0 and a.stats()["updates_lost"] == 2  # counted once
     for e in engines:
         e.stop_watchdogs()
+
+
+def _keras3_stepper(engine, table, dense, opt, cache=None):
+    """A worker step as Keras 3 takes it: ``table``, ``dense`` Keras 3
+    variables; rows read per id (lookup.per_id_gradients), loss =
+    sum(sin(rows @ dense)) or sum(rows * [1, 2, 3]) without ``dense``."""
+    from tf_asyncps.core import lookup
+    read = table.value.sparse_read
+    variables = [table] + ([dense] if dense is not None else [])
+    w = tf.constant([1.0, 2.0, 3.0])
+
+    @tf.function
+    def step(ids):
+        ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        with ws.active():
+            with tf.GradientTape() as tape:
+                with lookup.per_id_gradients():
+                    rows = (cache.read(read, ids) if cache is not None
+                            else tf.gather(table.value, ids))
+                flat = tf.reshape(rows, [-1, DIM])
+                loss = (tf.reduce_sum(flat * w) if dense is None
+                        else tf.reduce_sum(tf.sin(tf.matmul(flat, dense.value))))
+            grads = tape.gradient(loss, [v.value for v in variables])
+            opt.apply(grads, variables)
+            return rows
+    return step
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_keras3_bounds_zero_are_the_uncached_step_exactly(name):
+    """Keras 3 optimizers (their rules see a row per id occurrence; Adagrad's
+    and Adam's square each one): pull_bound=0, push_bound=0 gives the
+    uncached step's table, dense kernel and reads bit for bit over 12 steps
+    with repeated ids, evictions and rows left uncached."""
+    keras = pytest.importorskip("keras")
+    make = {"sgd": lambda: keras.optimizers.SGD(0.05),
+            "adagrad": lambda: keras.optimizers.Adagrad(0.3),
+            "adam": lambda: keras.optimizers.Adam(0.05)}[name]
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, ROWS, size=(4, 3)) for _ in range(12)]
+    out = []
+    for cached in (False, True):
+        engine = local_engine("async")
+        table = keras.Variable(_table().numpy(), name="table")
+        dense = keras.Variable(np.ones([DIM, 2], np.float32) / 4, name="dense")
+        opt = make()
+        opt.build([table, dense])
+        cache = None
+        if cached:
+            cache = _cache(table.value, EmbeddingCache(rows=5, pull_bound=0, push_bound=0), 5)
+            engine.register_table(cache.hooks())
+        step = _keras3_stepper(engine, table, dense, opt, cache)
+        reads = [step(tf.constant(b, tf.int64)).numpy() for b in batches]
+        out.append((table.numpy(), dense.numpy(), reads, cache))
+        engine.stop_watchdogs()
+    (t0, d0, r0, _), (t1, d1, r1, cache) = out
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_array_equal(d1, d0)
+    for a, b in zip(r1, r0):
+        np.testing.assert_array_equal(a, b)
+    s = cache.stats()
+    assert s["lookups"] == 12 * 12 and s["distinct"] < s["lookups"]  # ids repeat
+    assert s["hits"] == 0 and s["rows_pulled"] == s["rows_pushed"] == s["distinct"]
+    assert s["updates_pushed"] == s["rows_pushed"] and s["evictions"] > 0
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_a_keras3_deferred_push_carries_the_occurrences_and_the_earlier_sum(name):
+    """push_bound=2, one worker, every step ids [1, 1, 2] with loss
+    sum(rows * [1, 2, 3]) (each occurrence's gradient g = [1, 2, 3]). Steps
+    1-2 stay on the worker; step 3 pushes, per id, this step's occurrence
+    rows and the earlier unpushed sum as one more occurrence: id 1 rows g,
+    g, 4g (S1 = 6g, squares 18 g**2), id 2 rows g, 2g (S1 = 3g, squares
+    5 g**2). SGD: w -= lr * S1; Adagrad: acc += squares, w -= lr * S1 /
+    sqrt(acc + eps). Clocks advance by 3 updates per pushed row."""
+    keras = pytest.importorskip("keras")
+    lr = 0.1
+    opt = {"sgd": keras.optimizers.SGD(lr), "adagrad": keras.optimizers.Adagrad(lr)}[name]
+    engine = local_engine("async")
+    table = keras.Variable(_table().numpy(), name="table")
+    init = table.numpy()
+    opt.build([table])
+    cache = _cache(table.value, EmbeddingCache(rows=4, pull_bound=5, push_bound=2), 4)
+    engine.register_table(cache.hooks())
+    step = _keras3_stepper(engine, table, None, opt, cache)
+    g = np.array([1.0, 2.0, 3.0], np.float32)
+    ids = tf.constant([1, 1, 2], tf.int64)
+    step(ids)
+    step(ids)
+    np.testing.assert_array_equal(table.numpy(), init)
+    rows = step(ids).numpy()  # served from the cache: 2 local SGD steps
+    np.testing.assert_allclose(rows[0], init[1] - lr * 2 * (2 * g), rtol=1e-6)
+    np.testing.assert_allclose(rows[2], init[2] - lr * 2 * g, rtol=1e-6)
+    s1 = {1: 6 * g, 2: 3 * g}
+    squares = {1: 18 * g ** 2, 2: 5 * g ** 2}
+    for r in (1, 2):
+        if name == "sgd":
+            want = init[r] - lr * s1[r]
+        else:
+            acc = opt.initial_accumulator_value + squares[r]
+            want = init[r] - lr * s1[r] / np.sqrt(acc + opt.epsilon)
+        np.testing.assert_allclose(table.numpy()[r], want, rtol=1e-6)
+    assert cache.clock.numpy()[:4].tolist() == [0, 3, 3, 0]
+    s = cache.stats()
+    assert {k: s[k] for k in ("lookups", "distinct", "hits", "rows_pulled", "rows_pushed",
+                              "updates_pushed", "updates")} == {
+        "lookups": 9, "distinct": 6, "hits": 4, "rows_pulled": 2, "rows_pushed": 2,
+        "updates_pushed": 6, "updates": 6}
+    assert cache.count.numpy().tolist() == [0, 0, 0, 0]
+    engine.stop_watchdogs()
 
 
 # -- under the strategy: fit on a cluster -----------------------------------------
@@ -207,29 +326,40 @@ class CachedFits:
     runs: list
 
 
-def _fit(c, optimizer="sgd", cache=None, steps=12):
+def _fit(c, optimizer="sgd", cache=None, steps=12, keras="tf_keras", layer="embedding"):
+    """One fit on cluster ``c``: ids -> Embedding (or an EmbeddingCollection
+    of 2 features x FIT_ROWS // 2 ids) -> Flatten -> Dense(1), mse, in
+    ``keras`` ("tf_keras" or "keras3")."""
     rng = np.random.default_rng(0)
     x = rng.integers(0, FIT_ROWS, size=(steps * BATCH, SEQ))
+    if layer == "collection":
+        x = x % (FIT_ROWS // SEQ)
     y = rng.normal(size=(steps * BATCH, 1)).astype(np.float32)
-
-    def dataset_fn(ctx):
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
-
     strategy = tf_asyncps.AsyncParameterServerStrategy(
         c.resolver(), embedding_cache=None if cache is None else EmbeddingCache(**cache))
+    if keras == "keras3":
+        import keras as k
+        from tf_asyncps import keras3
+        collection = keras3.EmbeddingCollection
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+    else:
+        from tf_asyncps.layers import embedding_collection
+        k, collection = tf_keras, embedding_collection.EmbeddingCollection
+        data = tf_keras.utils.experimental.DatasetCreator(
+            lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat())
+    init = k.initializers.RandomUniform(-0.5, 0.5, seed=1)
     with strategy.scope():
-        model = tf_keras.Sequential([
-            tf_keras.Input([SEQ], dtype="int64"),
-            tf_keras.layers.Embedding(FIT_ROWS, FIT_DIM,
-                                      embeddings_initializer=tf_keras.initializers.RandomUniform(
-                                          -0.5, 0.5, seed=1)),
-            tf_keras.layers.Flatten(),
-            tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(2))])
-        opt = {"sgd": tf_keras.optimizers.SGD(0.1),
-               "adagrad": tf_keras.optimizers.Adagrad(0.2)}[optimizer]
+        table = (k.layers.Embedding(FIT_ROWS, FIT_DIM, embeddings_initializer=init)
+                 if layer == "embedding" else
+                 collection([FIT_ROWS // SEQ] * SEQ, FIT_DIM, embeddings_initializer=init))
+        model = k.Sequential([
+            k.Input((SEQ,), dtype="int64"), table, k.layers.Flatten(),
+            k.layers.Dense(1, kernel_initializer=k.initializers.GlorotUniform(2))])
+        opt = {"sgd": lambda: k.optimizers.SGD(0.1),
+               "adagrad": lambda: k.optimizers.Adagrad(0.2),
+               "adam": lambda: k.optimizers.Adam(0.05)}[optimizer]()
         model.compile(opt, "mse")
-    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-              steps_per_epoch=steps, verbose=0)
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     return {"weights": [w.tolist() for w in model.get_weights()],
             "cache": strategy.cache_stats(),
             "cached_reads": strategy.staleness_stats().cached_reads}
@@ -237,29 +367,39 @@ def _fit(c, optimizer="sgd", cache=None, steps=12):
 
 @scenario(shares_cluster=True)
 def cached_fits(cases) -> CachedFits:
-    """tf_keras fit on one worker, one strategy per case (kwargs of _fit)."""
+    """Fits on one worker, one strategy per case (kwargs of _fit)."""
     with cluster(num_workers=1, num_ps=1) as c:
         return CachedFits(runs=[_fit(c, **case) for case in cases])
 
 
+#: (optimizer, keras, layer) of each uncached / bounds-0 pair.
+_EXACT_CASES = [("sgd", "tf_keras", "embedding"), ("adagrad", "tf_keras", "embedding"),
+                ("adam", "tf_keras", "collection"), ("sgd", "keras3", "embedding"),
+                ("adagrad", "keras3", "collection"), ("adam", "keras3", "embedding")]
+
+
 @pytest.mark.cluster
 def test_fit_with_bounds_zero_equals_the_uncached_fit_exactly():
-    """SGD and Adagrad: tf_keras fit with pull_bound=0, push_bound=0 (cache
-    of 6 rows, 8 ids per batch) gives the uncached fit's weights exactly;
-    every row read was pulled, and the cached reads' staleness is all 0."""
+    """SGD, Adagrad and Adam, tf_keras and Keras 3 fit, an Embedding or an
+    EmbeddingCollection: pull_bound=0, push_bound=0 (cache of 6 rows, 8
+    ids per batch) gives the uncached fit's weights exactly; every row read
+    was pulled and pushed once per step, the cached reads' staleness all 0."""
     zero = {"rows": 6, "pull_bound": 0, "push_bound": 0}
-    r = run_scenario(cached_fits, shared=(1, 1), timeout=300, cases=[
-        {"optimizer": "sgd"}, {"optimizer": "sgd", "cache": zero},
-        {"optimizer": "adagrad"}, {"optimizer": "adagrad", "cache": zero}]).runs
-    for plain, cached in ((r[0], r[1]), (r[2], r[3])):
+    cases = []
+    for optimizer, keras, layer in _EXACT_CASES:
+        case = {"optimizer": optimizer, "keras": keras, "layer": layer}
+        cases += [case, dict(case, cache=zero)]
+    r = run_scenario(cached_fits, shared=(1, 1), timeout=420, cases=cases).runs
+    for i, name in enumerate(_EXACT_CASES):
+        plain, cached = r[2 * i], r[2 * i + 1]
         for a, b in zip(plain["weights"], cached["weights"]):
-            np.testing.assert_array_equal(np.array(b), np.array(a))
+            np.testing.assert_array_equal(np.array(b), np.array(a), err_msg=str(name))
         (stats,) = cached["cache"].values()
-        assert stats["lookups"] == 12 * BATCH * SEQ
-        assert stats["rows_pulled"] == stats["distinct"] and stats["hits"] == 0
-        assert stats["updates_pushed"] == stats["rows_pushed"] == stats["distinct"]
-        assert list(cached["cached_reads"].values()) == [[0]]
-    assert r[0]["cache"] == {} and r[0]["cached_reads"] == {}
+        assert stats["lookups"] == 12 * BATCH * SEQ, name
+        assert stats["rows_pulled"] == stats["distinct"] and stats["hits"] == 0, name
+        assert stats["updates_pushed"] == stats["rows_pushed"] == stats["distinct"], name
+        assert list(cached["cached_reads"].values()) == [[0]], name
+        assert plain["cache"] == {} and plain["cached_reads"] == {}, name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +465,6 @@ def test_no_unpushed_update_is_lost_at_the_end_of_fit():
     assert sum(r.closures) == 30
     s = r.stats
     assert s["distinct"] == 7 * 30 and s["lookups"] == 8 * 30
-    assert s["updates_pushed"] == 7 * 30
+    assert s["updates_pushed"] == s["updates"] == 7 * 30 and s["updates_lost"] == 0
     assert s["rows_flushed"] == 4 * sum(1 for k in r.closures if k % 6)
     assert s["hits"] + s["rows_pulled"] == s["distinct"]

@@ -8,7 +8,8 @@ updates applied to it.
 
 ``AsyncParameterServerStrategy(embedding_cache=EmbeddingCache(rows, pull_bound,
 push_bound, policy))`` gives every fixed table created in its scope (an
-``Embedding``'s, sharded or not; each shard its share of ``rows``) a
+``Embedding``'s or ``EmbeddingCollection``'s, tf_keras or Keras 3, sharded or
+not; each shard its share of ``rows``) a
 :class:`CachedTable`::
 
     worker (per-worker variables)          ps (beside the shard)
@@ -36,6 +37,9 @@ it crosses; the table seam's ``before_push``)::
         reset) and every row not cached (this step's g) as one sparse
         gradient; the ps applies the optimizer to it and adds each row's
         count to its clock.
+    Keras 3 (a row per id occurrence, which its rules square one by one):
+        the pushed ids' occurrence rows of this step as they are, then per
+        pushed id with earlier unpushed updates their sum as one more row.
 
 What a worker sees: a row at most ``pull_bound`` updates behind the ps
 (each update a pushed gradient counted by the clock; the worker's own pushed
@@ -56,8 +60,10 @@ import weakref
 from typing import Callable, Optional
 
 import tensorflow as tf
+from absl import logging
 
 from tf_asyncps.compat import graph as graph_compat
+from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import lookup as lookup_lib
@@ -71,7 +77,7 @@ POLICIES = ("lfu", "lru")
 
 #: ``cache_stats()`` counters, in the order of the ps's stats vector.
 STATS = ("lookups", "distinct", "hits", "rows_pulled", "rows_pushed", "updates_pushed",
-         "evictions", "rows_flushed")
+         "evictions", "rows_flushed", "updates", "updates_lost")
 
 _BIG = 2.0 ** 62  # a slot that cannot take a new id sorts last
 
@@ -157,6 +163,11 @@ def _learning_rate(optimizer, dtype):
 _ROW_WISE = ("SGD", "Adagrad")
 
 
+def _is_keras3(optimizer) -> bool:
+    keras3 = optimizers_compat.optimizer_class()
+    return keras3 is not None and isinstance(optimizer, keras3)
+
+
 def writes_every_row(optimizer) -> bool:
     """Whether an update of ``optimizer`` may change rows its gradient does
     not hold (then each applied step advances every row's clock)."""
@@ -206,6 +217,7 @@ class CachedTable:
         self._handles = weakref.WeakKeyDictionary()  # outermost graph -> {name: handle}
         self._counts = weakref.WeakKeyDictionary()  # outermost graph -> pushed counts
         self.optimizer = None  # the optimizer of the last push traced (the flush's)
+        self._said_uncached = False
 
     # -- state --------------------------------------------------------------------
     def build(self) -> None:
@@ -255,14 +267,17 @@ class CachedTable:
 
     # -- the seam -----------------------------------------------------------------
     def owns(self, var) -> bool:
-        return var is self.var
+        """Whether ``var`` (a tf.Variable, or a Keras 3 variable over one) is
+        this table."""
+        return variables_compat.backing_variable(var) is self.var
 
     def hooks(self) -> table_seam.TableHooks:
         """What this cache asks of the engine: its write before the push
         (``before_push``) and the clock's advance on the ps
         (``filter_gradient``)."""
         return table_seam.TableHooks(name=f"cache:{self.name}", owns=self.owns,
-                                     before_push=self.push, filter_gradient=self.count_updates)
+                                     before_push=self.push, filter_gradient=self.count_updates,
+                                     before_update=self.count_pushed)
 
     # -- read ---------------------------------------------------------------------
     def read(self, sparse_read, indices, name=None):
@@ -271,15 +286,25 @@ class CachedTable:
         indices = tf.convert_to_tensor(indices)
         if not graph_compat.inside_function():
             return sparse_read(indices, name=name)
-        if trace_context.EVERY_ID.get() or trace_context.PER_ID_GRADIENTS.get():
-            # A dynamic table's rows (an id's row changes on eviction) and
-            # Keras 3's per-id reads: the strategy's uncached read.
+        if trace_context.EVERY_ID.get():
+            # A dynamic table's rows (an id's row changes on eviction): the
+            # strategy's uncached read.
+            if not self._said_uncached:
+                self._said_uncached = True
+                logging.warning(
+                    "embedding_cache: %s is a DynamicEmbedding table, read uncached (its row "
+                    "of an id changes on an eviction, which a clock per row cannot tell); "
+                    "use a fixed Embedding or EmbeddingCollection to cache its rows.",
+                    self.name)
             return lookup_lib.distinct_rows_gather(
                 sparse_read, indices, name, wire_dtype=self.wire_dtype,
                 num_rows=self.num_rows, variable=self.var)
         self.build()
         op = indices.op
         held = {}
+        # Keras 3's reads (lookup.per_id_gradients): a gradient row per id
+        # occurrence, as its own rules square each occurrence.
+        per_id = trace_context.PER_ID_GRADIENTS.get()
 
         def forward():
             out, unique, position = self._read(sparse_read, indices, name, op)
@@ -289,6 +314,10 @@ class CachedTable:
         def backward(dy):
             with graph_compat.colocate_only_with(op):
                 rows = tf.reshape(dy, [-1, self.dim])
+                if per_id:
+                    return tf.IndexedSlices(tf.cast(rows, self.var.dtype),
+                                            tf.reshape(indices, [-1]),
+                                            tf.constant([self.num_rows, self.dim], tf.int64))
                 unique = held["unique"]
                 summed = tf.math.unsorted_segment_sum(rows, held["position"],
                                                       tf.size(unique))
@@ -338,10 +367,9 @@ class CachedTable:
             values = tf.where(need[:, None], fresh_full + own, kept)
             writes, evictions = self._place(h, ids, slot, cached, need, values, clock_full, r)
             n64, pulled = tf.cast(n, tf.int64), tf.size(need_at, out_type=tf.int64)
-            zero = tf.constant(0, tf.int64)
-            writes.append(self._count(tf.stack([
-                tf.size(flat, out_type=tf.int64), n64, n64 - pulled, pulled, zero, zero,
-                evictions, zero])))
+            writes.append(self._count(lookups=tf.size(flat, out_type=tf.int64), distinct=n64,
+                                      hits=n64 - pulled, rows_pulled=pulled,
+                                      evictions=evictions))
             with tf.control_dependencies(writes + [counted]):
                 out = tf.gather(values, position)
             out = tf.reshape(out, tf.concat([tf.shape(indices), [d]], 0))
@@ -403,9 +431,12 @@ class CachedTable:
                         h["score"], used, tf.fill(tf.shape(used), tick)))
         return writes, tf.reduce_sum(tf.cast(evicted, tf.int64))
 
-    def _count(self, values):
+    def _count(self, **values):
+        """Adds ``values`` (int64 scalars by :data:`STATS` name) to the counters."""
+        zero = tf.constant(0, tf.int64)
+        vector = tf.stack([tf.cast(values.get(k, zero), tf.int64) for k in STATS])
         with tf.device(self.counters.device):
-            return self.counters.assign_add(values)
+            return self.counters.assign_add(vector)
 
     # -- write --------------------------------------------------------------------
     def push(self, grad, var, optimizer):
@@ -416,6 +447,8 @@ class CachedTable:
         if not isinstance(grad, tf.IndexedSlices) or not self.built:
             return grad
         self.optimizer = optimizer
+        if _is_keras3(optimizer):
+            return self._push_occurrences(grad)
         cfg, h, dtype = self.config, self._h(), self.var.dtype
         ids = tf.cast(grad.indices, tf.int64)
         g = tf.reshape(tf.cast(grad.values, dtype), [-1, self.dim])
@@ -448,28 +481,95 @@ class CachedTable:
                        variables_compat.scatter_update_handle(h["delta"], due_slot, zeros)]
         with tf.control_dependencies(cleared):
             push_g = tf.gather(sums, p_at)
-        zero = tf.constant(0, tf.int64)
-        counted = self._count(tf.stack([zero, zero, zero, zero,
-                                        tf.size(push_ids, out_type=tf.int64),
-                                        tf.reduce_sum(push_n), zero, zero]))
+        counted = self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
+                              updates_pushed=tf.reduce_sum(push_n),
+                              updates=tf.size(ids, out_type=tf.int64))
         with tf.control_dependencies([counted]):
             push_g = tf.identity(push_g)
-        self._counts[graph_compat.outermost_graph()] = push_n
+        self._counts[graph_compat.outermost_graph()] = (push_n, None)
         return tf.IndexedSlices(tf.cast(push_g, grad.values.dtype),
                                 tf.cast(push_ids, grad.indices.dtype), grad.dense_shape)
+
+    def _push_occurrences(self, grad):
+        """:meth:`push` of a Keras 3 gradient, one row per id occurrence
+        (Keras 3's rules square each occurrence): the pushed ids' occurrence
+        rows of this step as they are, in their order, then, per pushed id
+        with earlier unpushed updates, their summed gradient as one more
+        occurrence. Its clock advances in :meth:`count_pushed` (Keras 3's
+        row-wise rules reorder the rows on the worker)."""
+        cfg, h, dtype, d = self.config, self._h(), self.var.dtype, self.dim
+        occ = tf.reshape(grad.indices, [-1])
+        g = tf.reshape(tf.cast(grad.values, dtype), [-1, d])
+        unique, position = tf.unique(occ)
+        ids = tf.cast(unique, tf.int64)
+        summed = tf.math.unsorted_segment_sum(g, position, tf.size(unique))
+        slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
+        cached = slot >= 0
+        safe = tf.maximum(slot, 0)
+        zero_rows = tf.zeros_like(summed)
+        count = tf.where(cached, variables_compat.gather_handle(h["count"], safe, tf.int64),
+                         tf.zeros_like(ids))
+        gsum = tf.where(cached[:, None], variables_compat.gather_handle(h["gsum"], safe, dtype),
+                        zero_rows)
+        delta = tf.where(cached[:, None], variables_compat.gather_handle(h["delta"], safe, dtype),
+                         zero_rows)
+        step = -_learning_rate(self.optimizer, dtype) * summed
+        after = count + 1
+        pushed = tf.logical_or(tf.logical_not(cached), after > cfg.push_bound)
+        earlier = tf.logical_and(tf.logical_and(pushed, cached), count > 0)
+        # The cached slots' new state: cleared when pushed, else one more update.
+        c_at = tf.reshape(tf.where(cached), [-1])
+        cs = tf.gather(slot, c_at)
+        kept = tf.logical_not(tf.gather(pushed, c_at))
+        keep = lambda new: tf.where(kept[:, None] if new.shape.rank == 2 else kept, new,
+                                    tf.zeros_like(new))
+        with tf.control_dependencies([count, gsum, delta]):
+            written = [
+                variables_compat.scatter_update_handle(h["count"], cs, keep(tf.gather(after, c_at))),
+                variables_compat.scatter_update_handle(h["gsum"], cs,
+                                                       keep(tf.gather(gsum + summed, c_at))),
+                variables_compat.scatter_update_handle(h["delta"], cs,
+                                                       keep(tf.gather(delta + step, c_at))),
+                variables_compat.scatter_add_handle(h["rows"], cs, tf.gather(step, c_at))]
+        o_at = tf.reshape(tf.where(tf.gather(pushed, position)), [-1])
+        indices = tf.concat([tf.gather(occ, o_at),
+                             tf.cast(tf.boolean_mask(unique, earlier), occ.dtype)], 0)
+        values = tf.concat([tf.gather(g, o_at), tf.boolean_mask(gsum, earlier)], 0)
+        push_ids = tf.boolean_mask(ids, pushed)
+        push_n = tf.where(cached, after, tf.ones_like(after))
+        push_n = tf.boolean_mask(push_n, pushed)
+        counted = self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
+                              updates_pushed=tf.reduce_sum(push_n),
+                              updates=tf.size(ids, out_type=tf.int64))
+        with tf.control_dependencies(written + [counted]):
+            values = tf.identity(values)
+        self._counts[graph_compat.outermost_graph()] = (
+            push_n, grads_lib.narrow_indices(push_ids, self.num_rows))
+        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), indices, grad.dense_shape)
 
     def count_updates(self, grad, var):
         """On the ps, right before the optimizer applies a push: each pushed
         row's clock advances by the updates it carries (a
         ``TableHooks.filter_gradient``)."""
-        counts = self._counts.get(graph_compat.outermost_graph())
-        if counts is None or not isinstance(grad, tf.IndexedSlices):
+        counts, ids = self._counts.get(graph_compat.outermost_graph(), (None, None))
+        if counts is None or ids is not None or not isinstance(grad, tf.IndexedSlices):
             return grad
         with tf.device(self.clock.device):
             ticked = self._tick(counts, grad.indices)
         with tf.control_dependencies([ticked]):
             values = tf.identity(grad.values)
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+
+    def count_pushed(self, optimizer, variables):
+        """On the ps, right before the optimizer applies a Keras 3 push: the
+        pushed ids' clocks advance by the updates each carries (a
+        ``TableHooks.before_update``; the gradient itself stays the object
+        core/rowwise.py carries its squares for)."""
+        counts, ids = self._counts.get(graph_compat.outermost_graph(), (None, None))
+        if counts is None or ids is None:
+            return None
+        with tf.device(self.clock.device):
+            return self._tick(counts, ids)
 
     def _tick(self, counts, indices):
         """Advances the clock of the rows ``indices`` by ``counts`` (the
@@ -483,6 +583,16 @@ class CachedTable:
         with tf.control_dependencies([every]):
             return self.clock.scatter_add(tf.IndexedSlices(counts - 1, indices, shape))
 
+    def count_lost(self) -> int:
+        """Once every live worker's updates are pushed (the flush): the
+        updates made but never pushed (a worker that died holding them, its
+        cache rebuilt empty) are counted in ``updates_lost``. Returns them."""
+        c = dict(zip(STATS, self.counters.numpy().tolist()))
+        lost = c["updates"] - c["updates_pushed"] - c["updates_lost"]
+        if lost > 0:
+            self._count(updates_lost=lost)
+        return max(lost, 0)
+
     # -- reports ------------------------------------------------------------------
     def stats(self) -> dict:
         """``{counter: int}`` (see :data:`STATS`) and ``"staleness"``: the
@@ -492,6 +602,10 @@ class CachedTable:
             return dict({k: 0 for k in STATS}, staleness=[0] * (self.config.pull_bound + 1))
         values = self.counters.numpy().tolist()
         return dict(zip(STATS, values), staleness=self.histogram.numpy().tolist())
+
+
+#: A worker's state cannot be read: it died or restarted (a new context).
+_WORKER_GONE = (tf.errors.AbortedError, tf.errors.UnavailableError, tf.errors.CancelledError)
 
 
 class Caches:
@@ -554,14 +668,23 @@ class Caches:
                 continue
             for w in range(len(states["count"])):
                 count = states["count"][w]
-                with tf.device(count.device):
-                    slots = tf.reshape(tf.where(count.read_value() > 0), [-1])
+                try:
+                    with tf.device(count.device):
+                        slots = tf.reshape(tf.where(count.read_value() > 0), [-1])
+                        ids = tf.gather(states["ids"][w].read_value(), slots)
+                        n = tf.gather(count.read_value(), slots)
+                        g = tf.gather(states["gsum"][w].read_value(), slots)
+                except (*_WORKER_GONE, tf.errors.InvalidArgumentError) as e:
+                    if isinstance(e, tf.errors.InvalidArgumentError) and \
+                            "restarted" not in str(e):
+                        raise
+                    # Its updates are lost: count_lost counts them below.
+                    logging.warning("embedding_cache: worker %d is unreachable at the flush "
+                                    "(%s); its unpushed updates of %s are lost.", w,
+                                    type(e).__name__, t.name)
+                    continue
                 if int(tf.size(slots)) == 0:
                     continue
-                with tf.device(count.device):
-                    ids = tf.gather(states["ids"][w].read_value(), slots)
-                    n = tf.gather(count.read_value(), slots)
-                    g = tf.gather(states["gsum"][w].read_value(), slots)
                 per_worker.setdefault(w, []).append((t, ids, n, g, states, slots))
         for w, items in sorted(per_worker.items()):
             by_opt = {}
@@ -571,14 +694,17 @@ class Caches:
                 pairs = [(tf.IndexedSlices(g, ids, tf.constant([t.num_rows, t.dim], tf.int64)),
                           t.var) for t, ids, n, g, _, _ in group]
                 optimizer = group[0][0].optimizer
-                with self._strategy.scope(), tf.distribute.ReplicaContext(
-                        self._strategy, replica_id_in_sync_group=0):
-                    optimizer.apply_gradients(pairs)
+                if _is_keras3(optimizer):  # its own update, in cross-replica context
+                    with self._strategy.scope():
+                        optimizer.apply_gradients(pairs)
+                else:
+                    with self._strategy.scope(), tf.distribute.ReplicaContext(
+                            self._strategy, replica_id_in_sync_group=0):
+                        optimizer.apply_gradients(pairs)
                 for t, ids, n, g, states, slots in group:
                     with tf.device(t.clock.device):
                         t._tick(n, ids)
-                    t.counters.assign_add(tf.constant(
-                        [0, 0, 0, 0, 0, int(tf.reduce_sum(n)), 0, int(tf.size(ids))], tf.int64))
+                    t._count(updates_pushed=tf.reduce_sum(n), rows_flushed=tf.size(ids))
                     for k in ("count", "gsum", "delta"):
                         v = states[k][w]
                         with tf.device(v.device):
@@ -586,4 +712,7 @@ class Caches:
                                 tf.zeros(tf.concat([tf.shape(slots), v.shape[1:]], 0),
                                          v.dtype), slots))
                     total += int(tf.size(ids))
+        for t in self.tables:
+            if t.built:
+                t.count_lost()
         return total

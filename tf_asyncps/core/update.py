@@ -163,8 +163,9 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
         # A table's own step on the worker (an embedding cache defers rows).
         grads = [engine.tables.before_push(g, v, optimizer) for g, v in zip(grads, variables)]
     else:
-        if engine.tables.pushes_deferred and any(_deferred(engine, v) for v in variables):
-            raise NotImplementedError(_KERAS3_CACHE_MESSAGE)
+        # An embedding cache defers rows here too, on one row per id
+        # occurrence (Keras 3's rules see occurrences).
+        grads = [engine.tables.before_push(g, v, optimizer) for g, v in zip(grads, variables)]
         # Keras 3 squares each repeated row on its own: a row-wise rule's
         # tables cross as distinct rows with the squares it needs
         # (core/rowwise.py); other Keras 3 rules keep every row.
@@ -212,17 +213,6 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
                     state=engine._state_for(variables), worker=w, finite=finite, gate=gate,
                     read_values=read_values, lso=lso, apply_fn=apply_fn, inputs=inputs,
                     locking=locking, local_pairs=list(local_pairs), after_update=after_update)
-
-
-_KERAS3_CACHE_MESSAGE = (
-    "embedding_cache: a Keras 3 optimizer updates a cached table; the cache's deferred "
-    "push is built for tf_keras optimizers so far. Use tf_keras (`import tf_keras as "
-    "keras`) or drop embedding_cache.")
-
-
-def _deferred(engine, var) -> bool:
-    """Whether a table with a before-push hook owns ``var``."""
-    return any(h.before_push is not None and h.owns(var) for h in engine.tables)
 
 
 def distinct_known(optimizer, apply_fn):
