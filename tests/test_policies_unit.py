@@ -181,6 +181,27 @@ def test_all_finite_guard():
                                                  tf.constant([3, 1]))]))
 
 
+def test_all_finite_checks_small_gradients_together_and_large_ones_alone():
+    big = np.zeros([1 << 16], np.float32)
+    small = [np.zeros([3, 2], np.float32), np.zeros([4], np.float32),
+             np.zeros([2, 2], np.float64), np.zeros([5], np.float64)]
+
+    @tf.function
+    def check(big, s0, s1, d0, d1):
+        return all_finite([big, tf.IndexedSlices(s0, tf.constant([0, 2, 4]),
+                                                 tf.constant([9, 2])), s1, d0, d1])
+
+    args = [big] + small
+    assert bool(check(*args))
+    for i, value in ((0, np.nan), (1, np.inf), (2, -np.inf), (3, np.nan), (4, np.inf)):
+        bad = [a.copy() for a in args]
+        bad[i].flat[-1] = value
+        assert not bool(check(*bad)), (i, value)
+    # One check per dtype's small gradients, one for the large one.
+    ops = [op.type for op in check.get_concrete_function(*args).graph.get_operations()]
+    assert ops.count("IsFinite") == 3 and ops.count("ConcatV2") == 2
+
+
 def test_ssp_arguments():
     with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
         policies.get("ssp", max_staleness=-2)

@@ -44,14 +44,39 @@ def cast(grad, dtype):
     return map_values(lambda v: tf.cast(v, dtype), grad)
 
 
+#: Gradients under this many elements are checked together (one copy of
+#: them, flattened): a check per gradient is two ops per variable, which a
+#: step of many small gradients pays in dispatch (docs/benchmarks.md#after-the-cuts).
+_CHECK_TOGETHER_BELOW = 1 << 16
+
+
 def all_finite(grads) -> tf.Tensor:
-    """Scalar tf.bool: every element of every gradient is finite."""
-    checks = []
+    """Scalar tf.bool: every element of every gradient is finite.
+
+    Gradients (tensors, or the values of IndexedSlices) of one dtype with
+    fewer than 65,536 elements each (or of a shape unknown when traced) are
+    flattened and checked as one tensor; larger ones each alone, without
+    a copy."""
+    checks, small = [], {}
     for g in grads:
         v = g.values if isinstance(g, tf.IndexedSlices) else g
-        if v.dtype.is_floating or v.dtype.is_complex:
+        if not (v.dtype.is_floating or v.dtype.is_complex):
+            continue
+        n = v.shape.num_elements()
+        if n is not None and n >= _CHECK_TOGETHER_BELOW:
             checks.append(tf.reduce_all(tf.math.is_finite(v)))
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+        else:
+            small.setdefault(v.dtype, []).append(v)
+    for group in small.values():
+        if len(group) == 1:
+            checks.append(tf.reduce_all(tf.math.is_finite(group[0])))
+            continue
+        flat = tf.constant([-1], tf.int32)
+        together = tf.concat([tf.reshape(v, flat) for v in group], 0)
+        checks.append(tf.reduce_all(tf.math.is_finite(together)))
+    if not checks:
+        return tf.constant(True)
+    return checks[0] if len(checks) == 1 else tf.reduce_all(tf.stack(checks))
 
 
 def rows_on_ps(grad, on_ps):
