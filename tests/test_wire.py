@@ -166,10 +166,12 @@ def _copies_on_ps(graph):
 
 
 @pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
-def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
-    values = np.arange(24, dtype=np.float32).reshape(4, 2, 3) / 8  # exact in bfloat16
+@pytest.mark.parametrize("row", [[2, 3], [6]], ids=["rank3", "matrix"])
+def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire, row):
+    values = np.arange(24, dtype=np.float32).reshape([4] + row) / 8  # exact in bfloat16
     indices = np.array([7, 0, 2 ** 31 - 3, 3], np.int64)
-    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([2 ** 31 - 2, 2, 3]))
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                         tf.constant([2 ** 31 - 2] + row))
     out = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=2 ** 31 - 2)
     assert out.indices.dtype == tf.int64 and out.values.dtype == tf.float32
     assert out.indices.numpy().tolist() == indices.tolist()
@@ -177,9 +179,9 @@ def test_a_sparse_gradient_crosses_as_one_tensor_with_int32_indices(wire):
 
     @tf.function
     def send(v, i):
-        return grads_lib.copy_to(tf.IndexedSlices(v, i, tf.constant([9, 2, 3])), PS,
+        return grads_lib.copy_to(tf.IndexedSlices(v, i, tf.constant([9] + row)), PS,
                                  wire_dtype=wire, rows=9)
-    graph = send.get_concrete_function(tf.TensorSpec([None, 2, 3]),
+    graph = send.get_concrete_function(tf.TensorSpec([None] + row),
                                        tf.TensorSpec([None], tf.int64)).graph
     [crossing] = _copies_on_ps(graph)  # values and indices in one tensor
     # 6 values a row, then the int32 index's bits: 1 float32 or 2 bfloat16.

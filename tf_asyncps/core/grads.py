@@ -168,7 +168,8 @@ def _packable(values, indices, rows) -> bool:
             and indices.dtype in (tf.int32, tf.int64)
             and values.dtype in (tf.float32, tf.bfloat16, tf.float16)
             and values.shape.rank is not None and values.shape.rank >= 1
-            and values.shape[1:].is_fully_defined())
+            and values.shape[1:].is_fully_defined()
+            and values.shape[1:].num_elements() > 0)
 
 
 def wire_dtype_of(dtype, wire_dtype):
@@ -213,10 +214,14 @@ def _pack(values, indices, rows):
     the bits of its int32 index (c = 4 bytes / the dtype's size; see
     :func:`narrow_indices`)."""
     indices = narrow_indices(indices, rows)
-    n = tf.shape(indices)[0]
-    k = values.shape[1:].num_elements()
-    bits = tf.reshape(tf.bitcast(indices, values.dtype), [n, 4 // values.dtype.size])
-    return tf.concat([tf.reshape(values, [n, k]), bits], 1)
+    # A 16-bit dtype's bitcast is [n, 2] already; a 32-bit one's [n].
+    bits = tf.bitcast(indices, values.dtype)
+    if values.dtype.size == 4:
+        bits = tf.expand_dims(bits, 1)
+    if values.shape.rank != 2:  # a matrix's rows are [n, k] as they are
+        k = values.shape[1:].num_elements()
+        values = tf.reshape(values, tf.constant([-1, k], tf.int32))
+    return tf.concat([values, bits], 1)
 
 
 def _unpack(packed, values, indices):
@@ -230,7 +235,10 @@ def _unpack(packed, values, indices):
         dims = tf.constant(values.shape[1:].as_list(), tf.int32)
         vals = tf.reshape(packed[:, :k], tf.concat([[tf.shape(packed)[0]], dims], 0))
     vals.set_shape(values.shape)
-    idx = tf.reshape(tf.bitcast(packed[:, k:], tf.int32), [-1])
+    # A 32-bit dtype's index is one column ([n] once sliced out); a 16-bit
+    # dtype's two, which the bitcast joins into one int32.
+    bits = packed[:, k] if packed.dtype.size == 4 else packed[:, k:]
+    idx = tf.bitcast(bits, tf.int32)
     return vals, tf.cast(idx, indices.dtype)
 
 
