@@ -107,6 +107,78 @@ def test_a_rowwise_sparse_update_is_gated_by_its_rows_without_a_cond(finite):
     assert not ops & {"If", "StatelessIf"}
 
 
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_dense_update_whose_zero_changes_nothing_is_gated_without_a_cond(finite):
+    # zero_is_noop (tf_keras Adagrad): a dense update gets the gradient or
+    # zeros; a dropped step leaves the variable and its accumulator as they were.
+    var, acc, lr = tf.Variable([1.0, -2.0]), tf.Variable([0.1, 0.1]), tf.Variable(0.5)
+
+    def adagrad(v, g):
+        acc.assign_add(g * g)
+        return v.assign_sub(lr * g / tf.sqrt(acc + 1e-7))
+
+    @tf.function
+    def step(ok, g):
+        with nonfinite_guard.guarded_by(ok, hoisted=[lr], zero_is_noop=True) as gated:
+            out = nonfinite_guard.guard(var, adagrad)(var, g)
+        assert gated == {id(var)}
+        return out
+
+    g = [3.0, 4.0] if finite else [np.nan, np.inf]
+    applied = step(tf.constant(finite), tf.constant(g))
+    assert bool(applied) is finite
+    if finite:
+        np.testing.assert_allclose(acc.numpy(), [9.1, 16.1], rtol=1e-6)
+        np.testing.assert_allclose(var.numpy(), [1.0 - 1.5 / np.sqrt(9.1 + 1e-7),
+                                                 -2.0 - 2.0 / np.sqrt(16.1 + 1e-7)], rtol=1e-6)
+    else:
+        assert var.numpy().tolist() == [1.0, -2.0]
+        assert acc.numpy().tolist() == np.float32([0.1, 0.1]).tolist()
+    ops = {op.type for op in step.get_concrete_function(
+        tf.TensorSpec([], tf.bool), tf.TensorSpec([2])).graph.get_operations()}
+    assert not ops & {"If", "StatelessIf"}
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_sparse_update_whose_zero_changes_nothing_gets_zero_rows(finite):
+    # zero_is_noop with a sparse gradient: the same rows, zeros where not finite.
+    var, acc, lr = tf.Variable([[1.0], [2.0], [3.0]]), tf.Variable([[0.1]] * 3), tf.Variable(0.5)
+
+    def adagrad(v, g):
+        acc.scatter_add(tf.IndexedSlices(g.values * g.values, g.indices))
+        denominator = tf.sqrt(tf.gather(acc, g.indices) + 1e-7)
+        return v.scatter_add(tf.IndexedSlices(-lr * g.values / denominator, g.indices))
+
+    @tf.function
+    def step(ok, values):
+        g = tf.IndexedSlices(values, tf.constant([2, 0]), tf.constant([3, 1]))
+        with nonfinite_guard.guarded_by(ok, hoisted=[lr], rowwise_sparse=True,
+                                        zero_is_noop=True):
+            return nonfinite_guard.guard(var, adagrad)(var, g)
+
+    values = tf.constant([[2.0], [4.0]] if finite else [[np.nan], [np.inf]])
+    assert bool(step(tf.constant(finite), values)) is finite
+    if finite:
+        np.testing.assert_allclose(var.numpy()[:, 0], [1.0 - 2.0 / np.sqrt(16.1 + 1e-7), 2.0,
+                                                       3.0 - 1.0 / np.sqrt(4.1 + 1e-7)],
+                                   rtol=1e-6)
+    else:
+        assert var.numpy().tolist() == [[1.0], [2.0], [3.0]]
+        assert acc.numpy().tolist() == np.float32([[0.1]] * 3).tolist()
+    ops = [op.type for op in step.get_concrete_function(
+        tf.TensorSpec([], tf.bool), tf.TensorSpec([2, 1])).graph.get_operations()]
+    assert "If" not in ops and "StridedSlice" not in ops and ops.count("SelectV2") == 1
+
+
+def test_only_tf_keras_adagrad_with_a_positive_epsilon_updates_nothing_on_zeros():
+    import tf_keras
+    from tf_asyncps.compat import optimizers as optimizers_compat
+    assert optimizers_compat.update_is_noop_at_zero(tf_keras.optimizers.Adagrad(0.1))
+    for opt in (tf_keras.optimizers.Adagrad(0.1, epsilon=0.0), tf_keras.optimizers.SGD(0.1),
+                tf_keras.optimizers.Adam(0.1), tf_keras.optimizers.legacy.Adagrad(0.1)):
+        assert not optimizers_compat.update_is_noop_at_zero(opt), opt
+
+
 def test_constants_move_beside_their_only_consumers():
     graph = tf.Graph()
     with graph.as_default():

@@ -55,6 +55,9 @@ ONE_WORKER.update({
     "nan_staleness_aware": dict(policy="staleness_aware", nan_batches=[2, 5]),
     "nan_legacy_adam": dict(policy="async", optimizer="legacy_adam", lr=0.05,
                             nan_batches=[2, 5]),
+    # Adagrad: a NaN step updates the table's shards and the kernel with zeros
+    # (no cond; core/nonfinite_guard.py), which changes nothing.
+    "nan_adagrad": dict(policy="async", optimizer="adagrad", lr=0.1, nan_batches=[2, 5]),
     # local_sgd reads the worker's local copies: a bfloat16 wire rounds nothing.
     "local_sgd_bfloat16_wire": dict(policy="local_sgd", policy_args={"sync_every": 3},
                                     wire_dtype="bfloat16"),

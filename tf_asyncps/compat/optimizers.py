@@ -5,7 +5,8 @@ optimizers whose sparse updates touch every row.
 * tf_keras 2.18.0-2.21.0: its LossScaleOptimizer classes; ``apply_gradients``
   of the optimizer base classes and LossScaleOptimizers hooked;
   ``Optimizer._distribution_strategy``; ``SGD``'s dense momentum on sparse
-  gradients.
+  gradients; ``Adagrad``'s update rule (a sparse update writes only its
+  rows, a dense zero gradient changes nothing).
 * Keras 3.10.0-3.15.1: its ``Optimizer`` and ``LossScaleOptimizer`` classes;
   ``Optimizer.apply`` and ``LossScaleOptimizer.apply`` hooked; the iteration
   counter's ``assign_add`` made atomic; which update rules are dense tensor
@@ -26,7 +27,7 @@ import contextlib
 
 __all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
            "make_iterations_atomic", "deduplicating_only", "optimizer_strategy", "dense_on_sparse_gradients",
-           "sparse_update_is_rowwise",
+           "sparse_update_is_rowwise", "update_is_noop_at_zero",
            "optimizer_class", "loss_scale_optimizer_class", "loss_scale_optimizer_classes",
            "creating_optimizer_slot"]
 
@@ -198,6 +199,20 @@ def sparse_update_is_rowwise(optimizer) -> bool:
     adagrad = tf_keras.optimizers.Adagrad
     return (isinstance(optimizer, adagrad) and type(optimizer).update_step is adagrad.update_step
             and not getattr(optimizer, "use_ema", False))
+
+
+def update_is_noop_at_zero(optimizer) -> bool:
+    """Whether ``optimizer``'s update of a variable on a zero gradient (dense,
+    or sparse rows of zeros) leaves the variable and its slots as they are,
+    bit for bit: tf_keras 2.18.0-2.21.0 ``Adagrad`` (``update_step``:
+    ``accumulator += g * g``, ``variable -= lr * g / sqrt(accumulator +
+    epsilon)``, densely or at the rows, which adds 0 and subtracts 0 for
+    g = 0) with its own ``update_step``, ``epsilon > 0`` (the divisor is never
+    0), no EMA. Others False."""
+    if not sparse_update_is_rowwise(optimizer):
+        return False
+    epsilon = getattr(optimizer, "epsilon", None)
+    return isinstance(epsilon, (int, float)) and epsilon > 0
 
 
 def dense_on_sparse_gradients(optimizer):

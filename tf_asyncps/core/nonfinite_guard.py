@@ -15,7 +15,12 @@ gradient's rows (``rowwise_sparse``: tf_keras's Adagrad), a table's update
 takes no cond: it gets its gradient's rows where the predicate holds and
 none where it does not, so a dropped step writes nothing and a kept one is
 the optimizer's own update (a cond's Switch and Merge ops per input and
-output, on every table shard each step, replaced by a slice). The optimizer's iteration counter advances by
+output, on every table shard each step, replaced by a slice). Where its update
+on a dense zero gradient changes nothing (``zero_is_noop``: tf_keras's
+Adagrad with ``epsilon > 0``), no update takes a cond: the optimizer's
+update runs on the gradient where the predicate holds and on its zeros (the
+same rows) where it does not, one select per variable. The optimizer's
+iteration counter advances by
 ``cast(finite)`` (:func:`tf_asyncps.compat.variables.adding_only_if`)
 and the engine records the step as applied or dropped without a cond
 (:meth:`StalenessTracker.record_gated`).
@@ -40,12 +45,24 @@ from tf_asyncps.core import trace_context
 __all__ = ["guarded_by", "guard", "active"]
 
 class _Gate:
-    def __init__(self, finite, rowwise_sparse=False):
+    def __init__(self, finite, rowwise_sparse=False, zero_is_noop=False):
         self.finite = finite
         self.rowwise_sparse = rowwise_sparse
+        self.zero_is_noop = zero_is_noop
         self.gated = set()  # ids of the variables whose update was gated
         self.updating = None  # (variable, graph the cond is built in)
         self.copies = {}  # (id(hoisted variable), device) -> tensor
+        self.preds = {}  # (variable's device, graph) -> the predicate there
+
+    def pred(self, var):
+        """The predicate beside ``var`` (called under its colocation): one
+        copy per ps task and graph, shared by the variables there."""
+        graph = tf.compat.v1.get_default_graph()
+        key = (var.device, graph)
+        if key not in self.preds:
+            with tf.control_dependencies(None):  # none of the first caller's
+                self.preds[key] = tf.identity(self.finite)
+        return self.preds[key]
 
     def read(self, hoisted, read):
         """A read of ``hoisted`` made in a gated update: the copy beside the
@@ -65,7 +82,8 @@ class _Gate:
 
 
 @contextlib.contextmanager
-def guarded_by(finite: tf.Tensor, hoisted=(), rowwise_sparse: bool = False):
+def guarded_by(finite: tf.Tensor, hoisted=(), rowwise_sparse: bool = False,
+               zero_is_noop: bool = False):
     """Within this context, variable updates made through the strategy's
     ``extended.update`` run only where ``finite`` (scalar tf.bool) is True.
 
@@ -76,12 +94,16 @@ def guarded_by(finite: tf.Tensor, hoisted=(), rowwise_sparse: bool = False):
       rowwise_sparse: the optimizer's update on a sparse gradient writes only
         its rows (``compat.optimizers.sparse_update_is_rowwise``): such
         updates are gated by their rows, without a cond.
+      zero_is_noop: the optimizer's update on a zero gradient changes
+        nothing (``compat.optimizers.update_is_noop_at_zero``; its
+        sparse update writes only the rows, which then do not change): every
+        update gets the gradient or its zeros, without a cond.
 
     Yields:
       a set that collects the ``id`` of every variable whose update was gated
       (the engine checks that each variable of the step is in it).
     """
-    gate_ = _Gate(finite, rowwise_sparse)
+    gate_ = _Gate(finite, rowwise_sparse, zero_is_noop)
     with contextlib.ExitStack() as stack:
         for var in hoisted:
             stack.enter_context(variables_compat.reads_redirected(
@@ -110,9 +132,11 @@ def guard(var, fn: Callable) -> Callable:
 
     def gated_update(v, *args, **kwargs):
         gate_.gated.add(id(var))
-        pred = tf.identity(gate_.finite)  # colocated with v: one copy per ps task
+        pred = gate_.pred(v)
         graph = tf.compat.v1.get_default_graph()
-        rows = gate_.rowwise_sparse and args and isinstance(args[0], tf.IndexedSlices)
+        zeros = gate_.zero_is_noop and args and isinstance(args[0], (tf.Tensor, tf.IndexedSlices))
+        rows = not zeros and gate_.rowwise_sparse and args and isinstance(
+            args[0], tf.IndexedSlices)
 
         def update(*given):
             gate_.updating = (v, graph)
@@ -123,13 +147,25 @@ def guard(var, fn: Callable) -> Callable:
             deps = [t for t in tf.nest.flatten(result)
                     if isinstance(t, (tf.Tensor, tf.Operation))]
             with tf.control_dependencies(deps):
-                return tf.identity(pred) if rows else tf.constant(True)
+                return tf.identity(pred) if rows or zeros else tf.constant(True)
 
         if rows:
             return update(_rows_if(pred, args[0]), *args[1:])
+        if zeros:
+            return update(_zeros_unless(pred, args[0]), *args[1:])
         return tf.cond(pred, lambda: update(*args), lambda: tf.constant(False))
 
     return gated_update
+
+
+def _zeros_unless(pred, grad):
+    """``grad`` (tensor or IndexedSlices: its values) where ``pred`` (scalar
+    tf.bool) holds, else zeros of its shape (the indices kept)."""
+    def values(v):
+        return tf.where(pred, v, tf.zeros([], v.dtype))
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(values(grad.values), grad.indices, grad.dense_shape)
+    return values(grad)
 
 
 def _rows_if(pred, grad: tf.IndexedSlices) -> tf.IndexedSlices:

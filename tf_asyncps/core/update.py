@@ -434,7 +434,9 @@ def gated_apply(tracker, plan: StepPlan, decision, tau, tau_from_increment) -> t
     hoisted = [variables_compat.backing_variable(h) for h in (lr, counter)]
     hoisted = [h for h in hoisted if isinstance(h, tf.Variable)]
     rowwise_sparse = optimizers_compat.sparse_update_is_rowwise(optimizer)
-    with nonfinite_guard.guarded_by(plan.gate, hoisted, rowwise_sparse) as gated, \
+    zero_is_noop = optimizers_compat.update_is_noop_at_zero(optimizer)
+    with nonfinite_guard.guarded_by(plan.gate, hoisted, rowwise_sparse,
+                                    zero_is_noop) as gated, \
             variables_compat.adding_only_if(counter, finite):
         _, update_ops = run_collecting_ops(plan.apply_fn, pairs)
     missed = [v.name for v in variables + [v for _, v in plan.local_pairs]
