@@ -39,6 +39,7 @@ def test_ctr_job_learns_the_planted_model_and_writes_metrics(tmp_path):
     assert abs(rate - ctr_data.BASE_RATE) < 5 * math.sqrt(2 * 0.25 * 0.75 / n)
     constant = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
     assert 0.6 < m["test_auc"] < m["planted_test_auc"], m["test_auc"]
+    assert "test_accuracy" not in m  # about 1 - base rate whatever was learnt
     assert m["planted_test_loss"] - 0.01 < m["test_loss"] < constant - 0.005, (
         m["test_loss"], constant)
     # CPU per task from /proc (launch), per example trained.
