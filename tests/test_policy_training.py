@@ -226,7 +226,7 @@ def test_ssp_bounds_the_clock_spread_with_a_straggler_also_inside_a_chain():
 # (test_pss_compat.py) and on sharded tables (test_sharded.py).
 @pytest.mark.parametrize("policy,args", [
     ("drop_stale", "max_staleness=2"),
-    # dc_asgd's rule on one worker: test_policies_unit / test_gpu_replicas.
+    # dc_asgd's rule on one worker: test_policy_rules / test_gpu_replicas.
     pytest.param("dc_asgd", "lambda_=0.04", marks=pytest.mark.long)])
 @pytest.mark.cluster
 def test_digits_with_four_workers(policy, args, tmp_path):
