@@ -36,9 +36,10 @@ BATCH, ZIPF_A, STREAM_BATCHES = 512, 1.2, 64
 #: ``async+nocheck@emb`` (also by name): ``async+dedup@emb`` with
 #: ``skip_nonfinite=False``, what the non-finite check costs.
 #: ``cache@emb`` (also by name): ``async+dedup@emb`` with
-#: ``embedding_cache=EmbeddingCache(CACHE_ROWS, 5, 5)`` (HET's worker cache).
+#: ``embedding_cache=EmbeddingCache(CACHE_ROWS, 5, 5)`` (HET's worker cache);
+#: ``cache+bound0@emb`` (also by name): the same with bounds 0 (the uncached step).
 EMB_RUNS = ("vanilla@emb", "async@emb", "async+dedup@emb", "async+bf16@emb", "local_sgd@emb",
-            "dynamic@emb", "async+nocheck@emb", "cache@emb")
+            "dynamic@emb", "async+nocheck@emb", "cache@emb", "cache+bound0@emb")
 #: Rows ``cache@emb`` caches per worker: 5% of the table.
 CACHE_ROWS = ROWS // 20
 #: The embedding runs of a plain ``--bench_hosts=netns`` (and ``--bench_only=emb``).
@@ -79,7 +80,7 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
     ``dynamic@emb`` (``async+dedup@emb`` with a DynamicEmbedding of ROWS rows),
     ``async+nocheck@emb`` (``async+dedup@emb``, ``skip_nonfinite=False``),
     ``cache@emb`` (``async+dedup@emb`` with a worker cache of CACHE_ROWS rows,
-    bounds 5)."""
+    bounds 5), ``cache+bound0@emb`` (the same, bounds 0)."""
     base = {"model": "emb", "num_workers": num_workers, "num_ps": NUM_PS, "hosts": True,
             "locking": False, "spe": steps_per_execution, "batch": BATCH}
     return [dict(base, name="vanilla@emb", kind="vanilla"),
@@ -96,14 +97,17 @@ def emb_configs(num_workers: int = 2, sync_every: int = 16,
             dict(base, name="async+nocheck@emb", kind="policy", policy="async",
                  policy_args={}, dedup=True, skip_nonfinite=False),
             dict(base, name="cache@emb", kind="policy", policy="async", policy_args={},
-                 dedup=True, cache={"rows": CACHE_ROWS, "pull_bound": 5, "push_bound": 5})]
+                 dedup=True, cache={"rows": CACHE_ROWS, "pull_bound": 5, "push_bound": 5}),
+            dict(base, name="cache+bound0@emb", kind="policy", policy="async", policy_args={},
+                 dedup=True, cache={"rows": CACHE_ROWS, "pull_bound": 0, "push_bound": 0})]
 
 
 def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     """One embedding run (in its own process; called by ``bench.run_one``,
     whose ``settings`` it takes). Returns ``bench.run_one``'s keys but
     ``peak_rss_mb`` (accuracy ones None: the ids carry no test set), plus ``bytes_per_step`` (sent +
-    received), ``limit_bytes_per_step`` and per segment ``loss``."""
+    received), ``limit_bytes_per_step``, per segment ``loss`` and ``heldout_loss``
+    (mse on 16 batches of the seed + 1 stream, after training)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import tf_keras
@@ -177,12 +181,20 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn),
               epochs=max(2, steps_total // eval_every), steps_per_epoch=eval_every, verbose=0,
               callbacks=[Probe()])
+    # Held-out: 16 batches of another seed's stream (the Zipf head is shared,
+    # the tail mostly unseen), read as the workers read (a cache included).
+    held = id_stream(settings["seed"] + 1, batches=16)
+    heldout_loss = float(model.evaluate(tf_keras.utils.experimental.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices(
+            (held.reshape(-1, 1), (held % 2).astype(np.float32).reshape(-1, 1))).batch(
+                BATCH, drop_remainder=True).repeat()), steps=16, verbose=0))
     steady = segments[1:]  # the first segment includes tracing and the first reads
     secs, steps = sum(s["seconds"] for s in steady), sum(s["steps"] for s in steady)
     out = {"segments": segments, "steps_per_sec": steps / secs,
            "examples_per_sec": steps * BATCH / secs, "updates_per_sec": None,
            "test_accuracy": None, "steps_to_target": None, "seconds_to_target": None,
            "staleness": None, "limit_bytes_per_step": limit_bytes_per_step(ids),
+           "heldout_loss": heldout_loss,
            "task_pids": shared["pids"]}  # bench.run_one adds peak_rss_mb
     if "worker_tx_bytes" in segments[0]:
         for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
