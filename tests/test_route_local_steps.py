@@ -264,13 +264,16 @@ def route_local_steps_two_workers(steps=20, lr=0.5, sync_every=4,
     """Two workers, loss = sum(table[ids]) + sum(w) (constant gradients: a
     row's gradient is its count in ``ids``, w's is 1): after the join the
     table row r is -lr * steps * count(r) and w is 2 - lr * steps exactly,
-    whichever worker ran each step."""
+    whichever worker ran each step. The legacy SGD updates each variable in
+    one op; tf_keras's SGD goes through its momentum slot (made even at
+    momentum 0: m = 0, m += -lr g, table += m), three ops that two workers'
+    steps interleave on the PS, so a table row got another step's update too."""
     with cluster(num_workers=2, num_ps=1) as c:
         strategy, coord = _strategy(c, sync_every)
         with strategy.scope():
             table = tf.Variable(tf.zeros([3, 2]), name="embeddings")
             w = tf.Variable(tf.fill([4], 2.0), name="dense/kernel")
-            opt = tf_keras.optimizers.SGD(lr)
+            opt = tf_keras.optimizers.legacy.SGD(lr)
         id_tensor = tf.constant(list(ids), tf.int32)
 
         def loss_fn():
