@@ -76,6 +76,13 @@ def _strategy(c, num_ps=2, **kwargs):
         c.resolver(), variable_partitioner=PARTITIONER(num_ps), **kwargs)
 
 
+def _predict(model, x):
+    """``model``'s predictions for ``x`` (a NumPy array), called eagerly on
+    the chief: what ``predict`` gives, without tracing a predict function
+    for each model (seconds each)."""
+    return np.asarray(model(tf.constant(x), training=False))
+
+
 def _adagrad_model(strategy, capacity):
     """A compiled model: DynamicEmbedding(4, capacity), a pass every 5 steps, Adagrad."""
     with strategy.scope():
@@ -112,37 +119,55 @@ class Exact:
     free_rows: list[float] | None = None
 
 
-@scenario
-def dynamic_exact(optimizer="sgd", num_ps=2) -> Exact:
-    """1 worker, tables on ``num_ps`` shards, capacity > distinct ids: the
-    predictions of IntegerLookup + Embedding trained the same way."""
-    x, y = _data()
+@dataclasses.dataclass(frozen=True)
+class ExactRuns:
+    """Attributes: by_optimizer: the :class:`Exact` run of each optimizer, by its name."""
+    by_optimizer: dict[str, Exact]
+
+
+@scenario(shares_cluster=True)
+def dynamic_exact(optimizers=("sgd",), num_ps=2) -> ExactRuns:
+    """1 worker, tables on ``num_ps`` shards, capacity > distinct ids, per
+    optimizer: the predictions of IntegerLookup + Embedding trained the same
+    way."""
     with cluster(num_workers=1, num_ps=num_ps) as c:
-        strategy = _strategy(c, num_ps)
-        vocab = np.unique(x)
-        looked = tf_keras.Sequential([tf_keras.layers.IntegerLookup(vocabulary=vocab),
-                                      tf_keras.layers.Embedding(len(vocab) + 1, 4,
-                                                                embeddings_initializer="zeros")])
-        ref = _model(looked)
-        ref.compile(_optimizer(optimizer), "mse")
-        ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        with strategy.scope():
-            model = _model(DynamicEmbedding(4, capacity=16, initializer="zeros"))
-            model.compile(_optimizer(optimizer), "mse")
-        _fit(strategy, model, x, y)
-        layer = model.layers[1]
-        ids = sorted(layer.export()[0].numpy().tolist())
-        return Exact(max_diff=float(np.abs(model.predict(x, verbose=0)
-                                           - ref.predict(x, verbose=0)).max()),
-                     ref_max=float(np.abs(ref.predict(x, verbose=0)).max()),
-                     stats=layer.stats(), ids=ids, distinct=sorted(vocab.tolist()),
-                     shards=len(layer.dynamic_table.shards))
+        return ExactRuns(by_optimizer={name: _exact(_strategy(c, num_ps), name)
+                                       for name in optimizers})
+
+
+def _exact(strategy, optimizer):
+    """:class:`Exact` of ``optimizer`` (a name in LR) under ``strategy``."""
+    x, y = _data()
+    vocab = np.unique(x)
+    looked = tf_keras.Sequential([tf_keras.layers.IntegerLookup(vocabulary=vocab),
+                                  tf_keras.layers.Embedding(len(vocab) + 1, 4,
+                                                            embeddings_initializer="zeros")])
+    ref = _model(looked)
+    ref.compile(_optimizer(optimizer), "mse")
+    ref.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    with strategy.scope():
+        model = _model(DynamicEmbedding(4, capacity=16, initializer="zeros"))
+        model.compile(_optimizer(optimizer), "mse")
+    _fit(strategy, model, x, y)
+    layer = model.layers[1]
+    ids = sorted(layer.export()[0].numpy().tolist())
+    got, want = _predict(model, x), _predict(ref, x)
+    return Exact(max_diff=float(np.abs(got - want).max()), ref_max=float(np.abs(want).max()),
+                 stats=layer.stats(), ids=ids, distinct=sorted(vocab.tolist()),
+                 shards=len(layer.dynamic_table.shards))
+
+
+@pytest.fixture(scope="module")
+def exact_runs():
+    """The three optimizers' runs: one request on the shared (1, 2) cluster."""
+    return run_scenario(dynamic_exact, timeout=280, shared=(1, 2),
+                        optimizers=["sgd", "adagrad", "adam"])
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-def test_one_worker_equals_integer_lookup_and_embedding(optimizer):
-    r = run_scenario(dynamic_exact, timeout=280, optimizer=optimizer)
+def test_one_worker_equals_integer_lookup_and_embedding(exact_runs, optimizer):
+    r = exact_runs.by_optimizer[optimizer]
     assert r.shards == 2
     assert r.ids == r.distinct  # every raw id has a row, none twice
     assert r.stats == {"live_rows": 10, "capacity": 16, "evicted": 0, "refused": 0}
@@ -150,8 +175,14 @@ def test_one_worker_equals_integer_lookup_and_embedding(optimizer):
     assert r.max_diff <= 1e-6
 
 
-POLICIES = ["async", "drop_stale", "staleness_aware", "ssp", "dc_asgd", "sync_replicas", "route",
-            "local_sgd"]
+#: The policies of the set-up's test command: each takes its own path to the
+#: table (a step's update as it comes, DC-ASGD's compensation of the rows
+#: read, a round's mean applied steps after its lookups, route's split by
+#: variable name, local copies exchanged). LONG_POLICIES gate or scale that
+#: same async update (drop a stale step, scale by staleness, wait for the
+#: slowest worker): ``-m long``.
+POLICIES = ["async", "dc_asgd", "sync_replicas", "route", "local_sgd"]
+LONG_POLICIES = ["drop_stale", "staleness_aware", "ssp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +213,7 @@ class PolicyRuns:
     by_policy: dict[str, PolicyRun]
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad",
                      num_workers=2) -> PolicyRuns:
     """Each policy on 2 workers, 2 ps, 10 ids for ``capacity`` rows, an
@@ -219,17 +250,20 @@ def dynamic_policies(policies=("async",), capacity=6, optimizer="adagrad",
                 stats=layer.stats(), ids=ids.numpy().tolist(), free_rows_max=max(free_rows),
                 num_slots=len(slots), free_slots_max_diff=max(free_slots, default=0.0),
                 global_step=strategy.staleness_stats().global_step,
-                loss_finite=bool(np.isfinite(model.predict(x, verbose=0)).all()))
+                loss_finite=bool(np.isfinite(_predict(model, x)).all()))
     return PolicyRuns(by_policy=out)
 
 
 @pytest.mark.timeout(600)
-def test_every_policy_keeps_the_table_invariants():
+@pytest.mark.parametrize("policies", [
+    pytest.param(POLICIES, id="paths"),
+    pytest.param(LONG_POLICIES, id="gated", marks=pytest.mark.long)])
+def test_every_policy_keeps_the_table_invariants(policies):
     """10 ids for 6 rows, 2 workers, 2 ps, an eviction pass every 2 steps:
     never more live rows than capacity, no id on two rows, free rows and
     their Adagrad accumulators back at their initial values."""
-    r = run_scenario(dynamic_policies, timeout=580, policies=POLICIES)
-    for policy in POLICIES:
+    r = run_scenario(dynamic_policies, timeout=580, shared=(2, 2), policies=policies)
+    for policy in policies:
         p = r.by_policy[policy]
         assert 1 <= p.stats["live_rows"] <= 6, policy
         assert len(p.ids) == len(set(p.ids)) == p.stats["live_rows"], policy
@@ -332,7 +366,7 @@ class DynamicCheckpoint:
     reshard: Reshard | None = None
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_checkpoint(num_workers=2, reshard_capacity=None) -> DynamicCheckpoint:
     """Train, save a tf.train.Checkpoint, restore into a new model (same
     cluster shape): same live ids, rows and predictions; training goes on.
@@ -354,8 +388,7 @@ def dynamic_checkpoint(num_workers=2, reshard_capacity=None) -> DynamicCheckpoin
             ids_equal=before[0].numpy()[order_b].tolist() == after[0].numpy()[order_a].tolist(),
             rows_max_diff=float(np.abs(before[1].numpy()[order_b]
                                        - after[1].numpy()[order_a]).max()),
-            pred_max_diff=float(np.abs(model.predict(x, verbose=0)
-                                       - again.predict(x, verbose=0)).max()),
+            pred_max_diff=float(np.abs(_predict(model, x) - _predict(again, x)).max()),
             live=again.layers[1].stats()["live_rows"], live_saved=len(before[0]))
         # Training goes on with ids the table never saw: its passes evict the
         # restored rows, which no lookup sees any more, for them.
@@ -465,7 +498,7 @@ def _restored(c, shards, capacity, saved, before, pred, emb, build=True):
 def test_checkpoint_restores_map_rows_and_predictions():
     """Onto the same shards; then (same cluster, 3 ps) a table trained on 2
     shards restored onto 3: see _assert_resharded."""
-    r = run_scenario(dynamic_checkpoint, timeout=280, reshard_capacity=30)
+    r = run_scenario(dynamic_checkpoint, timeout=280, shared=(2, 3), reshard_capacity=30)
     # As many live rows as were saved (an eviction pass may have run last).
     assert r.ids_equal and r.live == r.live_saved and 1 <= r.live <= 8
     assert r.rows_max_diff == 0.0 and r.pred_max_diff == 0.0
@@ -516,7 +549,7 @@ def _assert_live_rows_only(saved, capacity, shard_rows, ids, dim=4, slots=1):
     assert ids * per_row + 96 <= table <= ids * (per_row + 32) + 96, table
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
                          evict_every=4, shifted=False) -> Exact:
     """Keras 3 fit, 1 worker, tables on ``num_ps`` shards, SGD, zeros: the
@@ -558,9 +591,8 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
             for slot, value in tf_asyncps.dynamic.table.optimizer_slots(
                     model.optimizer, shard.var):
                 free_slots.append(float(np.abs(slot.numpy()[free] - value).max(initial=0)))
-        return Exact(max_diff=float(np.abs(model.predict(x, verbose=0)
-                                           - ref.predict(x, verbose=0)).max()),
-                     ref_max=float(np.abs(ref.predict(x, verbose=0)).max()),
+        got, want = _predict(model, x), _predict(ref, x)
+        return Exact(max_diff=float(np.abs(got - want).max()), ref_max=float(np.abs(want).max()),
                      stats=layer.stats(), ids=ids, distinct=sorted(vocab.tolist()),
                      shards=len(layer.dynamic_table.shards), free_slots=free_slots,
                      free_rows=free_rows)
@@ -568,7 +600,7 @@ def dynamic_keras3_exact(num_ps=2, num_workers=1, capacity=16, optimizer="sgd",
 
 @pytest.mark.timeout(300)
 def test_keras3_fit_one_worker_equals_integer_lookup_and_embedding():
-    r = run_scenario(dynamic_keras3_exact, timeout=280)
+    r = run_scenario(dynamic_keras3_exact, timeout=280, shared=(1, 2))
     assert r.shards == 2 and r.ids == r.distinct
     assert r.stats == {"live_rows": 10, "capacity": 16, "evicted": 0, "refused": 0}
     assert r.ref_max > 0.05 and r.max_diff <= 1e-6
@@ -594,7 +626,7 @@ class CustomLoop:
     midstep_rows_max: float
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_custom_loop(num_workers=2, capacity=6, steps=24) -> CustomLoop:
     """A custom loop (coordinator.schedule, tf.GradientTape) with a
     LockingOptimizer over Adam: 10 ids for ``capacity`` rows, a pass every 4
@@ -668,7 +700,7 @@ def _evicted_between_lookup_and_update(strategy, coordinator, x, y):
 @pytest.mark.timeout(300)
 def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
     """Also: a step whose rows are evicted after its lookup leaves them free and untouched."""
-    r = run_scenario(dynamic_custom_loop, timeout=280, steps=24)
+    r = run_scenario(dynamic_custom_loop, timeout=280, shared=(2, 2), steps=24)
     assert r.global_step == 24 and r.losses_finite
     assert 1 <= r.stats["live_rows"] <= 6
     assert len(r.ids) == len(set(r.ids)) == r.stats["live_rows"]
@@ -679,31 +711,32 @@ def test_custom_loop_with_locking_optimizer_evicts_within_capacity():
     assert r.midstep_rows_max == 0.0
 
 
-def _serve_in_a_new_process(path, query, endpoint="serving_default"):
-    """The SavedModel at ``path`` loaded by tf.saved_model.load in a fresh
-    process with no cluster, applied to the int64 ``query``: its output as a
-    list. ``endpoint``: a signature taking ``ids``, "serve" (Keras 3's
+def _serve_in_a_new_process(models, query):
+    """Each of ``models`` (``(path, endpoint)`` pairs) loaded in one fresh
+    process with no cluster and applied to the int64 ``query``: their
+    outputs as lists, in order. ``endpoint``: a signature of the SavedModel
+    at ``path`` taking ``ids`` (tf.saved_model.load), "serve" (Keras 3's
     ``model.export``: ``m.serve(ids)``), or "keras" (a ``.keras`` file:
     ``keras.models.load_model``, then ``predict``)."""
     import json
     import sys
 
     from conftest import run_command, subprocess_env
-    load, call = "m = tf.saved_model.load(sys.argv[1])", {
-        "serve": "out = m.serve(q)",
-        "keras": "out = tf.constant(m.predict(q, verbose=0))"}.get(
-            endpoint, f"out = list(m.signatures[{endpoint!r}](ids=q).values())[0]")
-    if endpoint == "keras":
-        load = "import keras, tf_asyncps.keras3\nm = keras.models.load_model(sys.argv[1])"
-    code = ("import json, sys, tensorflow as tf\n"
-            f"{load}\n"
-            "q = tf.constant(json.loads(sys.argv[2]), tf.int64)\n"
-            f"{call}\n"
-            "print('SERVED ' + json.dumps(out.numpy().tolist()))\n")
-    _, out = run_command([sys.executable, "-c", code, path, json.dumps(query)],
-                         timeout=120, env=subprocess_env())
-    line = [s for s in out.splitlines() if s.startswith("SERVED ")][0]
-    return json.loads(line[len("SERVED "):])
+    code = ["import json, sys, tensorflow as tf",
+            "q = tf.constant(json.loads(sys.argv[1]), tf.int64)"]
+    for i, (_, endpoint) in enumerate(models, start=2):
+        if endpoint == "keras":
+            code += ["import keras, tf_asyncps.keras3",
+                     f"m = keras.models.load_model(sys.argv[{i}])",
+                     "out = tf.constant(m.predict(q, verbose=0))"]
+        else:
+            code += [f"m = tf.saved_model.load(sys.argv[{i}])",
+                     "out = m.serve(q)" if endpoint == "serve" else
+                     f"out = list(m.signatures[{endpoint!r}](ids=q).values())[0]"]
+        code.append("print('SERVED ' + json.dumps(out.numpy().tolist()))")
+    _, out = run_command([sys.executable, "-c", "\n".join(code), json.dumps(query)]
+                         + [path for path, _ in models], timeout=120, env=subprocess_env())
+    return [json.loads(s[len("SERVED "):]) for s in out.splitlines() if s.startswith("SERVED ")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -720,7 +753,7 @@ class Served:
     embedding: list[list[list[float]]]
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_saved_model(path, num_workers=2) -> Served:
     """Train on the cluster, ``tf.saved_model.save`` the model to ``path``;
     returns the chief's predictions for RAW's ids and two unknown ids for a
@@ -734,7 +767,7 @@ def dynamic_saved_model(path, num_workers=2) -> Served:
         serve = tf.function(lambda ids: model(ids, training=False),
                             input_signature=[tf.TensorSpec([None, 3], tf.int64, name="ids")])
         tf.saved_model.save(model, path, signatures={"serving_default": serve})
-        return Served(query=query.tolist(), predictions=model.predict(query, verbose=0).tolist(),
+        return Served(query=query.tolist(), predictions=_predict(model, query).tolist(),
                       embedding=model.layers[1](tf.constant(query),
                                                 training=False).numpy().tolist())
 
@@ -745,8 +778,8 @@ def test_saved_model_serves_raw_ids_in_a_process_with_no_cluster(tmp_path):
     process with no cluster gives the chief's predictions for raw ids, and
     the default row (zeros) for ids that never had one."""
     path = str(tmp_path / "served")
-    r = run_scenario(dynamic_saved_model, timeout=280, path=path)
-    served = _serve_in_a_new_process(path, r.query)
+    r = run_scenario(dynamic_saved_model, timeout=280, shared=(2, 2), path=path)
+    [served] = _serve_in_a_new_process([(path, "serving_default")], r.query)
     np.testing.assert_allclose(served, r.predictions, rtol=0, atol=1e-6)
     # 77777 and -1 never had a row: their embeddings are the default row.
     assert r.embedding[0][2] == [0.0] * 4 and r.embedding[1][1] == [0.0] * 4
@@ -755,7 +788,7 @@ def test_saved_model_serves_raw_ids_in_a_process_with_no_cluster(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_keras3_eviction_resets_rows_and_adagrad_slots():
-    r = run_scenario(dynamic_keras3_exact, timeout=280, capacity=6, num_workers=2,
+    r = run_scenario(dynamic_keras3_exact, timeout=280, shared=(2, 2), capacity=6, num_workers=2,
                      optimizer="adagrad", evict_every=2, shifted=True)
     assert 1 <= r.stats["live_rows"] <= 6 and len(set(r.ids)) == len(r.ids)
     assert r.stats["evicted"] > 0 and r.stats["refused"] > 0
@@ -794,7 +827,7 @@ class Backup:
     predictions: list[list[float]] | None = None
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_keras3_backup(num_ps=2, backup_dir=None, export_path=None,
                           keras_path=None) -> Backup:
     """Keras 3 fit under the strategy, 1 worker, Adagrad, zeros: 4 epochs of 4
@@ -839,7 +872,7 @@ def dynamic_keras3_backup(num_ps=2, backup_dir=None, export_path=None,
         def state(model, layer):
             ids, rows = (t.numpy() for t in layer.export())
             order = np.argsort(ids)
-            return {"pred": model.predict(x, verbose=0), "ids": ids[order],
+            return {"pred": _predict(model, x), "ids": ids[order],
                     "rows": rows[order], "iterations": int(model.optimizer.iterations.numpy())}
 
         a, la = make()
@@ -862,7 +895,7 @@ def dynamic_keras3_backup(num_ps=2, backup_dir=None, export_path=None,
             if keras_path:
                 c_.save(keras_path)
             served = {"query": query.tolist(),
-                      "predictions": c_.predict(query, verbose=0).tolist()}
+                      "predictions": _predict(c_, query).tolist()}
         return Backup(**served, crash=crash, latest=latest, epochs_b=crashed.seen,
                       epochs_c=resumed.seen, backup_left=os.path.exists(backup_dir),
                       ids_equal=bool(np.array_equal(sa["ids"], sc["ids"])), live=len(sc["ids"]),
@@ -879,7 +912,7 @@ def test_keras3_checkpoint_backup_resumes_a_crashed_fit(tmp_path):
     epoch 3 of 4 begins, resumed by a new model, ends with the uninterrupted
     fit's ids, rows and predictions (1 worker, Adagrad, zeros), having run
     epochs 3 and 4 only; the backup is removed at the end."""
-    r = run_scenario(dynamic_keras3_backup, timeout=280,
+    r = run_scenario(dynamic_keras3_backup, timeout=280, shared=(1, 2),
                      backup_dir=str(tmp_path / "backup"), export_path=str(tmp_path / "exported"),
                      keras_path=str(tmp_path / "model.keras"))
     assert r.crash == "crash" and r.latest == "ckpt-2" and r.epochs_b == [0, 1]
@@ -889,8 +922,9 @@ def test_keras3_checkpoint_backup_resumes_a_crashed_fit(tmp_path):
     assert not r.backup_left
     # Keras 3's model.export, and a .keras file (the table on 2 shards there, on 1
     # here), of the resumed model serve raw ids in a process with no cluster.
-    for path, how in (("exported", "serve"), ("model.keras", "keras")):
-        served = _serve_in_a_new_process(str(tmp_path / path), r.query, how)
+    both = _serve_in_a_new_process([(str(tmp_path / "exported"), "serve"),
+                                    (str(tmp_path / "model.keras"), "keras")], r.query)
+    for served in both:
         np.testing.assert_allclose(served, r.predictions, rtol=0, atol=1e-6)
 
 
@@ -940,7 +974,7 @@ class Keras3Checkpoint:
     restores: dict[str, Keras3Restore]
     saved: dict[str, list]
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_keras3_checkpoint(capacity=30, optimizer="adagrad") -> Keras3Checkpoint:
     """Keras 3 fit (2 workers, ``optimizer``, the table on 2 shards), a
     tf.train.Checkpoint of the model and its optimizer, then one step of zero
@@ -1049,7 +1083,7 @@ def test_keras3_checkpoint_round_trip(optimizer, slots):
     from 3 onto 2, one step on each equals the same step on the saved model,
     exactly (ids, rows, every slot, iterations, predictions). Before the slots were saved
     whole, 2 -> 3 brought Adagrad's accumulators back at their initial 0.1."""
-    r = run_scenario(dynamic_keras3_checkpoint, timeout=400, optimizer=optimizer)
+    r = run_scenario(dynamic_keras3_checkpoint, timeout=400, shared=(2, 3), optimizer=optimizer)
     assert r.slots == slots and r.iterations == 9
     assert r.slot_max > 0.01  # the slots did grow: the comparisons can fail
     # The zero-gradient step moves Adam's rows (its moments decay), not Adagrad's.

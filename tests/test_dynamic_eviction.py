@@ -126,7 +126,7 @@ class LegacyRuns:
     by_optimizer: dict[str, LegacyRun]
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_legacy_optimizers(optimizers=("adagrad", "adam"), capacity=6, evict_every=2,
                               ttl_steps=6) -> LegacyRuns:
     """Per legacy optimizer, on 2 workers and 2 ps (``async``): 10 ids for
@@ -216,7 +216,7 @@ def test_legacy_optimizers_evict_reset_slots_and_round_trip():
     back at their initial values (zeros; Adagrad's accumulator 0.1, Adam's
     m and v 0); a checkpoint round trip onto the same shards exact (map,
     rows, predictions, slots)."""
-    r = run_scenario(dynamic_legacy_optimizers, timeout=400)
+    r = run_scenario(dynamic_legacy_optimizers, timeout=400, shared=(2, 2))
     for name, slots in (("adagrad", ["accumulator"]), ("adam", ["m", "v"])):
         p = r.by_optimizer[name]
         assert p.ids == p.last_ids and p.stats["live_rows"] == 2, name
@@ -276,7 +276,7 @@ class OneRow:
     local_steps: int
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_local_sgd_reused_row(a_steps=4, b_steps=8, sync_every=2, lr=0.1, y_b=0.5,
                                  keras_name="tf_keras") -> OneRow:
     """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
@@ -328,7 +328,8 @@ def test_local_sgd_evicts_at_exchanges_and_a_reused_row_starts_fresh(keras_name)
     under local_sgd (B refused for good). Keras 3 too: its optimizer was not
     matched to the table's shards (its variables are Keras variables), so
     A's accumulator stayed on the worker (0.0416667)."""
-    r = run_scenario(dynamic_local_sgd_reused_row, timeout=280, keras_name=keras_name)
+    r = run_scenario(dynamic_local_sgd_reused_row, timeout=280, shared=(1, 1),
+                     keras_name=keras_name)
     assert r.stats == {"live_rows": 1, "capacity": 1, "evicted": 1, "refused": 2}
     assert r.ids == [-5] and r.generation == 1 and r.count == 3
     # 5 exchanges (before steps 3, 5, 7, 9, 11), each running its pass,
@@ -364,7 +365,7 @@ class StaleDelta:
     local_steps: int
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_local_sgd_stale_delta(sync_every=4, lr=0.1, target=1.0) -> StaleDelta:
     """1 worker, 1 ps, local_sgd (exchange every ``sync_every`` local
     steps), a custom loop, Adagrad, the frozen head of
@@ -423,7 +424,7 @@ def test_local_sgd_drops_a_stale_delta_on_a_reset_row():
     copy of the row is stale), the exchange before step 5 drops the
     worker's 2-step delta on it (0.1355 landed before: the row then held
     it), and the row after step 5 is one fresh Adagrad step: 0.0998614."""
-    r = run_scenario(dynamic_local_sgd_stale_delta, timeout=280)
+    r = run_scenario(dynamic_local_sgd_stale_delta, timeout=280, shared=(1, 1))
     assert r.before_row == [0.0] * 4 and r.before_live == 1  # steps 1-2 not pushed yet
     assert r.evicted_by_chief == 1
     assert r.stats == {"live_rows": 1, "capacity": 1, "evicted": 1, "refused": 0}
@@ -463,7 +464,7 @@ class LocalSgdPhases:
     closures: list[int]
 
 
-@scenario
+@scenario(shares_cluster=True)
 def dynamic_local_sgd_phases(capacity=12, sync_every=2, ttl_steps=1, phase1=4,
                              steps=40) -> LocalSgdPhases:
     """local_sgd (exchange every ``sync_every`` local steps), 2 workers, 2
@@ -529,7 +530,7 @@ def test_local_sgd_two_workers_keep_the_table_invariants():
     at the end only the 3 are
     live (after the first fit, a worker that ran its first batches last
     could leave the 6 live)."""
-    r = run_scenario(dynamic_local_sgd_phases, timeout=280)
+    r = run_scenario(dynamic_local_sgd_phases, timeout=280, shared=(2, 2))
     for state in (r.first, r.then):
         stats = state.stats
         assert stats["capacity"] == 12 and stats["refused"] == 0
@@ -549,7 +550,7 @@ class HookUnderLock:
     global_step: int
 
 
-@scenario
+@scenario(shares_cluster=True)
 def after_update_hook_under_the_lock(steps=3) -> HookUnderLock:
     """1 worker, LockingOptimizer(SGD), a custom loop: an after-update hook
     (what a dynamic table's eviction pass is) records the update lock's
@@ -595,5 +596,5 @@ def test_after_update_hooks_run_inside_the_update_lock():
     overlaps a pass: tf_keras Adam rewrites every row's moments at each
     update, which undid a pass's resets. Before, they ran after its release
     (the hook saw the lock's token back: [1, 1, 1])."""
-    r = run_scenario(after_update_hook_under_the_lock, timeout=280)
+    r = run_scenario(after_update_hook_under_the_lock, timeout=280, shared=(1, 1))
     assert r.global_step == 3 and r.free_tokens_seen == [0, 0, 0]
