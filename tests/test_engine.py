@@ -206,20 +206,23 @@ def test_sparse_gradients_stay_sparse_and_equal_the_dense_reference(policy, args
 
 
 @pytest.mark.parametrize("make,warns,fix", [
-    (lambda: tf_keras.optimizers.SGD(0.1), True, "legacy.SGD"),
+    # At momentum 0 one scatter per table (compat.optimizers.hook_sgd_update_step).
+    (lambda: tf_keras.optimizers.SGD(0.1), False, None),
+    (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9), True, "legacy.SGD"),
     (lambda: tf_keras.optimizers.legacy.SGD(0.1), False, None),
     (lambda: tf_keras.optimizers.Adagrad(0.1), False, None),
     # Keras 3 Adagrad: row-wise under the strategy (core/rowwise.py), so no warning.
     (lambda: make_optimizer("adagrad", 0.1, "keras3"), False, None),
     (lambda: make_optimizer("adam", 0.1, "keras3"), True, "tf_asyncps.keras3.LazyAdam"),
     (lambda: make_optimizer("sgd", 0.1, "keras3"), False, None)],
-    ids=["tf_keras-sgd", "tf_keras-legacy-sgd", "tf_keras-adagrad", "keras3-adagrad",
-         "keras3-adam", "keras3-sgd"])
+    ids=["tf_keras-sgd", "tf_keras-sgd-momentum", "tf_keras-legacy-sgd", "tf_keras-adagrad",
+         "keras3-adagrad", "keras3-adam", "keras3-sgd"])
 def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warns, fix,
                                                                       caplog):
-    """tf_keras 2.21's SGD applies a sparse gradient densely (a momentum slot
-    even with momentum=0), and so do Keras 3's optimizers other than plain
-    SGD: O(table) per step, said once with the fix."""
+    """tf_keras 2.21's SGD with momentum applies a sparse gradient densely
+    (its momentum slot decays and is added to the whole table), and so do
+    Keras 3's optimizers other than plain SGD: O(table) per step, said once
+    with the fix. At momentum 0 the strategy scatters the rows."""
     engine = local_engine("async")
     table = tf.Variable(tf.zeros([PolicyEngine.LARGE_TABLE_ROWS, 2]), name="embeddings")
     opt = make()
@@ -243,6 +246,61 @@ def test_an_optimizer_that_updates_every_row_of_a_table_is_named_once(make, warn
         assert "embeddings" in said[0] and fix in said[0]
     t = table.numpy()
     assert t[3, 0] < 0 and t[4, 0] < 0 and not np.any(t[5:])  # the steps were applied
+
+
+def test_tf_keras_sgd_at_momentum_zero_updates_without_its_momentum_slot():
+    """tf_keras 2.21's SGD keeps a momentum slot m even at momentum 0 and
+    updates through it (m = -lr g, variable += m): separate ops that two
+    workers' updates interleave through on a ps. In a worker step each
+    variable's update is one op (compat.optimizers.hook_sgd_update_step):
+    m stays 0 and the table (sparse gradients, duplicate ids) and the dense
+    weight are plain SGD's closed form. Outside the strategy, and with
+    momentum, tf_keras's own rule runs (m moves)."""
+    engine = local_engine("async")
+    lr, steps = 0.5, 4
+    ids = tf.constant([0, 2, 2])
+    c = tf.constant([1.0, 2.0, 3.0])
+
+    def run(opt, in_step):
+        table, w = tf.Variable(tf.zeros([5, 2])), tf.Variable(tf.fill([3], 2.0))
+
+        def update():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.gather(table, ids)) + tf.reduce_sum(w * c)
+            g = tape.gradient(loss, [table, w])
+            assert isinstance(g[0], tf.IndexedSlices)
+            opt.apply_gradients(zip(g, [table, w]))
+
+        @tf.function
+        def step():
+            if not in_step:
+                return update()
+            ws = WorkerStep(engine, tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+            with ws.active():
+                update()
+
+        for _ in range(steps):
+            step()
+        return table.numpy(), w.numpy(), [m.numpy() for m in opt.momentums]
+
+    count = np.array([[1.0, 1.0], [0, 0], [2.0, 2.0], [0, 0], [0, 0]], np.float32)
+    for momentum in (0, 0.0):
+        table, w, slots = run(tf_keras.optimizers.SGD(lr, momentum=momentum), in_step=True)
+        np.testing.assert_array_equal(table, -lr * steps * count)
+        np.testing.assert_array_equal(w, 2.0 - lr * steps * c.numpy())
+        assert [float(np.abs(m).max()) for m in slots] == [0.0, 0.0]
+
+    # The slots are built in apply_gradients' order: the table's, then w's.
+    table, w, (m_table, m_w) = run(tf_keras.optimizers.SGD(lr), in_step=False)  # vanilla
+    np.testing.assert_array_equal(table, -lr * steps * count)
+    np.testing.assert_array_equal(m_table, -lr * count)
+    np.testing.assert_array_equal(m_w, -lr * c.numpy())
+
+    # Momentum 0.5: m_k = 0.5 m_(k-1) - lr g, w_k = w_(k-1) + m_k.
+    table, w, (m_table, m_w) = run(tf_keras.optimizers.SGD(lr, momentum=0.5), in_step=True)
+    m_sums = [sum(0.5 ** j for j in range(k + 1)) for k in range(steps)]
+    np.testing.assert_allclose(m_w, -lr * m_sums[-1] * c.numpy())
+    np.testing.assert_allclose(w, 2.0 - lr * sum(m_sums) * c.numpy())
 
 
 def test_a_waiting_workers_own_closures_do_not_hold_its_release_back():

@@ -264,16 +264,17 @@ def route_local_steps_two_workers(steps=20, lr=0.5, sync_every=4,
     """Two workers, loss = sum(table[ids]) + sum(w) (constant gradients: a
     row's gradient is its count in ``ids``, w's is 1): after the join the
     table row r is -lr * steps * count(r) and w is 2 - lr * steps exactly,
-    whichever worker ran each step. The legacy SGD updates each variable in
-    one op; tf_keras's SGD goes through its momentum slot (made even at
-    momentum 0: m = 0, m += -lr g, table += m), three ops that two workers'
+    whichever worker ran each step. tf_keras's SGD at momentum 0 updates
+    each variable in one op under the strategy
+    (compat.optimizers.hook_sgd_update_step); its own rule goes through its
+    momentum slot (m = 0, m += -lr g, table += m), ops that two workers'
     steps interleave on the PS, so a table row got another step's update too."""
     with cluster(num_workers=2, num_ps=1) as c:
         strategy, coord = _strategy(c, sync_every)
         with strategy.scope():
             table = tf.Variable(tf.zeros([3, 2]), name="embeddings")
             w = tf.Variable(tf.fill([4], 2.0), name="dense/kernel")
-            opt = tf_keras.optimizers.legacy.SGD(lr)
+            opt = tf_keras.optimizers.SGD(lr)
         id_tensor = tf.constant(list(ids), tf.int32)
 
         def loss_fn():

@@ -7,6 +7,8 @@ optimizers whose sparse updates touch every row.
   ``Optimizer._distribution_strategy``; ``SGD``'s dense momentum on sparse
   gradients; ``Adagrad``'s update rule (a sparse update writes only its
   rows, a dense zero gradient changes nothing).
+* tf_keras 2.21.0: ``SGD.update_step`` hooked (one op per variable at
+  momentum 0: :func:`hook_sgd_update_step`).
 * Keras 3.10.0-3.15.1: its ``Optimizer`` and ``LossScaleOptimizer`` classes;
   ``Optimizer.apply`` and ``LossScaleOptimizer.apply`` hooked; the iteration
   counter's ``assign_add`` made atomic; which update rules are dense tensor
@@ -26,6 +28,7 @@ when called.
 import contextlib
 
 __all__ = ["slot", "replacing_update_step", "hook_apply_gradients", "hook_apply",
+           "hook_sgd_update_step", "sgd_updates_in_one_op",
            "make_iterations_atomic", "deduplicating_only", "optimizer_strategy", "dense_on_sparse_gradients",
            "sparse_update_is_rowwise", "update_is_noop_at_zero",
            "optimizer_class", "loss_scale_optimizer_class", "loss_scale_optimizer_classes",
@@ -114,6 +117,96 @@ def hook_apply(make_hook, make_loss_scale_hook) -> bool:
     hooks_compat.hook_method(base, "apply", make_hook)
     hooks_compat.hook_method(loss_scale_optimizer_class(), "apply", make_loss_scale_hook)
     return True
+
+
+#: The key of :func:`hook_sgd_update_step`'s hook (compat.hooks.hook_method).
+_ONE_OP_SGD = "tf_asyncps.compat.optimizers.one_op_sgd"
+
+
+def _momentum_is_zero(optimizer) -> bool:
+    """A tf_keras SGD's ``momentum`` is the Python number 0 and ``nesterov``
+    is off (a tensor or variable momentum can change: tf_keras's update then)."""
+    momentum = getattr(optimizer, "momentum", None)
+    return (isinstance(momentum, (int, float)) and momentum == 0
+            and not getattr(optimizer, "nesterov", False))
+
+
+def hook_sgd_update_step(applies) -> bool:
+    """Makes tf_keras's ``SGD`` at momentum 0 update each variable in one op
+    where ``applies(optimizer)`` (under AsyncParameterServerStrategy).
+
+    tf_keras 2.21.0's ``SGD.update_step`` keeps a momentum slot ``m`` even at
+    ``momentum=0`` and updates through it in separate ops: on a sparse
+    gradient ``m.assign(m * momentum)``, ``m.scatter_add(-lr * g)``,
+    ``variable.assign_add(m)`` (the whole variable), on a dense one
+    ``m.assign(-lr * g + m * momentum)``, ``variable.assign_add(m)``. When two
+    workers update a variable at once, their ops interleave through the one
+    shared ``m``: a row gets another step's update too, a dense variable one
+    worker's gradient twice and the other's not at all. The hooked
+    ``update_step`` (``SGD``'s and its subclasses' that do not override it),
+    for an optimizer with ``momentum`` the Python number 0, ``nesterov``
+    off and ``applies(optimizer)`` True, runs plain SGD (Robbins and Monro,
+    1951) in one op per variable: ``variable.scatter_add(IndexedSlices(-lr *
+    g.values, g.indices))`` on a sparse gradient (only its rows),
+    ``variable.assign_add(-lr * g)`` on a dense one. That is SGD at momentum 0 value for value
+    (``m`` is ``-lr * g`` after each update there; here it stays 0), with no
+    shared buffer and no whole-variable work per sparse step. Any other
+    optimizer runs tf_keras's own ``update_step``. Once per process
+    (:func:`tf_asyncps.compat.hooks.hook_method`; the first ``applies``
+    stays).
+
+    Args:
+      applies: ``optimizer -> bool``: whether the optimizer updates under
+        this package's strategy.
+
+    Returns:
+      False if tf_keras is not installed.
+    """
+    from tf_asyncps.compat import hooks as hooks_compat
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    import functools
+
+    import tensorflow as tf
+
+    def make(original):
+        @functools.wraps(original)
+        def update_step(self, gradient, variable):
+            if not (_momentum_is_zero(self) and applies(self)):
+                return original(self, gradient, variable)
+            lr = tf.cast(self.learning_rate, variable.dtype)
+            if isinstance(gradient, tf.IndexedSlices):
+                variable.scatter_add(tf.IndexedSlices(-gradient.values * lr, gradient.indices,
+                                                      gradient.dense_shape))
+            else:
+                variable.assign_add(-gradient * lr)
+            return None
+        return update_step
+
+    hooks_compat.hook_method(tf_keras.optimizers.SGD, "update_step", make, key=_ONE_OP_SGD)
+    return True
+
+
+def sgd_updates_in_one_op(optimizer) -> bool:
+    """Whether ``optimizer`` (or a LossScaleOptimizer's inner one) is a
+    tf_keras ``SGD`` whose ``update_step`` is :func:`hook_sgd_update_step`'s
+    and whose momentum is the Python number 0 without nesterov: under this
+    package's strategy it updates each variable in one op."""
+    try:
+        import tf_keras
+    except ImportError:  # pragma: no cover - tf_keras is a dependency
+        return False
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(inner, tf_keras.optimizers.SGD) or not _momentum_is_zero(inner):
+        return False
+    f = type(inner).update_step
+    while f is not None:
+        if getattr(f, "_asyncps_hook", None) == _ONE_OP_SGD:
+            return True
+        f = getattr(f, "_asyncps_original", None)
+    return False
 
 
 @contextlib.contextmanager
@@ -225,22 +318,25 @@ def dense_on_sparse_gradients(optimizer):
 
 def _tf_keras_dense_on_sparse_gradients(optimizer):
     """Why ``optimizer`` touches every row of a variable on each sparse
-    (IndexedSlices) gradient, or None.
+    (IndexedSlices) gradient under this package's strategy, or None.
 
-    tf_keras 2.21's ``SGD`` builds a momentum slot even with ``momentum=0``
-    and, for a sparse gradient, runs ``m.assign(m * momentum)`` and
-    ``variable.assign_add(m)`` over the whole variable, a cost that grows with
-    the table (docs/benchmarks.md#optimizers-on-sparse-gradients).
+    tf_keras 2.21's ``SGD`` with momentum, for a sparse gradient, runs
+    ``m.assign(m * momentum)`` and ``variable.assign_add(m)`` over the whole
+    variable, a cost that grows with the table
+    (docs/benchmarks.md#optimizers-on-sparse-gradients). At momentum 0 (a
+    Python number, no nesterov) the strategy updates only the gradient's rows
+    (:func:`hook_sgd_update_step`).
     """
     try:
         import tf_keras
     except ImportError:  # pragma: no cover - tf_keras is a dependency
         return None
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    if isinstance(inner, tf_keras.optimizers.SGD):
-        return ("tf_keras.optimizers.SGD updates every row of the variable on each sparse "
-                "gradient (it keeps a momentum slot even with momentum=0 and applies it "
-                "densely); for embedding tables use tf_keras.optimizers.legacy.SGD or "
+    if isinstance(inner, tf_keras.optimizers.SGD) and not sgd_updates_in_one_op(inner):
+        return ("tf_keras.optimizers.SGD with momentum updates every row of the variable "
+                "on each sparse gradient (it decays its momentum slot and adds it to the "
+                "whole variable); for embedding tables use momentum=0 (then only the "
+                "batch's rows are updated), tf_keras.optimizers.legacy.SGD or "
                 "tf_keras.optimizers.Adagrad, whose sparse updates touch only the rows "
                 "of the batch")
     return None

@@ -35,6 +35,7 @@ from tf_asyncps.compat import mixed_precision as precision_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import sharded_slots
 from tf_asyncps.core import grads as grads_lib
+from tf_asyncps.core import table_seam
 from tf_asyncps.core import trace_context
 
 __all__ = ["WorkerStep", "current_step", "install_optimizer_hooks", "check_optimizer_scope"]
@@ -216,8 +217,12 @@ def install_optimizer_hooks() -> None:
     Idempotent. Hooks ``tf_keras.optimizers.Optimizer.apply_gradients``,
     ``tf_keras.optimizers.legacy.Optimizer.apply_gradients``, both tf_keras
     ``LossScaleOptimizer`` classes and Keras 3's
-    ``keras.optimizers.Optimizer.apply`` (when those packages are installed);
-    the class patches themselves live in ``tf_asyncps/compat/``.
+    ``keras.optimizers.Optimizer.apply`` (when those packages are installed),
+    and tf_keras's ``SGD.update_step``, which at momentum 0 updates each
+    variable in one op under this strategy (no momentum slot that two
+    workers' updates interleave through:
+    :func:`tf_asyncps.compat.optimizers.hook_sgd_update_step`); the class
+    patches themselves live in ``tf_asyncps/compat/``.
     """
     global _installed
     with _install_lock:
@@ -226,4 +231,15 @@ def install_optimizer_hooks() -> None:
         optimizers_compat.hook_apply_gradients(lambda original: _hook(original, _gv_args))
         optimizers_compat.hook_apply(lambda original: _hook(original, _keras3_apply_args),
                                 lambda original: _hook(original, _keras3_lso_apply_args))
+        optimizers_compat.hook_sgd_update_step(_under_this_strategy)
         _installed = True
+
+
+def _under_this_strategy(optimizer) -> bool:
+    """Whether ``optimizer`` updates under AsyncParameterServerStrategy: inside
+    one of its worker steps, or created in its scope (the embedding cache's
+    flush applies outside a step)."""
+    if current_step() is not None:
+        return True
+    own = optimizers_compat.optimizer_strategy(optimizer)
+    return isinstance(getattr(own, "extended", None), table_seam.StrategySeam)
