@@ -371,3 +371,13 @@ def test_readers_share_one_mark_each_with_its_own_bit():
     bit = readers.pop(5).bit
     gc.collect()
     assert delta_chain.shared_reader([table], "again").bit == bit
+
+
+def test_a_mark_hands_the_gradient_itself_back_and_marks_its_rows():
+    """Keras 3's row-wise update knows a gradient by identity (it applies it
+    with the squares the worker sent): the filter returns the very object."""
+    table = tf.Variable(tf.zeros([6, 2]))
+    reader = delta_chain.shared_reader([table], "identity")
+    grad = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([4, 1, 4], tf.int64))
+    assert reader.mark(grad, table) is grad
+    np.testing.assert_array_equal(reader.dirty_ids(table), [1, 4])

@@ -274,8 +274,14 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
     def after_closures(self, epoch: int, steps_in_epoch: int) -> None:
         """Keras 3 fit: ``steps_in_epoch`` worker steps of ``epoch`` are scheduled."""
         prev_epoch, prev = self._seen or (epoch, 0)
+        steps = int(steps_in_epoch) - (prev if prev_epoch == epoch else 0)
+        if self._seen is None:
+            # A fit resumed mid-epoch (StepBackup) starts past step 0: its
+            # first closure ran steps_per_execution steps, not all before it.
+            spe = getattr(self.model, "steps_per_execution", 1)
+            steps = min(steps, int(spe.numpy()) if hasattr(spe, "numpy") else int(spe or 1))
         self._seen = (epoch, int(steps_in_epoch))
-        self.step_done(int(steps_in_epoch) - (prev if prev_epoch == epoch else 0))
+        self.step_done(steps)
 
     def on_train_end(self, logs=None):
         if self._vars is not None and self._steps > self._last:

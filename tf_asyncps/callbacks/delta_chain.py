@@ -111,23 +111,29 @@ class DirtyRows:
         return self._key(var) in self._by_id
 
     def mark(self, grad, var):
-        """``grad`` after its rows are marked dirty on ``var``'s device:
-        a gradient filter (core/table_seam.TableHooks.filter_gradient)."""
+        """Marks the rows of ``grad`` dirty on ``var``'s device and returns
+        ``grad`` itself: a gradient filter
+        (core/table_seam.TableHooks.filter_gradient).
+
+        The very object comes back, not a copy behind a control dependency:
+        Keras 3's row-wise update (core/rowwise.py) knows a gradient by
+        identity and applies it with the per-occurrence squares the worker
+        sent; a copy made it fall back to the squares of the summed rows
+        (Adagrad's accumulator off). The mark runs anyway: a traced step
+        runs every stateful op it holds (tf.function's automatic control
+        dependencies), eagerly it runs here, and a reader reads the marks
+        only at a quiet point, after the step has ended."""
         mark = self._by_id.get(self._key(var))
         if mark is None or grad is None:
             return grad
         with tf.device(mark.device):
             if isinstance(grad, tf.IndexedSlices):
                 ids = tf.cast(grad.indices, tf.int64)
-                op = mark.scatter_update(tf.IndexedSlices(
+                mark.scatter_update(tf.IndexedSlices(
                     tf.fill(tf.shape(ids), tf.constant(_ALL, tf.int8)), ids))
             else:
-                op = mark.assign(tf.fill(tf.shape(mark), tf.constant(_ALL, tf.int8)))
-        with tf.control_dependencies([op]):
-            if isinstance(grad, tf.IndexedSlices):
-                return tf.IndexedSlices(tf.identity(grad.values), grad.indices,
-                                        grad.dense_shape)
-            return tf.identity(grad)
+                mark.assign(tf.fill(tf.shape(mark), tf.constant(_ALL, tf.int8)))
+        return grad
 
     def hooks(self, name: str = "dirty_rows"):
         """A ``TableHooks`` to register with ``strategy.extended.register_table``."""

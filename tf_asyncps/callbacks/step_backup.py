@@ -107,7 +107,8 @@ class StepBackup(tf_keras.callbacks.Callback):
     returns. Cost: the workers idle from their last closure until the save
     ends, i.e. the schedule's tail plus one save.
 
-    Deltas (tf_keras fit, a model with embedding tables, ``full_every`` > 1):
+    Deltas (tf_keras or Keras 3 fit, a model with embedding tables,
+    ``full_every`` > 1):
     a full save every ``full_every`` backups, and between them deltas: the
     table rows written since the previous backup with their optimizer slot
     rows (an int8 dirty mark per row beside each table shard, set on the ps
@@ -116,9 +117,9 @@ class StepBackup(tf_keras.callbacks.Callback):
     idea is DeepRec's incremental checkpoint (Alibaba, 2022). A resume reads
     the base and applies the chain, refusing a gap, a duplicate, a delta of
     another base or a half-written file (delta_chain.ChainError, naming
-    the file). A model without a table or with a DynamicEmbedding, Keras
-    3's fit, or a step traced before this callback registered its marks (no
-    row marked after steps ran) get full saves. A chain restores onto
+    the file). A model without a table or with a DynamicEmbedding, or a
+    step traced before this callback registered its marks (no row marked
+    after steps ran) get full saves. A chain restores onto
     another number of ps tasks (rows by global row).
 
     Saved: the model, its optimizer (slots, ``iterations``) and the
@@ -315,8 +316,7 @@ class StepBackup(tf_keras.callbacks.Callback):
             self._restore(path, meta)
             self.resumed_from_step = int(meta["worker_steps"])
             self.steps_redone = self._prev_redone + max(0, self._prev_done - self.resumed_from_step)
-        # Keras 3 fit: full saves (its deltas were not exact on a cluster yet).
-        if self.full_every > 1 and not keras3:
+        if self.full_every > 1:
             self._deltas = self._model_deltas()
             if self._deltas is not None:
                 with self._strategy.scope():
