@@ -1,12 +1,26 @@
 """StepBackup: a backup every N worker steps under the strategy, a mid-epoch
-resume from the newest complete one, steps redone counted (issue 41 item 1)."""
+resume from the newest complete one, steps redone counted (issue 41 item 1);
+delta backups beside a DeltaPublisher reading the same dirty marks, and a
+chain written over 2 ps restored onto 3 (items 2 and 3).
 
+The cluster scenarios sit above the tests that read them and return the
+dataclasses declared with them (docs/tests.md#scenarios-beside-their-tests).
+"""
+
+import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
+import tensorflow as tf
+import tf_keras
 
+import tf_asyncps
 from conftest import run_scenario
+from scenarios import cluster, scenario
+from scenarios.common import full_value, mlp, small_problem
+from tf_asyncps import export
 from tf_asyncps.callbacks import StepBackup, step_backup
 
 
@@ -69,61 +83,338 @@ def test_backup_dir_is_required():
         StepBackup("", 5)
 
 
-@pytest.mark.timeout(300)
+
+# -- cluster scenarios ------------------------------------------------------------
+
+
+class CrashAt(StepBackup):
+    """A StepBackup whose fit fails once ``crash_at`` worker steps have run
+    (drained first, so exactly that many updates are applied)."""
+
+    def __init__(self, *args, crash_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash_at = crash_at
+
+    def after_closures(self, epoch, steps_in_epoch):
+        super().after_closures(epoch, steps_in_epoch)
+        if epoch * self.params["steps"] + steps_in_epoch >= self.crash_at:
+            tf.distribute.coordinator.ClusterCoordinator(self.model.distribute_strategy).join()
+            raise RuntimeError("crash")
+
+
+def _weights(model):
+    """Every layer's weights, a table split over shards as one array."""
+    return [full_value(getattr(layer, name)) for layer in model.layers
+            for name in ("embeddings", "kernel", "bias") if hasattr(layer, name)]
+
+
+def _set_weights(model, values):
+    from tf_asyncps.callbacks import delta_chain
+    variables = [getattr(layer, name) for layer in model.layers
+                 for name in ("embeddings", "kernel", "bias") if hasattr(layer, name)]
+    for var, value in zip(variables, values):
+        delta_chain.assign_whole(var, value)
+
+
+def _max_diff(a, b):
+    return float(max(np.max(np.abs(np.asarray(p) - np.asarray(q))) for p, q in zip(a, b)))
+
+
+def _k3_model(spe):
+    import keras
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _tf_keras_model(spe):
+    model = mlp()
+    model.compile(tf_keras.optimizers.SGD(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _table_model(spe):
+    """An embedding table (50 rows) under Adagrad: StepBackup writes deltas."""
+    model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"),
+                                 tf_keras.layers.Embedding(50, 4),
+                                 tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+    model.compile(tf_keras.optimizers.Adagrad(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _k3_table_model(spe):
+    """A Keras 3 embedding table (50 rows) under Adagrad: StepBackup writes deltas."""
+    import keras
+    model = keras.Sequential([keras.Input((3,), dtype="int64"), keras.layers.Embedding(50, 4),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adagrad(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _partitioner(num_ps):
+    """Splits the 50 x 4 table (800 bytes) over ``num_ps`` shards and leaves
+    the Dense head (under 200 bytes) whole."""
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=200, max_shards=num_ps)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupRun:
+    """One chief run of a fit with a StepBackup (and a DeltaPublisher when asked).
+
+    Attributes:
+      crashed: the fit raised at ``crash_at`` worker steps.
+      resume_step: worker steps of the backup it resumed from (0: none).
+      summary: ``StepBackup.summary()`` (chief_runs, resumed_from_step,
+        steps_redone, backups: counts).
+      backups: worker steps of each backup this run wrote.
+      started: the fit reached an epoch (False for an ended fit's re-run).
+      global_step, iterations: the strategy's global step and the
+        optimizer's step counter at the end (ints).
+      diff_to_reference: max |weight - uninterrupted one-process weight|.
+      dirs: the backup folders left in ``backup_dir``.
+      save_traces: traces of the full-save function (0: no full save).
+      kinds: "full" or "delta" per backup folder, oldest first.
+      table, slot: the table's rows and their Adagrad accumulator at the
+        end, ``[rows][dim]`` floats (table cases only, else None).
+      shards: the table's shards (ps tasks holding it; table cases).
+      published: deltas the publisher wrote (None without a publisher).
+      serving_diff: max |prediction of the publisher's SavedModel brought up
+        by ``apply_deltas`` - the chief's model's| on 8 inputs (None without).
+    """
+    crashed: bool
+    resume_step: int
+    summary: dict
+    backups: list[int]
+    started: bool
+    global_step: int
+    iterations: int
+    diff_to_reference: float
+    dirs: list[str]
+    save_traces: int
+    kinds: list[str]
+    table: list | None = None
+    slot: list | None = None
+    shards: int | None = None
+    published: int | None = None
+    serving_diff: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupCase:
+    """Attributes: runs: the crashed fit, its re-run, a re-run of the ended
+    fit (fewer with ``runs``). moved: max |w_end - w_0| of the reference."""
+    runs: list[BackupRun]
+    moved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBackupResume:
+    """Attributes: cases: one per case asked, in order."""
+    cases: list[BackupCase]
+
+
+def _table_values(model):
+    """(table rows, Adagrad accumulator rows, shards) of the first layer's table."""
+    emb = model.layers[0].embeddings
+    from tf_asyncps.callbacks import delta_chain
+    from tf_asyncps.compat import optimizers as opt_compat
+    shards = delta_chain.shards_of(emb)
+    slots = [opt_compat.slot(model.optimizer, "accumulator", emb if len(shards) == 1 else s)
+             for s in shards]
+    return (full_value(emb).tolist(),
+            np.concatenate([np.asarray(delta_chain.shards_of(s)[0].numpy())
+                            for s in slots]).tolist(), len(shards))
+
+
+def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, batch=16,
+                   full_every=10, publish_every=None, num_ps=None, runs=(0, 1, 2)):
+    x, y = small_problem(n=steps * epochs * batch)
+    make = _k3_model if keras == "3" else _tf_keras_model
+    table = keras in ("tf_keras_table", "3_table")
+    if table:
+        make, keras = (_table_model, "tf_keras") if keras == "tf_keras_table" else \
+            (_k3_table_model, "3")
+        x = (np.abs(x[:, :3]) * 10).astype(np.int64) % 50
+
+    def data(skip):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat().skip(skip)
+
+    def fit(model, callbacks, skip):
+        if keras == "3":
+            return model.fit(data(skip), epochs=epochs, steps_per_epoch=steps, verbose=0,
+                             callbacks=callbacks)
+        creator = tf_keras.utils.experimental.DatasetCreator(lambda ctx: data(skip))
+        return model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                         callbacks=callbacks)
+
+    out = []
+    # The reference: one process (the chief's CPU, made after connecting),
+    # the same batches in order, no interruption.
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        c.resolver(), variable_partitioner=_partitioner(num_ps) if num_ps else None)
+    ref = make(spe)
+    w0 = _weights(ref)
+    ref.fit(data(0), epochs=epochs, steps_per_epoch=steps, verbose=0)
+    for run in runs:  # 0: crashes at crash_at; 1: resumes and ends; 2: re-run of an ended fit
+        if run != runs[0]:
+            strategy = tf_asyncps.AsyncParameterServerStrategy(
+                c.resolver(), variable_partitioner=_partitioner(num_ps) if num_ps else None)
+        with strategy.scope():
+            model = make(spe)
+        if run == 0:
+            _set_weights(model, w0)  # later runs start elsewhere: the restore must overwrite
+            backup = CrashAt(backup_dir, every, crash_at=crash_at, period_s=3600,
+                             full_every=full_every)
+        else:
+            backup = StepBackup(backup_dir, every, period_s=3600, full_every=full_every)
+        resume_step = backup.resume_step
+        # A serving stream beside the backups: it reads its own bit of the
+        # same dirty marks (after the backup's restore: listed after it).
+        pub = export.DeltaPublisher(f"{backup_dir}_publish{run}", publish_every) \
+            if publish_every else None
+        try:
+            fit(model, [backup] + ([pub] if pub else []), resume_step)
+            crashed = False
+        except RuntimeError as e:
+            assert "crash" in str(e), e
+            backup.record_failure()
+            crashed = True
+        fields = {}
+        if table:
+            fields["table"], fields["slot"], fields["shards"] = _table_values(model)
+        if pub is not None:
+            fields["published"] = pub.published
+            if not crashed:  # a crashed fit's last steps are past its last delta
+                query = tf.constant(x[:8])
+                served = export.apply_deltas(pub.saved_model_dir)
+                serve = served.serve if keras == "3" else served
+                fields["serving_diff"] = _max_diff([np.asarray(serve(query))],
+                                                   [np.asarray(model(query, training=False))])
+        out.append(BackupRun(
+            crashed=crashed, resume_step=resume_step, summary=backup.summary(),
+            backups=backup.backups, started=backup.started,
+            global_step=int(strategy.staleness_tracker.global_step.numpy()),
+            iterations=int(model.optimizer.iterations.numpy()),
+            diff_to_reference=_max_diff(_weights(model), _weights(ref)),
+            dirs=sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json")),
+            save_traces=(backup.save_function.experimental_get_tracing_count()
+                         if backup.save_function is not None else 0),
+            kinds=[step_backup._kind(os.path.join(backup_dir, d))
+                   for d in sorted(os.listdir(backup_dir)) if d.startswith("step-")],
+            **fields))
+    return BackupCase(runs=out, moved=_max_diff(_weights(ref), w0))
+
+
+@scenario(shares_cluster=True)
+def step_backup_resume(tmpdir, cases, num_ps=2) -> StepBackupResume:
+    """For each case (keras, spe, epochs, steps, every, crash_at, and
+    optionally full_every, publish_every, num_ps: the table split over that
+    many shards, runs: which of the three runs): a fit that fails at
+    ``crash_at`` worker steps, its re-run with the same backup_dir, and a
+    third run of the ended fit; each run on a new strategy (a re-run chief),
+    one worker, ``num_ps`` ps. A case's ``name`` names its backup_dir."""
+    with cluster(num_workers=1, num_ps=num_ps) as c:
+        return StepBackupResume(cases=[
+            _one_framework(c, os.path.join(tmpdir, case.pop("name", f"backup{i}")), **case)
+            for i, case in enumerate(cases)])
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.cluster
 def test_fit_resumes_mid_epoch_from_its_step_backup(tmp_path):
     """One worker, two ps, SGD: a fit that fails at step 9 and its re-run end
     with the weights of one uninterrupted process; the global step goes on;
-    a third run of the ended fit trains nothing."""
+    a third run of the ended fit trains nothing. Table cases: deltas beside
+    a DeltaPublisher, and a chain written with the table over 2 ps restored
+    onto 3 ps."""
+    table = dict(keras="tf_keras_table", spe=1, epochs=2, steps=7, every=2, crash_at=9,
+                 full_every=5)
     cases = [dict(keras="tf_keras", spe=2, epochs=2, steps=7, every=5, crash_at=9),
              dict(keras="3", spe=1, epochs=2, steps=7, every=5, crash_at=9),
-             dict(keras="tf_keras_table", spe=1, epochs=2, steps=7, every=2, crash_at=9,
-                  full_every=5)]
-    r = run_scenario("step_backup_resume", shared=(1, 2), tmpdir=str(tmp_path), cases=cases)
-    _deltas_resume(r["cases"].pop())
+             dict(table, publish_every=3),
+             dict(table, num_ps=2, runs=[0, 1], name="sharded"),
+             dict(table, keras="3_table", publish_every=3)]
+    r = run_scenario(step_backup_resume, shared=(1, 2), tmpdir=str(tmp_path), cases=cases)
+    # The ended fit again, on 3 ps: base 12 + delta 14 written over 2 shards.
+    on3 = run_scenario(step_backup_resume, shared=(1, 3), tmpdir=str(tmp_path), num_ps=3,
+                       cases=[dict(table, num_ps=3, runs=[2], name="sharded")])
+    _deltas_resume(r.cases.pop())  # Keras 3
+    _resharded(r.cases.pop(), on3.cases[0].runs[0])
+    _deltas_resume(r.cases.pop())
     # tf_keras, 2 steps per closure: backups land on closure ends (6, 11, 14).
     # Keras 3, 1 step per closure: at 5, 10 and the end (14).
-    for got, (first, later, redone) in zip(r["cases"], [(6, 11, 3), (5, 10, 4)]):
-        assert got["moved"] > 1e-2
-        crash, resumed, again = got["runs"]
+    for got, (first, later, redone) in zip(r.cases, [(6, 11, 3), (5, 10, 4)]):
+        assert got.moved > 1e-2
+        crash, resumed, again = got.runs
         # One traced checkpoint write per fit, however many full saves
         # (the resumed fit writes 2): none retraced.
-        assert [run["save_traces"] for run in got["runs"]] == [1, 1, 0]
-        assert crash["crashed"] and crash["backups"] == [first]
-        assert crash["global_step"] == crash["iterations"] == 9
-        assert crash["summary"] == {"chief_runs": 1, "resumed_from_step": 0,
-                                    "steps_redone": 0, "backups": 1}
-        assert not resumed["crashed"] and resumed["resume_step"] == first
-        assert resumed["backups"] == [later, 14]
+        assert [run.save_traces for run in got.runs] == [1, 1, 0]
+        assert crash.crashed and crash.backups == [first]
+        assert crash.global_step == crash.iterations == 9
+        assert crash.summary == {"chief_runs": 1, "resumed_from_step": 0,
+                                 "steps_redone": 0, "backups": 1}
+        assert not resumed.crashed and resumed.resume_step == first
+        assert resumed.backups == [later, 14]
         # Restored at `first`, then 14 - first steps: the global step goes on.
-        assert resumed["global_step"] == resumed["iterations"] == 14
-        assert resumed["summary"] == {"chief_runs": 2, "resumed_from_step": first,
-                                      "steps_redone": redone, "backups": 2}
-        assert resumed["diff_to_reference"] < 1e-5
-        assert resumed["dirs"] == [f"step-{later:012d}", f"step-{14:012d}"]  # keep=2
+        assert resumed.global_step == resumed.iterations == 14
+        assert resumed.summary == {"chief_runs": 2, "resumed_from_step": first,
+                                   "steps_redone": redone, "backups": 2}
+        assert resumed.diff_to_reference < 1e-5
+        assert resumed.dirs == [f"step-{later:012d}", f"step-{14:012d}"]  # keep=2
         # The ended fit: restored at 14, nothing trained, nothing redone.
-        assert not again["started"] and again["backups"] == [] and again["resume_step"] == 14
-        assert again["global_step"] == again["iterations"] == 14
-        assert again["summary"]["steps_redone"] == redone
-        assert again["diff_to_reference"] < 1e-5
+        assert not again.started and again.backups == [] and again.resume_step == 14
+        assert again.global_step == again.iterations == 14
+        assert again.summary["steps_redone"] == redone
+        assert again.diff_to_reference < 1e-5
 
 
 def _deltas_resume(got):
-    """An Embedding table under Adagrad, a backup every 2 steps, full_every=5:
-    full at 2, deltas at 4, 6, 8; the crash at 9 resumes from base 2 + the
-    chain (4, 6, 8); then delta 10, full 12, delta 14; the re-run equals one
-    uninterrupted process (rows and Adagrad slots restored exactly)."""
-    crash, resumed, again = got["runs"]
-    assert got["moved"] > 1e-2
-    assert crash["crashed"] and crash["backups"] == [2, 4, 6, 8]
-    assert resumed["resume_step"] == 8 and resumed["backups"] == [10, 12, 14]
-    assert resumed["summary"]["steps_redone"] == 1
-    assert resumed["global_step"] == resumed["iterations"] == 14
-    assert resumed["diff_to_reference"] < 1e-5
+    """An Embedding table under Adagrad, a backup every 2 steps, full_every=5,
+    and a DeltaPublisher every 3 steps reading the same dirty marks: full at
+    2, deltas at 4, 6, 8; the crash at 9 resumes from base 2 + the chain
+    (4, 6, 8); then delta 10, full 12, delta 14; the re-run equals one
+    uninterrupted process (rows and Adagrad slots restored exactly: the
+    publisher's clears take no row from the backup), and the publisher's
+    SavedModel brought up by apply_deltas predicts as the chief's model."""
+    crash, resumed, again = got.runs
+    assert got.moved > 1e-2
+    assert crash.crashed and crash.backups == [2, 4, 6, 8]
+    assert resumed.resume_step == 8 and resumed.backups == [10, 12, 14]
+    assert resumed.summary["steps_redone"] == 1
+    assert resumed.global_step == resumed.iterations == 14
+    assert resumed.diff_to_reference < 1e-5
     # keep=2: both fulls (2 and 12) and their deltas stay.
-    assert resumed["dirs"] == [f"step-{n:012d}" for n in range(2, 15, 2)]
-    assert resumed["kinds"] == ["full", "delta", "delta", "delta", "delta", "full", "delta"]
+    assert resumed.dirs == [f"step-{n:012d}" for n in range(2, 15, 2)]
+    assert resumed.kinds == ["full", "delta", "delta", "delta", "delta", "full", "delta"]
+    # Published after 3 and 6 steps of each run (the crash at 9 came first
+    # in its run; the resumed run's 6 steps end on its second delta).
+    assert crash.published == 2 and resumed.published == 2
+    assert resumed.serving_diff < 1e-6
     # The ended fit restores from 14 (base 12 + delta 1) and trains nothing.
-    assert not again["started"] and again["resume_step"] == 14 and again["backups"] == []
-    assert again["global_step"] == again["iterations"] == 14
-    assert again["diff_to_reference"] < 1e-5
+    assert not again.started and again.resume_step == 14 and again.backups == []
+    assert again.global_step == again.iterations == 14
+    assert again.diff_to_reference < 1e-5 and again.published == 0
+
+
+def _resharded(got, on3):
+    """The table split over 2 ps: the same chain, exact; restored on a 3-ps
+    cluster (3 shards) its rows and Adagrad accumulator equal the 2-ps
+    fit's at step 14, value for value."""
+    crash, resumed = got.runs
+    assert crash.crashed and crash.backups == [2, 4, 6, 8] and crash.shards == 2
+    assert resumed.resume_step == 8 and resumed.backups == [10, 12, 14]
+    assert resumed.diff_to_reference < 1e-5
+    assert resumed.kinds[-2:] == ["full", "delta"]
+    assert on3.shards == 3 and on3.resume_step == 14 and not on3.started
+    assert on3.global_step == on3.iterations == 14
+    assert on3.table == resumed.table and on3.slot == resumed.slot
