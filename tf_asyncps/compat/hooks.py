@@ -10,7 +10,7 @@ no private API. Importing this module imports nothing.
 
 from typing import Optional
 
-__all__ = ["hook_method", "set_untracked_attribute", "untracked_attribute"]
+__all__ = ["hook_method", "runs_hook", "set_untracked_attribute", "untracked_attribute"]
 
 
 def hook_method(cls, name: str, make_hook, key: Optional[str] = None) -> bool:
@@ -40,16 +40,24 @@ def hook_method(cls, name: str, make_hook, key: Optional[str] = None) -> bool:
     if key is None:
         key = f"{make_hook.__module__}.{make_hook.__qualname__}"
     original = getattr(cls, name)
-    f = original
-    while f is not None:
-        if getattr(f, "_asyncps_hook", None) == key:
-            return False
-        f = getattr(f, "_asyncps_original", None)
+    if runs_hook(original, key):
+        return False
     hooked = make_hook(original)
     hooked._asyncps_original = original
     hooked._asyncps_hook = key
     setattr(cls, name, hooked)
     return True
+
+
+def runs_hook(method, key: str) -> bool:
+    """Whether ``method`` (a class's attribute) is, or wraps, the
+    :func:`hook_method` replacement whose key is ``key``."""
+    f = method
+    while f is not None:
+        if getattr(f, "_asyncps_hook", None) == key:
+            return True
+        f = getattr(f, "_asyncps_original", None)
+    return False
 
 
 def set_untracked_attribute(obj, name: str, value) -> None:

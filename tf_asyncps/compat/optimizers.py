@@ -201,12 +201,8 @@ def sgd_updates_in_one_op(optimizer) -> bool:
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, tf_keras.optimizers.SGD) or not _momentum_is_zero(inner):
         return False
-    f = type(inner).update_step
-    while f is not None:
-        if getattr(f, "_asyncps_hook", None) == _ONE_OP_SGD:
-            return True
-        f = getattr(f, "_asyncps_original", None)
-    return False
+    from tf_asyncps.compat import hooks as hooks_compat
+    return hooks_compat.runs_hook(type(inner).update_step, _ONE_OP_SGD)
 
 
 @contextlib.contextmanager
