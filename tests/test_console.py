@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -144,13 +145,99 @@ def test_a_killed_worker_shows_one_line_and_the_full_text_stays_on_disk(tmp_path
     text = "".join(lines)
     # One event line for the lost worker; no runtime noise on the console.
     assert sum("worker:1 unreachable since" in l for l in lines) == 1, text
+    # launch saw its process exit (tolerated: worker:0 runs on).
+    assert sum(l.startswith("tf-asyncps: worker:1 was killed by SIGKILL (its log: ") and
+               l.endswith("its closures are retried on the 1 worker(s) still running.\n")
+               for l in lines) == 1, text
     assert not [l for l in lines if console.is_runtime_noise(l)], text
-    assert len(lines) <= 20, text  # cluster, job, 6 epochs, event, results
+    assert len(lines) <= 21, text  # cluster, job, 6 epochs, 2 event lines, results
     assert "test accuracy" in text
     chief_log = (out / "logs" / "chief-0.log").read_text()
     assert chief_log.count("Additional GRPC error information") >= 5
     assert "epoch 6/6" in chief_log and "unreachable since" not in chief_log
     wait_dead([killed], 5)
+
+
+def _watch(down):
+    out = io.StringIO()
+    watch = console.TaskWatch(lambda: dict(down), ["worker:0", "worker:1"],
+                              lambda t: f"logs/{t.replace(':', '-')}.log",
+                              lambda t: f"last line of {t}\n", out=out)
+    return watch, out
+
+
+def test_a_worker_exit_is_reported_once_and_the_last_worker_s_stops_the_job():
+    down = {}
+    watch, out = _watch(down)
+    assert watch() is None and out.getvalue() == ""
+    down["worker:1"] = -signal.SIGKILL
+    assert watch() is None and watch() is None
+    assert out.getvalue() == ("tf-asyncps: worker:1 was killed by SIGKILL (its log: "
+                              "logs/worker-1.log); its closures are retried on the 1 "
+                              "worker(s) still running.\n")
+    down["worker:0"] = 1
+    assert watch() == ("worker:0 exited with code 1; the end of its log (logs/worker-0.log):"
+                       "\n  last line of worker:0\nNo worker is left (the chief would wait "
+                       "for one until --timeout_s): the chief and the cluster are stopped.")
+    assert watch.reported == ["worker:1"]
+
+
+def test_a_ps_exit_stops_the_job_whatever_its_code():
+    watch, out = _watch({"ps:0": 0, "worker:1": -signal.SIGABRT})
+    assert watch() == ("ps:0 exited with code 0; the end of its log (logs/ps-0.log):\n"
+                       "  last line of ps:0\nA ps task holds variables: the job cannot go "
+                       "on; the chief and the cluster are stopped.")
+    assert console.describe_exit(-signal.SIGABRT) == "was killed by SIGABRT"
+
+
+def test_run_filtered_stops_the_child_when_the_watch_says_so(tmp_path):
+    calls = []
+
+    def watch():
+        calls.append(1)
+        return "worker:0 was killed by SIGKILL" if len(calls) == 2 else None
+
+    started = []
+    with pytest.raises(SystemExit, match=r"^tf-asyncps launch: worker:0 was killed by SIGKILL$"):
+        console.run_filtered([sys.executable, "-c", "import time; print('up', flush=True); "
+                              "time.sleep(600)"], subprocess_env(), str(tmp_path / "c.log"),
+                             timeout_s=300, watch=watch, poll_s=0.05,
+                             on_start=started.append)
+    assert started[0].poll() is not None and len(calls) == 2
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_launch_stops_at_once_when_its_only_worker_dies(tmp_path):
+    # The coordinator waits for a lost worker to come back: without a worker
+    # left, launch waited for --timeout_s (1800 s by default), saying nothing.
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_asyncps", "launch", "--num_workers=1", "--epochs=50",
+         f"--output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=ROOT, env=subprocess_env(), start_new_session=True)
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and line.startswith("tf-asyncps: cluster up in "):
+                tasks = json.load(open(out / "logs" / "cluster.json"))["tasks"]
+                killed = tasks["worker:0"]["pid"], time.monotonic()
+                os.kill(killed[0], signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+    finally:
+        stop_process(proc)
+    text = "".join(lines)
+    assert killed is not None, text
+    took = time.monotonic() - killed[1]
+    assert rc == 1, text
+    assert (f"tf-asyncps launch: worker:0 was killed by SIGKILL; the end of its log "
+            f"({out / 'logs' / 'worker-0.log'}):\n") in text
+    assert "serving worker:0 at 127.0.0.1:" in text  # the log's last lines
+    assert text.rstrip().endswith("No worker is left (the chief would wait for one until "
+                                  "--timeout_s): the chief and the cluster are stopped."), text
+    assert took < 30, took  # chief and ps stopped: seconds, not --timeout_s
+    wait_dead([t["pid"] for t in tasks.values()], 5)
 
 
 def test_full_console_shows_every_line_and_logs_them_all():

@@ -537,9 +537,19 @@ def _run_chief(c, args, env, deadline) -> int:
 
     Its output goes whole to ``logs/chief-0.log`` and filtered to the console
     (app/console.py): TensorFlow's C++ start-up notices and gRPC error blocks
-    become one line per unreachable task.
+    become one line per unreachable task. A ps or worker process that exits
+    meanwhile is reported; when the job cannot go on (a ps is down, or no
+    worker is left) the chief is stopped (console.TaskWatch).
+
+    Raises:
+      SystemExit: the job cannot go on (naming the task, its exit and the
+        end of its log), or past the deadline.
     """
-    from tf_asyncps.app.console import run_filtered
+    from tf_asyncps.app.console import TaskWatch, run_filtered
+    restarts = FLAGS.restart_failed_tasks
+    watch = TaskWatch((lambda: dict(c.gave_up)) if restarts else c.exited,
+                      [n for n in c.task_names if n.startswith("worker:")],
+                      c.log_path, c.log_tail, restarts=restarts)
     cmd = [sys.executable, "-m", "tf_asyncps", "train"] + args + ["--console=full"]
     if c.hosts is not None:
         cmd = c.hosts.exec_argv("chief:0", cmd)
@@ -547,7 +557,7 @@ def _run_chief(c, args, env, deadline) -> int:
                         restarts=FLAGS.restart_failed_tasks,
                         timeout_s=max(1.0, deadline - time.monotonic()),
                         on_start=lambda p: c.write_state({"chief:0": p.pid}),
-                        full=FLAGS.console == "full")
+                        full=FLAGS.console == "full", watch=watch)
 
 
 flags.DEFINE_boolean("version", False, "Print tf_asyncps's version, the installed "
@@ -629,14 +639,10 @@ def _lost_task_message(e: BaseException, backup_dir=None):
 
 
 def _describe_exit(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"was killed by signal {-rc}"
+    from tf_asyncps.app.console import describe_exit
     if rc == EXIT_LOST_TASK:
         return f"exited with code {rc} (a task of the cluster was lost)"
-    return f"exited with code {rc}"
+    return describe_exit(rc)
 
 
 def run():

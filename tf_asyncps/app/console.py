@@ -7,7 +7,9 @@ one SIGKILLed worker in an 8-epoch digits job). :class:`ConsoleFilter` keeps
 every line in the chief's log file and shows on the console the job's own
 lines, Python warnings and errors (tracebacks included), TensorFlow's fatal
 C++ lines, and one line per event in place of a C++ block: which task
-became unreachable, since when, and what happens next.
+became unreachable, since when, and what happens next. :class:`TaskWatch`
+reports a ps or worker process that exits while the chief runs, and says when
+the job cannot go on (launch then stops the chief and the cluster).
 """
 
 import io
@@ -21,8 +23,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional, TextIO
 
-__all__ = ["ConsoleFilter", "NativeStderrFilter", "is_runtime_noise", "task_in",
-           "run_filtered", "sigterm_as_ctrl_c"]
+__all__ = ["ConsoleFilter", "NativeStderrFilter", "TaskWatch", "describe_exit",
+           "is_runtime_noise", "task_in", "run_filtered", "sigterm_as_ctrl_c"]
 
 # glog-style lines written by C++ (file.cc:123]); absl's Python logging uses
 # the same prefix with a .py file and is kept.
@@ -180,9 +182,80 @@ class NativeStderrFilter:
         return False
 
 
+def describe_exit(rc: int) -> str:
+    """``"exited with code 3"`` or ``"was killed by SIGABRT"`` (``rc`` < 0:
+    that signal, as ``Popen.returncode`` gives it)."""
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+class TaskWatch:
+    """What launch does when a ps or worker process of its cluster exits
+    while the chief runs. Called every poll; returns why the job must stop,
+    or None.
+
+    A ps holds variables: its exit ends the job. A worker's closures are
+    retried on the other workers (ClusterCoordinator): its exit is reported
+    on ``out`` once, and ends the job when no worker is left, since the
+    coordinator would wait for one to come back until --timeout_s.
+
+    Args:
+      down: returns the tasks that are down, ``{task: exit code}``
+        (``LocalCluster.exited``; with restarts: the tasks given up on).
+      workers: every worker task's name (``"worker:0"``, ...).
+      log_path: task -> the path of its log file.
+      log_tail: task -> the last lines of its log file (shown when the job stops).
+      restarts: whether down tasks were restarted first (words only).
+      out: where a tolerated worker exit is reported (default sys.stdout).
+
+    Attributes:
+      reported: the tasks reported so far, in order (list of str).
+    """
+
+    def __init__(self, down: Callable[[], Dict[str, int]], workers, log_path, log_tail,
+                 restarts: bool = False, out: Optional[TextIO] = None):
+        self.down, self.workers = down, list(workers)
+        self.log_path, self.log_tail, self.restarts = log_path, log_tail, restarts
+        self.out = out
+        self.reported = []
+
+    def _what(self, task: str, rc: int) -> str:
+        after = (" and used its restarts" if self.restarts else "")
+        tail = self.log_tail(task).rstrip("\n")
+        tail = "\n".join("  " + ln for ln in tail.splitlines()) or "  (empty)"
+        return (f"{task} {describe_exit(rc)}{after}; the end of its log "
+                f"({self.log_path(task)}):\n{tail}")
+
+    def __call__(self) -> Optional[str]:
+        down = self.down()
+        for task in sorted(down):
+            if task.startswith("ps:"):
+                return (f"{self._what(task, down[task])}\nA ps task holds variables: the job "
+                        "cannot go on; the chief and the cluster are stopped.")
+        alive = [w for w in self.workers if w not in down]
+        new = [w for w in sorted(down) if w not in self.reported]
+        if not alive and down:
+            what = "\n".join(self._what(w, down[w]) for w in (new or sorted(down)[-1:]))
+            return (f"{what}\nNo worker is left (the chief would wait for one until "
+                    "--timeout_s): the chief and the cluster are stopped.")
+        for task in new:
+            self.reported.append(task)
+            out = self.out or sys.stdout
+            out.write(f"tf-asyncps: {task} {describe_exit(down[task])} (its log: "
+                      f"{self.log_path(task)}); its closures are retried on the "
+                      f"{len(alive)} worker(s) still running.\n")
+            out.flush()
+        return None
+
+
 def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
                  timeout_s: Optional[float] = None, on_start=None, who: str = "launch",
-                 full: bool = False) -> int:
+                 full: bool = False, watch: Optional[Callable[[], Optional[str]]] = None,
+                 poll_s: float = 0.5) -> int:
     """Runs ``cmd`` to its end with its output through a :class:`ConsoleFilter`:
     whole into ``log_path`` (appended, line-buffered), filtered to sys.stdout.
 
@@ -195,13 +268,17 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
       on_start: called with the ``Popen`` once it runs (e.g. to record its pid).
       who: the command named in the messages below.
       full: show every line (``--console=full``), see :class:`ConsoleFilter`.
+      watch: called every ``poll_s`` seconds while it runs (e.g. a
+        :class:`TaskWatch`); a message it returns stops it.
+      poll_s: seconds between calls of ``watch``.
 
     Returns:
       Its exit code (negative: killed by that signal).
 
     Raises:
-      SystemExit: past ``timeout_s`` or on Ctrl-C (KeyboardInterrupt), after
-        stopping it (SIGTERM, then SIGKILL after 10 s).
+      SystemExit: past ``timeout_s``, on Ctrl-C (KeyboardInterrupt) or when
+        ``watch`` returned a message (which it carries), after stopping it
+        (SIGTERM, then SIGKILL after 10 s).
     """
     from tf_asyncps.cluster.spawn import spawn
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
@@ -218,24 +295,52 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
                                newline=""),))
     reader.start()
     try:
-        return child.wait(timeout=timeout_s)
+        ended = _wait(child, timeout_s, watch, poll_s)
+        if isinstance(ended, str):
+            _stop(child)
+            raise SystemExit(f"tf-asyncps {who}: {ended}")
+        return ended
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()
         raise SystemExit(f"tf-asyncps {who}: the job ran past --timeout_s="
                          f"{timeout_s:.0f} s and was stopped.")
     except KeyboardInterrupt:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        _stop(child)
         raise SystemExit(f"tf-asyncps {who}: interrupted; every process stopped.")
     finally:
         if child.poll() is None:
             child.kill()
         reader.join(timeout=10)  # the rest of its output, up to EOF
         log.close()
+
+
+def _wait(child, timeout_s, watch, poll_s):
+    """The child's exit code, or the message of ``watch`` that ends its wait.
+
+    Raises:
+      subprocess.TimeoutExpired: past ``timeout_s``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        step = left if watch is None else (poll_s if left is None else min(poll_s, left))
+        try:
+            return child.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            if left is not None and step >= left:
+                raise
+        message = watch()
+        if message:
+            return message
+
+
+def _stop(child) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
 
 
 def sigterm_as_ctrl_c() -> None:

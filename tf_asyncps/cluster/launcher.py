@@ -154,6 +154,13 @@ class LocalCluster:
         except OSError:
             return "(no log)"
 
+    def exited(self) -> Dict[str, int]:
+        """The ps/worker tasks whose current process has exited, ``{task:
+        exit code}`` (negative: killed by that signal). A task the supervisor
+        restarted counts by its new process."""
+        with self._proc_lock:
+            return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
     @property
     def pids(self) -> Dict[str, int]:
         return {n: p.pid for n, p in self.procs.items()}
