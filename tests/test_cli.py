@@ -93,6 +93,11 @@ REFUSED = [
     (["launch", "--flagfile=configs/ctr.flags", "--ctr_scale=1.5"],
      ["error: --ctr_scale must be in (0, 1]"]),
     (["launch", "--timeout_s=nan"], ["error: --timeout_s=nan is not a number"]),
+    # The workers' repeated dataset filled the batch until std::bad_alloc.
+    (["launch", "--batch_size=99999999999999"],
+     ["tf-asyncps launch: error: --batch_size=99999999999999 is more than the 1437 training "
+      "examples of --dataset=digits (a batch would repeat them); use --batch_size=1437 or "
+      "less."]),
     (["launch", "--policy=route", "--policy_args=sparse=nope"],
      ["--policy=route: sparse='nope' is not a policy", "--policy_args=sparse=async,"
       "dense=local_sgd,dense.sync_every=16"]),
@@ -236,6 +241,7 @@ def test_mnist_offline_points_to_digits(monkeypatch):
 def test_digits_split_is_fixed():
     a, b = datasets.load("digits", seed=0), datasets.load("digits", seed=0)
     assert a.x_train.shape == (1437, 64) and a.x_test.shape == (360, 64)
+    assert job_config.TRAIN_EXAMPLES["digits"] == len(a.x_train)
     assert (a.y_test == b.y_test).all() and a.x_train.max() <= 1.0
 
 
@@ -251,6 +257,26 @@ def test_the_checks_choices_are_the_packages():
     assert job_config.CTR_EMBEDDINGS == ctr_model.EMBEDDINGS
     assert job_config.CTR_RAW_ID_EMBEDDINGS == ctr_model.RAW_ID_EMBEDDINGS
     assert job_config.OPTIMIZERS == job.OPTIMIZERS
+    from tf_asyncps.app import ctr_data
+    assert (job_config.CTR_DENSE, job_config.CTR_SPARSE) == (ctr_data.NUM_DENSE,
+                                                             len(ctr_data.CRITEO_KAGGLE))
+
+
+def test_a_batch_size_is_bounded_by_the_training_set_or_by_memory():
+    job_config.check_batch_size(job_config.JobConfig(batch_size=1437))
+    with pytest.raises(ValueError, match=r"^--batch_size=80004 is more than the 80003 "
+                                         r"training examples of --dataset=movielens"):
+        job_config.JobConfig(model="recommender", dataset="movielens",
+                             batch_size=80004).check()
+    # CTR: 13 * 4 + 26 * (8 + 4 * 16) = 1924 bytes an example, 4 batches held.
+    ctr = job_config.CtrConfig(batch_size=139_519)
+    job_config.check_batch_size(ctr, available_mb=1024)  # 1024 MiB // (4 * 1924) examples
+    job_config.check_batch_size(ctr, available_mb=None)  # unknown: no check
+    ctr.batch_size += 1
+    with pytest.raises(ValueError, match=r"^--batch_size=139520: a CTR example holds 1924 "
+                                         r"bytes .* 1\.0 GiB available \(MemAvailable\); use "
+                                         r"--batch_size=139519 or less\.$"):
+        job_config.check_batch_size(ctr, available_mb=1024)
 
 
 def test_keras3_job_refuses_an_untested_keras_version(monkeypatch):

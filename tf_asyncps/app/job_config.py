@@ -16,7 +16,8 @@ from tf_asyncps.validate import check_int, check_number, is_int
 
 __all__ = ["JobConfig", "CtrConfig", "parse_policy_args", "make_policy", "route_parts",
            "check_flags_apply", "MODELS", "DATASETS", "KERAS", "OPTIMIZERS", "PRECISIONS",
-           "REGISTERED_POLICIES", "POLICIES", "CTR_EMBEDDINGS", "CTR_RAW_ID_EMBEDDINGS"]
+           "REGISTERED_POLICIES", "POLICIES", "CTR_EMBEDDINGS", "CTR_RAW_ID_EMBEDDINGS",
+           "TRAIN_EXAMPLES", "check_batch_size"]
 
 # Equal to models.NAMES, datasets.NAMES, models.KERAS_CHOICES,
 # mixed_precision.PRECISIONS, policies.names() and ctr_model.EMBEDDINGS
@@ -30,6 +31,15 @@ REGISTERED_POLICIES = ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd
                        "sync_replicas", "local_sgd")
 #: --policy's choices: the registered policies and ``route`` (a policy per part).
 POLICIES = REGISTERED_POLICIES + ("route",)
+#: Training examples of each data set with a fixed one (datasets.load's
+#: splits: digits 1797 less its 20% test, MNIST's 60000, MovieLens's 100,004
+#: ratings less the latest 20%); a batch holds at most these.
+TRAIN_EXAMPLES = {"digits": 1437, "mnist": 60000, "movielens": 80003}
+#: Batches of the CTR job a worker holds at once (2 prefetched, one being
+#: made, one in its step): what --batch_size is checked against memory with.
+CTR_BATCHES_HELD = 4
+#: The CTR job's numeric and categorical features (ctr_data.NUM_DENSE, len(CRITEO_KAGGLE)).
+CTR_DENSE, CTR_SPARSE = 13, 26
 CTR_EMBEDDINGS = ("tables", "offset", "collection", "dynamic", "dynamic_collection")
 CTR_RAW_ID_EMBEDDINGS = ("dynamic", "dynamic_collection")
 
@@ -112,6 +122,7 @@ class JobConfig:
         for name in ("epochs", "steps_per_epoch", "batch_size", "steps_per_execution",
                      "embedding_dim", "dynamic_evict_every", "max_tracked_staleness"):
             check_int(getattr(self, name), f"--{name}", min=1)
+        check_batch_size(self)
         if not self.hidden or any(not is_int(h) or h < 1 for h in self.hidden):
             raise ValueError(f"--hidden must be layer sizes >= 1 (e.g. --hidden=128,64), got "
                              f"{list(self.hidden)!r}.")
@@ -233,6 +244,48 @@ class CtrConfig(JobConfig):
         return {**ctr_data.summary(data), "embedding": self.ctr_embedding,
                 "embedding_dim": self.embedding_dim, "bottom_mlp": list(self.ctr_bottom_mlp),
                 "top_mlp": list(self.ctr_top_mlp), "test_examples": self.ctr_test_examples}
+
+
+def check_batch_size(cfg: JobConfig, available_mb: Any = "meminfo") -> None:
+    """Refuses a ``--batch_size`` no worker can make: more than the training
+    examples of a fixed data set (:data:`TRAIN_EXAMPLES`; the repeated
+    dataset would fill a batch with copies until the worker runs out of
+    memory), or, for the CTR job's endless stream, :data:`CTR_BATCHES_HELD`
+    batches (inputs, ids and their looked-up float32 rows) beyond this
+    host's available memory.
+
+    Args:
+      cfg: the job's settings (``batch_size`` >= 1 checked before).
+      available_mb: this host's available memory in MB (None: unknown, no
+        memory check); default: MemAvailable of /proc/meminfo.
+
+    Raises:
+      ValueError: naming --batch_size, the bound and why.
+    """
+    n = cfg.batch_size
+    if cfg.dataset in TRAIN_EXAMPLES:
+        most = TRAIN_EXAMPLES[cfg.dataset]
+        if n > most:
+            raise ValueError(
+                f"--batch_size={n} is more than the {most} training examples of "
+                f"--dataset={cfg.dataset} (a batch would repeat them); use --batch_size="
+                f"{most} or less.")
+        return
+    if available_mb == "meminfo":
+        from tf_asyncps.cluster.devices import available_memory_mb
+        available_mb = available_memory_mb()
+    if cfg.dataset != "criteo_synthetic" or available_mb is None:
+        return
+    per_example = 4 * CTR_DENSE + CTR_SPARSE * (8 + 4 * cfg.embedding_dim)
+    most = int(available_mb * 2 ** 20 // (CTR_BATCHES_HELD * per_example))
+    if n > most:
+        raise ValueError(
+            f"--batch_size={n}: a CTR example holds {per_example} bytes ("
+            f"{CTR_DENSE} float32 counts, {CTR_SPARSE} ids and their rows of "
+            f"--embedding_dim={cfg.embedding_dim} float32), a worker holds "
+            f"{CTR_BATCHES_HELD} batches: {CTR_BATCHES_HELD * n * per_example / 2 ** 30:.1f} "
+            f"GiB, but this host has {available_mb / 1024:.1f} GiB available (MemAvailable); "
+            f"use --batch_size={most} or less.")
 
 
 def parse_policy_args(text: str) -> Dict[str, Any]:
