@@ -93,6 +93,10 @@ REFUSED = [
     (["launch", "--flagfile=configs/ctr.flags", "--ctr_scale=1.5"],
      ["error: --ctr_scale must be in (0, 1]"]),
     (["launch", "--timeout_s=nan"], ["error: --timeout_s=nan is not a number"]),
+    # inf passed lower_bound=0 and dropped 999 of 1000 updates (non-finite).
+    (["launch", "--learning_rate=inf"],
+     ["tf-asyncps launch: error: --learning_rate=inf is not a finite number; give a finite "
+      "one (default: 0.1)."]),
     # The workers' repeated dataset filled the batch until std::bad_alloc.
     (["launch", "--batch_size=99999999999999"],
      ["tf-asyncps launch: error: --batch_size=99999999999999 is more than the 1437 training "
@@ -260,6 +264,14 @@ def test_the_checks_choices_are_the_packages():
     from tf_asyncps.app import ctr_data
     assert (job_config.CTR_DENSE, job_config.CTR_SPARSE) == (ctr_data.NUM_DENSE,
                                                              len(ctr_data.CRITEO_KAGGLE))
+
+
+def test_a_job_that_dropped_most_steps_warns():
+    assert job.dropped_warning({"applied": 500, "dropped": 500, "nonfinite": 0}) is None
+    assert job.dropped_warning({"applied": 1, "dropped": 999, "nonfinite": 998}) == (
+        "warning: 999 of 1000 worker steps were dropped (998 of them held NaN/Inf), only 1 "
+        "updated the model: lower --learning_rate if the gradients or updates overflow, or "
+        "let the policy drop less (--policy_args, e.g. a larger max_staleness).")
 
 
 def test_a_batch_size_is_bounded_by_the_training_set_or_by_memory():

@@ -218,7 +218,7 @@ def _job_config():
         dynamic_capacity=FLAGS.dynamic_capacity, dynamic_evict_every=FLAGS.dynamic_evict_every,
         **ctr)
     job_config.check_flags_apply(cfg, [n for n in _our_flags() if FLAGS[n].present])
-    _refuse_nan()
+    _refuse_nonfinite()
     cfg.check()
     return cfg
 
@@ -228,12 +228,16 @@ def _our_flags():
     return [f.name for f in FLAGS.flags_by_module_dict().get(__name__, ())]
 
 
-def _refuse_nan() -> None:
-    """absl's float flags take nan (no bound refuses it): refused here, naming the flag."""
+def _refuse_nonfinite() -> None:
+    """absl's float flags take nan, and inf above any lower bound: refused
+    here, naming the flag (--learning_rate=inf dropped every update)."""
     for name in _our_flags():
         value = FLAGS[name].value
         if isinstance(value, float) and value != value:
             raise ValueError(f"--{name}=nan is not a number; give a number "
+                             f"(default: {FLAGS[name].default}).")
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            raise ValueError(f"--{name}={value} is not a finite number; give a finite one "
                              f"(default: {FLAGS[name].default}).")
 
 

@@ -216,6 +216,9 @@ def _train(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
     say(f"{_line(metrics)}  {metrics['examples_per_sec']:.0f} examples/s  "
         f"tau mean {stats.mean:.2f} max {stats.max}  applied {stats.applied} "
         f"dropped {stats.dropped}")
+    metrics["warnings"] = [w for w in (job.dropped_warning(metrics["staleness"]),) if w]
+    for w in metrics["warnings"]:
+        say(w)
     if cfg.output_dir:
         os.makedirs(cfg.output_dir, exist_ok=True)
         metrics["wall_time_s"] = time.perf_counter() - t_job

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -50,6 +50,24 @@ def _compile(model, optimizer, steps_per_execution=1, keras=tf_keras):
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"], steps_per_execution=steps_per_execution)
+
+
+def dropped_warning(staleness: Dict[str, Any]) -> Optional[str]:
+    """The warning for a job whose update policy dropped more than half of
+    its worker steps (a drop is counted, not an error), else None.
+
+    Args:
+      staleness: ``StalenessStats.to_dict()`` (``applied``, ``dropped``,
+        ``nonfinite``: counts of worker steps).
+    """
+    applied, dropped = staleness["applied"], staleness["dropped"]
+    if 2 * dropped <= applied + dropped:
+        return None
+    nonfinite = staleness.get("nonfinite", 0)
+    return (f"warning: {dropped} of {applied + dropped} worker steps were dropped "
+            f"({nonfinite} of them held NaN/Inf), only {applied} updated the model: "
+            "lower --learning_rate if the gradients or updates overflow, or let the policy "
+            "drop less (--policy_args, e.g. a larger max_staleness).")
 
 
 def steady_rate(epochs) -> float:
@@ -332,6 +350,9 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         f"{metrics['steady_steps_per_sec']:.1f} after epoch 1  "
         f"tau mean {stats.mean:.2f} max {stats.max}  "
         f"applied {stats.applied} dropped {stats.dropped}")
+    metrics["warnings"] = [w for w in (dropped_warning(metrics["staleness"]),) if w]
+    for w in metrics["warnings"]:
+        say(w)
     for name, t in (metrics["dynamic_tables"] or {}).items():
         say(f"{name}: {t['live_rows']} of {t['capacity']} rows live ({t['distinct_ids']} "
             f"distinct ids), {t['evicted']} evicted, {t['refused']} refusals")
