@@ -97,6 +97,11 @@ REFUSED = [
     (["launch", "--learning_rate=inf"],
      ["tf-asyncps launch: error: --learning_rate=inf is not a finite number; give a finite "
       "one (default: 0.1)."]),
+    # Refused by scikit-learn's split, in its words, once the cluster was up.
+    (["launch", "--seed=-1"],
+     ["tf-asyncps launch: error: --seed must be an int >= 0 and < 2**32 (the seed of the "
+      "data split, initialisation and shuffling), got -1."]),
+    (["reference", "--seed=4294967296"], ["--seed must be an int >= 0 and < 2**32", "got 4294967296."]),
     # The workers' repeated dataset filled the batch until std::bad_alloc.
     (["launch", "--batch_size=99999999999999"],
      ["tf-asyncps launch: error: --batch_size=99999999999999 is more than the 1437 training "

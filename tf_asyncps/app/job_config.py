@@ -126,6 +126,9 @@ class JobConfig:
         if not self.hidden or any(not is_int(h) or h < 1 for h in self.hidden):
             raise ValueError(f"--hidden must be layer sizes >= 1 (e.g. --hidden=128,64), got "
                              f"{list(self.hidden)!r}.")
+        # scikit-learn's and NumPy's random_state take [0, 2**32).
+        check_int(self.seed, "--seed", min=0, below=2 ** 32,
+                  hint="the seed of the data split, initialisation and shuffling")
         check_number(self.learning_rate, "--learning_rate", above=0)
         check_number(self.connect_timeout_s, "--connect_timeout_s", above=0, hint="seconds")
         for name, choices in (("optimizer", OPTIMIZERS), ("model", MODELS),
