@@ -17,7 +17,7 @@ from tf_asyncps.validate import check_int, check_number, is_int
 __all__ = ["JobConfig", "CtrConfig", "parse_policy_args", "make_policy", "route_parts",
            "check_flags_apply", "MODELS", "DATASETS", "KERAS", "OPTIMIZERS", "PRECISIONS",
            "REGISTERED_POLICIES", "POLICIES", "CTR_EMBEDDINGS", "CTR_RAW_ID_EMBEDDINGS",
-           "TRAIN_EXAMPLES", "check_batch_size"]
+           "TRAIN_EXAMPLES", "POLICY_ARGS", "check_batch_size", "check_policy_args"]
 
 # Equal to models.NAMES, datasets.NAMES, models.KERAS_CHOICES,
 # mixed_precision.PRECISIONS, policies.names() and ctr_model.EMBEDDINGS
@@ -29,6 +29,16 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
 PRECISIONS = ("none", "mixed_float16", "mixed_bfloat16", "auto")
 REGISTERED_POLICIES = ("async", "drop_stale", "staleness_aware", "ssp", "dc_asgd",
                        "sync_replicas", "local_sgd")
+#: Each registered policy's constructor arguments (tests/test_cli.py keeps
+#: them equal to the classes' signatures): an argument a policy does not take
+#: is refused without TensorFlow; the values are checked by the policy, after.
+POLICY_ARGS = {
+    "async": (), "drop_stale": ("max_staleness",), "staleness_aware": ("mode",),
+    "ssp": ("max_staleness", "timeout_s"),
+    "dc_asgd": ("lambda_", "adaptive", "momentum", "epsilon"),
+    "sync_replicas": ("replicas_to_aggregate", "total_num_replicas", "max_staleness",
+                      "timeout_s"),
+    "local_sgd": ("sync_every",)}
 #: --policy's choices: the registered policies and ``route`` (a policy per part).
 POLICIES = REGISTERED_POLICIES + ("route",)
 #: Training examples of each data set with a fixed one (datasets.load's
@@ -355,11 +365,31 @@ def route_parts(args: Dict[str, Any]):
     return {p: (n, kw) for p, (n, kw) in parts.items()}, names
 
 
+def check_policy_args(policy: str, args: Dict[str, Any]) -> None:
+    """Refuses an argument that the registered policy ``policy`` does not
+    take (:data:`POLICY_ARGS`), without TensorFlow.
+
+    Raises:
+      ValueError: naming the policy, the argument and the ones it takes.
+    """
+    takes = POLICY_ARGS[policy]
+    bad = sorted(set(args) - set(takes))
+    if bad:
+        which = (f"it takes {', '.join(takes)}" if takes else "it takes none")
+        raise ValueError(f"bad arguments for policy {policy!r}: {', '.join(map(repr, bad))} "
+                         f"is not one of its arguments; {which} (docs/concepts/policies.md).")
+
+
 def _check_policy_names(policy: str, args: Dict[str, Any]) -> None:
     if policy not in POLICIES:
         raise ValueError(f"--policy={policy!r} is unknown; choose one of {list(POLICIES)}.")
-    if policy == "route":
-        route_parts(args)
+    if policy != "route":
+        return check_policy_args(policy, args)
+    for part, (name, kwargs) in route_parts(args)[0].items():
+        try:
+            check_policy_args(name, kwargs)
+        except ValueError as e:
+            raise ValueError(f"--policy=route: {part}={name}: {e}") from None
 
 
 def make_policy(policy: str, args: Dict[str, Any]):
