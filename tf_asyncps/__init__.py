@@ -18,6 +18,8 @@ Public API (see README.md):
   :class:`DatasetFn`, its per-worker input.
 * :class:`ResumeTracker`: counts chief runs and redone steps across crashes
   (with tf_keras ``BackupAndRestore``; :mod:`tf_asyncps.callbacks.recovery`).
+* :mod:`tf_asyncps.export`: ``DeltaPublisher`` (table deltas every N steps for
+  serving) and ``apply_deltas``/``DeltaLoader`` (a SavedModel brought up to date).
 
 Submodules load on first use, so the command line can reject bad input
 before TensorFlow is imported.
@@ -49,6 +51,7 @@ _LAZY = {
     "layers": ("tf_asyncps.layers", None),
     "DatasetFn": ("tf_asyncps.keras3.data", "DatasetFn"),
     "ResumeTracker": ("tf_asyncps.callbacks.recovery", "ResumeTracker"),
+    "export": ("tf_asyncps.export", None),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
