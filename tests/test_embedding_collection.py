@@ -165,6 +165,11 @@ def test_an_id_out_of_its_features_range_is_refused_naming_the_feature(keras_nam
     (([5, 2.0], 4), r"input_dims\[1\] must be an int >= 1 .*, got 2\.0\."),
     (([5, 3], 0), r"output_dim must be an int >= 1 \(the width of each row\), got 0\."),
     (([5, 3], False), r"output_dim must be an int >= 1 .*, got False\."),
+    # The int64 offsets overflowed (negative rows) before.
+    (([2 ** 62, 2 ** 62, 3], 1), r"^EmbeddingCollection: input_dims sum to "
+                                 r"9223372036854775811 rows of output_dim=1: .* \(2\*\*63 - 1\)"),
+    (([2 ** 40, 2 ** 20], 2 ** 23), r"input_dims sum to 1099512676352 rows of output_dim="
+                                    r"8388608"),
 ])
 @pytest.mark.parametrize("keras_name", list(KERASES))
 def test_bad_arguments_are_refused_naming_the_argument(keras_name, args, match):

@@ -43,6 +43,9 @@ def _tf_keras():
     return tf_keras
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
 def check_arguments(input_dims, output_dim):
     """The constructor's checks.
 
@@ -54,7 +57,8 @@ def check_arguments(input_dims, output_dim):
       ``(input_dims, output_dim)`` as a tuple of Python ints and an int.
 
     Raises:
-      ValueError: an argument out of range or of the wrong kind, naming it.
+      ValueError: an argument out of range or of the wrong kind, naming it;
+        ``sum(input_dims) * output_dim`` beyond int64.
     """
     if isinstance(input_dims, (str, bytes)) or not hasattr(input_dims, "__len__") \
             or len(input_dims) == 0:
@@ -64,8 +68,18 @@ def check_arguments(input_dims, output_dim):
     dims = tuple(check_int(d, f"{_NAME}: input_dims[{f}]", min=1,
                            hint=f"feature {f}'s number of ids")
                  for f, d in enumerate(input_dims))
-    return dims, check_int(output_dim, f"{_NAME}: output_dim", min=1,
+    output_dim = check_int(output_dim, f"{_NAME}: output_dim", min=1,
                            hint="the width of each row")
+    # Rows and offsets are int64 (the lookup adds offsets[f] to the ids), and
+    # so is the table's element count.
+    rows = sum(dims)
+    if rows * output_dim > _INT64_MAX:
+        raise ValueError(
+            f"{_NAME}: input_dims sum to {rows} rows of output_dim={output_dim}: "
+            f"{rows * output_dim} values, more than one int64-indexed table holds "
+            f"(2**63 - 1); give each feature the ids it has (hash or map larger id "
+            f"spaces into fewer rows, or use tf_asyncps.layers.DynamicEmbedding for raw ids).")
+    return dims, output_dim
 
 
 class _Mixin:
@@ -209,7 +223,8 @@ class EmbeddingCollection(_Mixin, _tf_keras().layers.Layer):
 
     Raises:
       ValueError: empty ``input_dims``, an entry or ``output_dim`` that is not
-        an int >= 1 (bools too), naming it; ids (or a built input) not of
+        an int >= 1 (bools too), naming it; a table of more than 2**63 - 1
+        values (``sum(input_dims) * output_dim``); ids (or a built input) not of
         shape [batch, F].
       TypeError: ids of another dtype; the other Keras's KerasTensor.
       tf.errors.InvalidArgumentError: at call, an id out of its feature's
