@@ -381,3 +381,140 @@ def test_a_mark_hands_the_gradient_itself_back_and_marks_its_rows():
     grad = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([4, 1, 4], tf.int64))
     assert reader.mark(grad, table) is grad
     np.testing.assert_array_equal(reader.dirty_ids(table), [1, 4])
+
+
+# -- DynamicEmbedding (tf_asyncps/dynamic/deltas.py) ---------------------------
+DYN_CAPACITY = 6
+# Full after step 2; 17 and 18 refused twice, so the pass after step 4
+# evicts the two coldest rows (13, 14) for them; step 5 admits them.
+DYN_BATCHES = [[[11, 12], [13, 11]], [[14, 15], [11, 16]], [[17, 18], [17, 11]],
+               [[17, 18], [11, 12]], [[17, 18], [11, 19]]]
+
+
+def _dynamic_model(eviction="lfu"):
+    from tf_asyncps.layers import DynamicEmbedding
+    tf_keras.utils.set_random_seed(7)
+    i = tf_keras.Input([2], dtype=tf.int64)
+    layer = DynamicEmbedding(DIM, capacity=DYN_CAPACITY, eviction=eviction, evict_every=2,
+                             name="emb")
+    model = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
+    opt = tf_keras.optimizers.Adagrad(0.5)
+    opt.build(model.trainable_variables)
+    layer.use_step(opt.iterations)
+    layer.use_optimizer(opt, model.trainable_variables)
+    return model, layer, opt
+
+
+def _dynamic_step(model, layer, opt, reader, batch):
+    """One training step in one process: the lookup admits and counts, the
+    update's rows are marked (the ps's gradient filter does it under the
+    strategy), then the eviction pass due at the new step."""
+    from tf_asyncps.dynamic.table import optimizer_slots
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.constant(batch, tf.int64), training=True) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients([(reader.mark(g, v), v) for g, v in zip(grads, model.trainable_variables)])
+    layer.dynamic_table.maybe_evict(int(opt.iterations.numpy()),
+                                    lambda var: optimizer_slots(opt, var))
+
+
+def _dynamic_state(layer, model, opt):
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    table = layer.dynamic_table
+    out = dynamic_deltas.state_of(table)
+    keys, rows = table.shards[0].index.export()
+    order = np.argsort(rows.numpy())
+    out["index"] = (keys.numpy()[order], rows.numpy()[order])
+    out["dense"] = [v.numpy() for v in model.trainable_variables[1:]]
+    out["iterations"] = int(opt.iterations.numpy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def dynamic_chain(tmp_path_factory):
+    """A DynamicEmbedding of 6 rows, Adagrad, LFU eviction every 2 steps:
+    a base after step 1, deltas after steps 3 and 5 (rows admitted, updated,
+    evicted and re-admitted between them); the trained state."""
+    root = str(tmp_path_factory.mktemp("dynamic"))
+    model, layer, opt = _dynamic_model()
+    deltas = delta_chain.ModelDeltas(model, opt)
+    assert list(deltas.dynamic) == ["t0"] and not deltas.tables
+    reader = deltas.track()
+    _dynamic_step(model, layer, opt, reader, DYN_BATCHES[0])
+    base = tf.train.Checkpoint(model=model, opt=opt).write(os.path.join(root, "base", "ckpt"))
+    reader.clear()
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    dynamic_deltas.clear(layer.dynamic_table, reader.mask)
+    folders = []
+    for seq, batches in enumerate([DYN_BATCHES[1:3], DYN_BATCHES[3:]], start=1):
+        for batch in batches:
+            _dynamic_step(model, layer, opt, reader, batch)
+        folders.append(deltas.write(os.path.join(root, f"delta-{seq}"), base_id="b", seq=seq))
+    return base, folders, _dynamic_state(layer, model, opt), layer.stats()
+
+
+def test_a_dynamic_chain_round_trips_rows_slots_ids_and_counts(dynamic_chain):
+    """Base + 2 deltas give the trained table exactly: live rows, their ids,
+    counts (LFU-aged), last steps, values, Adagrad slot rows, the counting
+    filter, each shard's counters and the id -> row map; the dense layer too."""
+    base, folders, want, stats = dynamic_chain
+    assert stats["evicted"] > 0  # the chain crossed eviction passes
+    model, layer, opt = _dynamic_model()
+    tf.train.Checkpoint(model=model, opt=opt).read(base).assert_existing_objects_matched()
+    assert delta_chain.ModelDeltas(model, opt).restore(folders, "b") == 2
+    got = _dynamic_state(layer, model, opt)
+    assert got["iterations"] == want["iterations"] == len(DYN_BATCHES)
+    for name in ("rows", "key", "count", "last", "values", "slots", "filter_at", "filter",
+                 "waiting_at", "shards"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert want["slots"].shape[0] == 1  # Adagrad's accumulator rows, by row
+    for g, w in zip(got["index"] + tuple(got["dense"]), want["index"] + tuple(want["dense"])):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_tombstones_remove_the_evicted_ids_at_restore(dynamic_chain, tmp_path):
+    """Each delta holds the ids evicted since the previous one; applied,
+    they leave the map (a lookup finds no row) and the base's rows they held
+    are freed unless another id took them."""
+    base, folders, want, _ = dynamic_chain
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    tombs = [dynamic_deltas.decode_keys(np.load(os.path.join(f, "0.npz")), "tomb:")
+             for f in folders]
+    assert sum(len(t) for t in tombs) > 0
+    assert [sorted(t.tolist()) for t in tombs] == [[], [13, 14]]
+    gone = set(np.concatenate(tombs).tolist()) - set(want["key"].tolist())
+    assert gone == {13, 14}  # evicted and not admitted again
+    model, layer, opt = _dynamic_model()
+    tf.train.Checkpoint(model=model, opt=opt).read(base).assert_existing_objects_matched()
+    before = set(dynamic_deltas.state_of(layer.dynamic_table)["key"].tolist())
+    assert gone & before  # the base held some of them
+    delta_chain.ModelDeltas(model, opt).restore(folders, "b")
+    rows, found = layer.dynamic_table.rows_of(tf.constant(sorted(gone), tf.int64))
+    assert not found.numpy().any(), rows.numpy()
+    assert not gone & set(dynamic_deltas.state_of(layer.dynamic_table)["key"].tolist())
+
+
+def test_a_dynamic_chain_refuses_other_shards_naming_the_file(dynamic_chain, tmp_path):
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    base, folders, want, _ = dynamic_chain
+    model, layer, opt = _dynamic_model()
+    state = dynamic_deltas.state_of(layer.dynamic_table)
+    other = dict(np.load(os.path.join(folders[0], "0.npz")))
+    other["shards"] = np.concatenate([other["shards"], other["shards"]])
+    with pytest.raises(ValueError, match=r"x/0\.npz holds table 'emb' over shards "
+                       r"of \[6, 6\] rows, this table has \[6\]"):
+        dynamic_deltas.apply(layer.dynamic_table, state, other, "x/0.npz")
+
+
+def test_the_dynamic_table_s_gradient_filter_copies_the_gradient():
+    """drop_free_rows returns a new IndexedSlices (the free rows' slices
+    dropped); Keras 3's row-wise update then takes S2 = S1**2 of its rows,
+    the same values for a dynamic table, whose gradient has one row per
+    distinct id (the lookup gathers each found row once)."""
+    model, layer, opt = _dynamic_model()
+    model(tf.constant([[11, 12]], tf.int64), training=True)
+    table = layer.dynamic_table
+    grad = tf.IndexedSlices(tf.ones([2, DIM]), tf.constant([0, 1], tf.int64))
+    out = table.drop_free_rows(grad, table.shards[0].var)
+    assert out is not grad
+    np.testing.assert_array_equal(out.indices.numpy(), [0, 1])

@@ -65,7 +65,7 @@ def test_steps_redone_add_up_across_runs(tmp_path):
 @pytest.mark.parametrize("kwargs, field", [
     ({"every_steps": 0}, "every_steps"), ({"every_steps": True}, "every_steps"),
     ({"every_steps": 5, "keep": 0}, "keep"), ({"every_steps": 5, "full_every": 0}, "full_every"),
-    ({"every_steps": 5, "period_s": 0}, "period_s")])
+    ({"every_steps": 5, "period_s": 0}, "period_s"), ({"every_steps": 2**63}, "every_steps")])
 def test_bad_arguments_are_refused_naming_the_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"StepBackup\({field}\) must be"):
         StepBackup(str(tmp_path), **kwargs)
@@ -81,6 +81,17 @@ def test_the_backup_dir_flag_says_what_sets_its_default():
 def test_backup_dir_is_required():
     with pytest.raises(ValueError, match="backup_dir=''"):
         StepBackup("", 5)
+
+
+def test_a_backup_dir_that_is_a_file_is_refused_naming_the_fix(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match=r"StepBackup\(backup_dir='.*a_file'\) is a file, not "
+                       r"a folder: give a folder path"):
+        StepBackup(str(path), 5)
+    with pytest.raises(ValueError, match=r"StepBackup\(backup_dir='.*a_file/sub'\): cannot "
+                       r"make the folder"):
+        StepBackup(str(path / "sub"), 5)
 
 
 

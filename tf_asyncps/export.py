@@ -26,6 +26,13 @@ Layout of ``publish_dir``::
     <base_id>/saved_model/          the base (its own tf_asyncps_delta_base.json)
     <base_id>/delta-000001/ ...     delta_chain's format, kind "serving"
 
+A DynamicEmbedding (tf_keras) is streamed by id: per table the live rows
+written since the previous delta (global row, id, values) and the ids
+evicted since (tombstones, dynamic/deltas.py); the loader removes the
+evicted ids from each shard's id -> row map in the SavedModel (found by its
+object path, recorded in the base stamp), maps each written id to its row
+and writes the row.
+
 Each ``meta.json`` holds ``base_id``, ``seq``, ``prev_seq``, rows and sha256
 per file (as a backup delta's), and the steps and global step it reaches.
 Variables are matched by position in ``model.variables``, which the
@@ -46,8 +53,10 @@ import tensorflow as tf
 import tf_keras
 
 from tf_asyncps.callbacks import delta_chain
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import keras_models as models_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
+from tf_asyncps.dynamic import deltas as dynamic_deltas
 from tf_asyncps.files import atomic_write_json, read_json
 from tf_asyncps.validate import check_int
 
@@ -65,7 +74,8 @@ def _value(v):
 
 
 def _offsets(shards) -> np.ndarray:
-    return np.cumsum([0] + [int(s.shape[0]) for s in shards])[:-1].astype(np.int64)
+    return np.cumsum([0] + [int(s.shape[0]) if s.shape.rank else 1
+                            for s in shards])[:-1].astype(np.int64)
 
 
 class _ServingVariables:
@@ -74,35 +84,67 @@ class _ServingVariables:
     ``v<position in model.variables>``."""
 
     def __init__(self, model):
-        tables = set()
+        tables, metadata, dynamic = set(), set(), {}
         for layer in models_compat.layers_of(model):
-            if getattr(layer, "dynamic_table", None) is not None:
-                raise ValueError(f"DeltaPublisher: {layer.name} is a DynamicEmbedding, whose "
-                                 "rows move between ids: its deltas are not written yet; "
-                                 "export whole SavedModels instead.")
+            table = getattr(layer, "dynamic_table", None)
+            if table is not None:
+                if models_compat.is_keras3_model(model):
+                    raise ValueError(
+                        f"DeltaPublisher: {layer.name} is a Keras 3 DynamicEmbedding, whose "
+                        "id -> row maps model.export keeps unnamed: its stream is not written "
+                        "yet; export whole SavedModels, or use tf_keras.")
+                dynamic[id(delta_chain.shards_of(table.table)[0])] = table
+                for shard in table.shards:  # served from the map: not streamed
+                    metadata.update(id(v) for v in vars(shard).values()
+                                    if isinstance(v, tf.Variable))
+                continue
             emb = getattr(layer, "embeddings", None)
             if emb is not None:
                 tables.add(id(emb))
                 tables.update(id(s) for s in delta_chain.shards_of(emb))
         self.tables: Dict[str, Tuple[list, np.ndarray]] = {}
         self.dense: Dict[str, object] = {}
+        self.dynamic: Dict[str, object] = {}
         self.count = len(model.variables)
         for i, v in enumerate(model.variables):
-            if id(v) in tables:
+            shards = delta_chain.shards_of(v)
+            if id(shards[0]) in dynamic:
+                self.dynamic[f"v{i}"] = dynamic[id(shards[0])]
+            elif id(v) in metadata:
+                continue
+            elif id(v) in tables:
                 shards = delta_chain.shards_of(v)
                 self.tables[f"v{i}"] = (shards, _offsets(shards))
             else:
                 self.dense[f"v{i}"] = v
-        if not self.tables:
+        if not self.tables and not self.dynamic:
             raise ValueError("DeltaPublisher: the model has no embedding table (a layer with "
                              "`embeddings`); export whole SavedModels instead.")
         self.reader: Optional[delta_chain.DirtyReader] = None
+        # Where each dynamic shard's id -> row map sits in the SavedModel.
+        wanted = {id(s.index): (k, j) for k, t in self.dynamic.items()
+                  for j, s in enumerate(t.shards)}
+        self.index_paths: Dict[str, List[str]] = {k: [""] * len(t.shards)
+                                                  for k, t in self.dynamic.items()}
+        for path, obj in checkpoint_compat.trackable_paths(
+                model, lambda o: id(o) in wanted).items():
+            key, j = wanted[id(obj)]
+            self.index_paths[key][j] = path
 
     def track(self) -> delta_chain.DirtyReader:
         if self.reader is None:
             self.reader = delta_chain.shared_reader(
-                [s for shards, _ in self.tables.values() for s in shards], "delta_publisher")
+                [s for shards, _ in self.tables.values() for s in shards]
+                + [s.var for t in self.dynamic.values() for s in t.shards], "delta_publisher")
+            for table in self.dynamic.values():
+                dynamic_deltas.attach(table, self.reader.mark_of)
         return self.reader
+
+    def clear(self) -> None:
+        """Clears this publisher's marks (rows, filter slots, tombstones)."""
+        self.reader.clear()
+        for table in self.dynamic.values():
+            dynamic_deltas.clear(table, self.reader.mask)
 
     def rows(self) -> Dict[str, Dict[str, np.ndarray]]:
         """``{key: {"ids": int64 [k] global rows, "values": [k, dim]}}``: the
@@ -114,6 +156,15 @@ class _ServingVariables:
                     for shard in shards]
             out[key] = {"ids": np.concatenate([r["ids"] + off for r, off in zip(rows, offsets)]),
                         "values": np.concatenate([r["values"] for r in rows])}
+        for key, table in self.dynamic.items():
+            # The live rows written and their ids; the ids evicted since.
+            d = dynamic_deltas.read(table, reader.mask, [], slots=False)
+            live = d["count"] > 0
+            keys = dynamic_deltas.decode_keys(d, "key:")[live]
+            out[key] = {"ids": d["ids"][live], "values": d["values"][live],
+                        "shards": d["shards"][:, :1],
+                        **{"key:" + n: v for n, v in dynamic_deltas.encode_keys(keys).items()},
+                        **{n: v for n, v in d.items() if n.startswith("tomb:")}}
         return out
 
     def whole(self) -> Dict[str, np.ndarray]:
@@ -159,7 +210,8 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
 
     Raises:
       ValueError: a bad argument (names it); at start, a model with no
-        embedding table, or with a DynamicEmbedding (not in the stream yet).
+        embedding table, or with a Keras 3 DynamicEmbedding (not in the
+        stream yet).
     """
 
     #: Keras 3 fit (keras3/trainer.py) calls after_closures and fit_resume_point.
@@ -198,7 +250,7 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             self.reader = self._vars.track()
         self._drain()
-        self.reader.clear()  # rows before the base are in it
+        self._vars.clear()  # rows before the base are in it
         self.base_id = f"s{self._global_step():012d}-{uuid.uuid4().hex[:8]}"
         self.delta_dir = os.path.join(self.publish_dir, self.base_id)
         self.saved_model_dir = os.path.join(self.delta_dir, "saved_model")
@@ -208,7 +260,8 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
         self.export(model, tmp)
         atomic_write_json(os.path.join(tmp, BASE_FILE),
                           {"base_id": self.base_id, "variables": self._vars.count,
-                           "global_step": self._global_step()})
+                           "global_step": self._global_step(),
+                           "dynamic_index_paths": self._vars.index_paths})
         os.rename(tmp, self.saved_model_dir)
         atomic_write_json(os.path.join(self.publish_dir, LATEST_FILE),
                           {"base_id": self.base_id, "saved_model": self.saved_model_dir,
@@ -236,7 +289,7 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
             os.path.join(self.delta_dir, f"delta-{seq:06d}"), base_id=self.base_id, seq=seq,
             shards=rows, dense=self._vars.whole(), kind=_KIND,
             extra={"steps": self._steps, "global_step": self._global_step()})
-        self.reader.clear()
+        self._vars.clear()
         self.published, self._last = seq, self._steps
         return folder
 
@@ -301,6 +354,23 @@ def latest_base(publish_dir: str) -> Tuple[str, str]:
     return latest["saved_model"], latest["delta_dir"]
 
 
+def _folder(path, name: str, what: str) -> str:
+    """``path`` as a str if it names an existing folder.
+
+    Raises:
+      TypeError: not a str or os.PathLike (names ``name`` and what to give).
+      ValueError: empty, or no folder there.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"apply_deltas({name}={path!r}): give a folder path (str), {what}.")
+    path = os.fspath(path)
+    if not path:
+        raise ValueError(f"apply_deltas({name}=''): the path is empty; give {what}.")
+    if not os.path.isdir(path):
+        raise ValueError(f"apply_deltas({name}={path!r}): no folder there; give {what}.")
+    return path
+
+
 class DeltaLoader:
     """A SavedModel written by :class:`DeltaPublisher`, brought up to date
     with its deltas, in any process (no cluster needed).
@@ -314,11 +384,20 @@ class DeltaLoader:
       applied: int, deltas applied so far.
 
     Raises:
+      TypeError: ``saved_model_dir`` or ``delta_dir`` is not a path (None, say).
+      ValueError: either is empty or names no folder.
       delta_chain.ChainError: the SavedModel has no base stamp, or its
-        ``variables`` list differs from the publisher's model.
+        ``variables`` list differs from the publisher's model, or lacks a
+        DynamicEmbedding's id -> row map.
     """
 
     def __init__(self, saved_model_dir: str, delta_dir: Optional[str] = None):
+        saved_model_dir = _folder(saved_model_dir, "saved_model_dir",
+                                  "the base SavedModel, <publish_dir>/<base_id>/saved_model "
+                                  "(tf_asyncps.export.latest_base(publish_dir)[0])")
+        if delta_dir is not None:
+            delta_dir = _folder(delta_dir, "delta_dir", "the folder of its delta-N folders, or "
+                                "None for the base's parent")
         stamp_path = os.path.join(saved_model_dir, BASE_FILE)
         stamp = read_json(stamp_path)
         if stamp is None:
@@ -335,6 +414,16 @@ class DeltaLoader:
                 f"`variables` list, the publisher's model had {stamp['variables']}; export with "
                 "tf.saved_model.save (tf_keras) or model.export (Keras 3).")
         self.applied = 0
+        self._index = {}  # table key -> [the loaded id -> row map of each shard]
+        found = checkpoint_compat.trackable_paths(self.model)
+        for key, paths in (stamp.get("dynamic_index_paths") or {}).items():
+            missing = [p for p in paths if p not in found]
+            if missing:
+                raise delta_chain.ChainError(
+                    f"apply_deltas: {saved_model_dir} holds no {missing[0]} (a "
+                    "DynamicEmbedding's id -> row map the publisher's model had); load the "
+                    "SavedModel its DeltaPublisher exported.")
+            self._index[key] = [found[p] for p in paths]
 
     def refresh(self, upto: Optional[int] = None) -> int:
         """Applies the deltas after the last one applied (up to sequence
@@ -359,7 +448,41 @@ class DeltaLoader:
                                 _offsets(delta_chain.shards_of(_value(v))))]
                   for i, v in enumerate(self._vars)}
         dense = {f"v{i}": _value(v) for i, v in enumerate(self._vars)}
-        delta_chain.apply_delta(folder, meta, tables, dense)
+        dynamic = {key: (lambda arrays, where, key=key: self._apply_dynamic(
+                             key, tables[key], arrays))
+                   for key in self._index}
+        delta_chain.apply_delta(folder, meta, tables, dense, dynamic)
+
+    def _apply_dynamic(self, key, parts, arrays) -> None:
+        """A dynamic table's serving delta: its evicted ids leave every
+        shard's map, then each written id maps to its row (on the shard that
+        holds the row) and the row takes its values."""
+        indexes = self._index[key]
+        tombs = dynamic_deltas.decode_keys(arrays, "tomb:")
+        keys = dynamic_deltas.decode_keys(arrays, "key:")
+        dtype = tf.string if keys.dtype == object or tombs.dtype == object else tf.int64
+        rows = arrays["ids"]
+        sizes = arrays["shards"][:, 0]
+        if len(sizes) != len(indexes):
+            raise delta_chain.ChainError(
+                f"apply_deltas: a delta of {key} holds {len(sizes)} shards, the SavedModel "
+                f"{len(indexes)} id -> row maps; apply the stream to its own base.")
+        first = np.cumsum(np.concatenate([[0], sizes]))[:-1]
+        for j, index in enumerate(indexes):
+            handle = index.resource_handle
+            if len(tombs):
+                tf.raw_ops.LookupTableRemoveV2(table_handle=handle,
+                                               keys=tf.constant(tombs, dtype))
+            here = (rows >= first[j]) & (rows < first[j] + sizes[j])
+            if here.any():
+                tf.raw_ops.LookupTableInsertV2(table_handle=handle,
+                                               keys=tf.constant(keys[here], dtype),
+                                               values=tf.constant(rows[here], tf.int64))
+        for var, _, start in parts:
+            here = (rows >= start) & (rows < start + int(var.shape[0]))
+            if here.any():
+                var.scatter_update(tf.IndexedSlices(tf.constant(arrays["values"][here]),
+                                                    tf.constant(rows[here] - start)))
 
 
 def apply_deltas(saved_model_dir: str, delta_dir: Optional[str] = None, upto: Optional[int] = None):
@@ -371,7 +494,7 @@ def apply_deltas(saved_model_dir: str, delta_dir: Optional[str] = None, upto: Op
     at the delta's step).
 
     Raises:
-      delta_chain.ChainError: see :class:`DeltaLoader`.
+      TypeError, ValueError, delta_chain.ChainError: see :class:`DeltaLoader`.
     """
     loader = DeltaLoader(saved_model_dir, delta_dir)
     loader.refresh(upto)

@@ -185,6 +185,18 @@ class DirtyReader:
         owner = self._get(var)
         return grad if owner is None else owner[1].mark(grad, var)
 
+    def mark_of(self, var) -> tf.Variable:
+        """The shared int8 mark variable of ``var`` (KeyError if not read)."""
+        owner = self._get(var)
+        if owner is None:
+            raise KeyError(f"{self.name}: {getattr(var, 'name', var)} is not read")
+        return owner[1].mark_of(var)
+
+    @property
+    def mask(self) -> int:
+        """This reader's bit as an int (``1 << bit``)."""
+        return 1 << self.bit
+
     def dirty_ids(self, var) -> np.ndarray:
         """Rows of ``var`` written since this reader's last :meth:`clear`
         (int64 ``[k]``, sorted)."""
@@ -387,7 +399,7 @@ def _parts(entry):
 
 
 def apply_delta(folder: str, meta: dict, tables: Mapping[str, object],
-                dense: Mapping[str, object]) -> None:
+                dense: Mapping[str, object], dynamic: Optional[Mapping] = None) -> None:
     """Writes one delta's rows, slot rows and dense variables into the model.
 
     Args:
@@ -397,6 +409,9 @@ def apply_delta(folder: str, meta: dict, tables: Mapping[str, object],
         for a table split on axis 0: the delta's ids are global rows, so a
         chain written over 2 shards restores onto 3 (or 1).
       dense: ``{name: variable}`` (a sharded one is written shard by shard).
+      dynamic: ``{table name: fn(arrays, path)}`` for the DynamicEmbedding
+        tables (tf_asyncps/dynamic/deltas.py): ``fn`` takes the checked
+        file's arrays.
 
     Raises:
       ChainError: a file is missing or fails its checksum, its row count
@@ -409,6 +424,12 @@ def apply_delta(folder: str, meta: dict, tables: Mapping[str, object],
         if len(arrays["ids"]) != int(shard["rows"]):
             raise ChainError(f"delta chain: {os.path.join(folder, shard['file'])} holds "
                              f"{len(arrays['ids'])} rows, meta.json says {shard['rows']}.")
+        if dynamic and name in dynamic:
+            try:
+                dynamic[name](arrays, os.path.join(folder, shard["file"]))
+            except ValueError as e:  # dynamic/deltas.py names the file
+                raise ChainError(str(e)) from e
+            continue
         if name not in tables:
             raise ChainError(f"delta chain: {folder} holds table {name}, which the "
                              "model has not.")
@@ -468,6 +489,12 @@ class ModelDeltas:
     """A model's tables and dense variables as one delta chain writes and
     restores them.
 
+    Dynamic tables (``DynamicEmbedding``, ``dynamic``): per table the rows
+    marked since the last write with their ids, counts, last steps, slot
+    rows, the marked counting-filter slots, each shard's counters and the
+    ids evicted since (tombstones), tf_asyncps/dynamic/deltas.py; restored
+    onto the shards that wrote them.
+
     Tables: the ``embeddings`` of every layer holding one (Keras
     ``Embedding`` of either Keras, ``EmbeddingCollection``), each shard of a
     sharded one, with the optimizer's slots of it (Adagrad ``accumulator``,
@@ -486,6 +513,7 @@ class ModelDeltas:
       tables: ``{"t<k>.<j>": (shard j of table k, {slot name: its slot})}``.
       layout: ``{"t<k>": [(shard, slots, first global row)]}``.
       dense: ``{"d<n>": variable}``.
+      dynamic: ``{"t<k>": DynamicTable}``.
 
     Args:
       model: a built tf_keras or Keras 3 model.
@@ -493,22 +521,32 @@ class ModelDeltas:
       extra: more variables saved whole.
 
     Raises:
-      ValueError: the model holds no table (a delta would be a full save),
-        or a DynamicEmbedding (not in deltas yet).
+      ValueError: the model holds no table (a delta would be a full save).
     """
 
     def __init__(self, model, optimizer=None, extra: Sequence[tf.Variable] = ()):
         from tf_asyncps.compat import keras_models as models_compat
         from tf_asyncps.compat import optimizers as opt_compat
+        from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
         self.tables: Dict[str, Tuple[tf.Variable, Dict[str, tf.Variable]]] = {}
         self.layout: Dict[str, List[Tuple[tf.Variable, Dict[str, tf.Variable], int]]] = {}
+        self.dynamic: Dict[str, object] = {}
+        self.optimizer = optimizer
+        self.model = model
         taken = set()
         for layer in models_compat.layers_of(model):
-            if getattr(layer, "dynamic_table", None) is not None:
-                # Its rows move between ids: a delta needs its ids, counts and
-                # evicted ids, which this format does not hold yet.
-                raise ValueError(f"ModelDeltas: {layer.name} is a DynamicEmbedding, whose "
-                                 "deltas are not written yet; use full saves (full_every=1).")
+            table = getattr(layer, "dynamic_table", None)
+            if table is not None:
+                # Written by id (dynamic/deltas.py): its shards, their metadata
+                # and its slots are none of the dense variables.
+                self.dynamic[f"t{len(self.layout) + len(self.dynamic)}"] = table
+                for shard in table.shards:
+                    taken.update(id(v) for v in vars(shard).values()
+                                 if isinstance(v, tf.Variable))
+                    taken.add(id(shard.var))
+                sets = dynamic_checkpoint.slot_sets(table, optimizer) if optimizer else []
+                taken.update(id(shards_of(p)[0]) for parts, _ in sets for p in parts)
+                continue
             emb = getattr(layer, "embeddings", None)
             if emb is None:
                 continue
@@ -527,11 +565,12 @@ class ModelDeltas:
                         slots[name] = s
                         taken.add(id(s))
                 taken.add(id(shard))
-                self.tables[f"t{len(self.layout)}.{len(parts)}"] = (shard, slots)
+                key = len(self.layout) + len(self.dynamic)
+                self.tables[f"t{key}.{len(parts)}"] = (shard, slots)
                 parts.append((shard, slots, first))
                 first += int(shard.shape[0])
-            self.layout[f"t{len(self.layout)}"] = parts
-        if not self.tables:
+            self.layout[f"t{len(self.layout) + len(self.dynamic)}"] = parts
+        if not self.tables and not self.dynamic:
             raise ValueError("StepBackup(full_every > 1): the model has no embedding table "
                              "(a layer with `embeddings`); use full_every=1.")
         self.dense: Dict[str, object] = {}
@@ -548,8 +587,20 @@ class ModelDeltas:
         (made, and registered with the strategy in scope when it is this
         package's, if no other reader made them: :func:`shared_reader`)."""
         if self.dirty is None:
-            self.dirty = shared_reader([v for v, _ in self.tables.values()], "step_backup")
+            from tf_asyncps.dynamic import deltas as dynamic_deltas
+            self.dirty = shared_reader(self.variables(), "step_backup")
+            for table in self.dynamic.values():
+                dynamic_deltas.attach(table, self.dirty.mark_of)
         return self.dirty
+
+    def variables(self) -> List[tf.Variable]:
+        """The table variables marked: each fixed table shard, each dynamic one's."""
+        return ([v for v, _ in self.tables.values()]
+                + [s.var for t in self.dynamic.values() for s in t.shards])
+
+    def any_dirty(self) -> bool:
+        """Whether a row of any table is marked for this object's reader."""
+        return any(self.track().dirty_ids(v).size for v in self.variables())
 
     def write(self, folder: str, *, base_id: str, seq: int, extra: Optional[dict] = None) -> str:
         """Writes the rows marked since the last write (then clears the
@@ -561,15 +612,41 @@ class ModelDeltas:
             for (_, _, first), r in zip(parts, rows):
                 r["ids"] = r["ids"] + first  # global rows: any sharding restores them
             tables[name] = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
+        from tf_asyncps.dynamic import deltas as dynamic_deltas
+        for name, table in self.dynamic.items():
+            tables[name] = dynamic_deltas.read(
+                table, dirty.mask, dynamic_checkpoint.slot_sets(table, self.optimizer))
+        tables = {k: tables[k] for k in sorted(tables, key=lambda n: int(n[1:]))}
         out = write_delta(folder, base_id=base_id, seq=seq, shards=tables,
                           dense={k: read_whole(v) for k, v in self.dense.items()}, extra=extra)
         dirty.clear()
+        for table in self.dynamic.values():
+            dynamic_deltas.clear(table, dirty.mask)
         return out
 
     def restore(self, folders: Sequence[str], base_id: str) -> int:
         """Applies the chain in ``folders`` (checked by :func:`read_chain`)
         after the base is restored; returns its length."""
+        from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
+        from tf_asyncps.dynamic import deltas as dynamic_deltas
         chain = read_chain(folders, base_id)
+        states = {}
+        for name, table in self.dynamic.items():
+            if self.optimizer is not None:  # slot rows the base restore keeps waiting
+                dynamic_checkpoint.track_optimizer(table, self.optimizer,
+                                                   self.model.trainable_variables)
+            states[name] = dynamic_deltas.state_of(table)
+
+        def applier(name):
+            def apply(arrays, where):
+                states[name] = dynamic_deltas.apply(self.dynamic[name], states[name], arrays,
+                                                    where)
+            return apply
+
+        appliers = {name: applier(name) for name in self.dynamic}
         for folder, meta in chain:
-            apply_delta(folder, meta, self.layout, self.dense)
+            apply_delta(folder, meta, self.layout, self.dense, appliers)
+        for name, table in self.dynamic.items():
+            dynamic_deltas.restore(table, states[name])
         return len(chain)

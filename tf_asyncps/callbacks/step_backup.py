@@ -113,14 +113,17 @@ class StepBackup(tf_keras.callbacks.Callback):
     table rows written since the previous backup with their optimizer slot
     rows (an int8 dirty mark per row beside each table shard, set on the ps
     inside each update from its own row indices, cleared by each save: no
-    byte more per step on the wire) and every other variable whole. The
-    idea is DeepRec's incremental checkpoint (Alibaba, 2022). A resume reads
-    the base and applies the chain, refusing a gap, a duplicate, a delta of
-    another base or a half-written file (delta_chain.ChainError, naming
-    the file). A model without a table or with a DynamicEmbedding, or a
-    step traced before this callback registered its marks (no row marked
-    after steps ran) get full saves. A chain restores onto
-    another number of ps tasks (rows by global row).
+    byte more per step on the wire) and every other variable whole; for a
+    DynamicEmbedding also the marked rows' ids, counts and last steps, its
+    filter slots and counters, and the ids evicted since (tombstones, kept
+    beside each shard until the save reads them; tf_asyncps/dynamic/deltas.py).
+    The idea is DeepRec's incremental checkpoint (Alibaba, 2022). A resume
+    reads the base and applies the chain, refusing a gap, a duplicate, a
+    delta of another base or a half-written file (delta_chain.ChainError,
+    naming the file). A model without a table, or a step traced before this
+    callback registered its marks (no row marked after steps ran) get full
+    saves. A chain of fixed tables restores onto another number of ps tasks
+    (rows by global row); a DynamicEmbedding's onto the shards that wrote it.
 
     Saved: the model, its optimizer (slots, ``iterations``) and the
     strategy's global step (``strategy.staleness_tracker.global_step``,
@@ -172,18 +175,26 @@ class StepBackup(tf_keras.callbacks.Callback):
 
     def __init__(self, backup_dir, every_steps, full_every=10, keep=2, period_s=1.0):
         super().__init__()
-        if not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
+        if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(f"StepBackup(backup_dir={backup_dir!r}): give a folder path "
                              "(one per job).")
+        if os.path.exists(backup_dir) and not os.path.isdir(backup_dir):
+            raise ValueError(f"StepBackup(backup_dir={os.fspath(backup_dir)!r}) is a file, not "
+                             "a folder: give a folder path (made if missing), or move the file.")
         # Its batch hook never reads the logs: no wait for each closure.
         tf_keras_compat.keep_batch_logs_remote(self)
         self.backup_dir = os.fspath(backup_dir)
         self.every_steps = check_int(every_steps, "StepBackup(every_steps)", min=1,
-                                     hint="worker steps between backups")
+                                     below=2**63, hint="worker steps between backups; the "
+                                     "global step is an int64")
         self.full_every = check_int(full_every, "StepBackup(full_every)", min=1)
         self.keep = check_int(keep, "StepBackup(keep)", min=1, hint="backups kept")
         self.period_s = check_number(period_s, "StepBackup(period_s)", above=0)
-        os.makedirs(self.backup_dir, exist_ok=True)
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"StepBackup(backup_dir={self.backup_dir!r}): cannot make the "
+                             f"folder ({e.strerror}); give a folder path you can write.") from e
         self._progress_path = os.path.join(self.backup_dir, PROGRESS_FILE)
         prev = read_json(self._progress_path) or {}
         self._prev_done = int(prev.get("steps_done", 0))
@@ -429,8 +440,7 @@ class StepBackup(tf_keras.callbacks.Callback):
     def _delta_due(self, steps: int) -> bool:
         if self._deltas is None or self._base is None or self._seq + 1 >= self.full_every:
             return False
-        if steps > self._last_backup and not any(
-                self._deltas.dirty.dirty_ids(v).size for v, _ in self._deltas.tables.values()):
+        if steps > self._last_backup and not self._deltas.any_dirty():
             logging.warning("StepBackup: no table row was marked in %d steps (the step was "
                             "traced before the marks existed); full saves from now on.",
                             steps - self._last_backup)

@@ -16,7 +16,7 @@ import functools
 
 __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
            "writing_checkpoint", "sharded_container", "in_save_context",
-           "whole_values"]
+           "whole_values", "trackable_paths"]
 
 _CLASS = []
 
@@ -226,3 +226,26 @@ def whole_values(variables):
     finally:
         for v, value in swapped:
             v._value = value
+
+
+def trackable_paths(root, wanted=None, max_depth: int = 12) -> dict:
+    """``{path: object}`` of the objects under ``root`` in its object graph
+    (TensorFlow 2.11-2.21's ``Trackable._trackable_children``, the names a
+    SavedModel keeps: ``layer_with_weights-0/dynamic_table/shards/0/index``),
+    breadth first, each object once; ``wanted(obj)`` filters (default all)."""
+    out, seen, todo = {}, {id(root)}, [("", root, 0)]
+    while todo:
+        path, obj, depth = todo.pop(0)
+        if path and (wanted is None or wanted(obj)):
+            out[path] = obj
+        if depth >= max_depth:
+            continue
+        try:
+            children = obj._trackable_children()
+        except (AttributeError, TypeError, ValueError):
+            continue
+        for name, child in children.items():
+            if id(child) not in seen:
+                seen.add(id(child))
+                todo.append((f"{path}/{name}" if path else name, child, depth + 1))
+    return out

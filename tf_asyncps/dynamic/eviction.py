@@ -18,6 +18,8 @@ and timestamp); DeepRec EmbeddingVariable (global-step eviction).
 
 import tensorflow as tf
 
+from tf_asyncps.dynamic import deltas as deltas_lib
+
 __all__ = ["EVICTIONS", "evict_shard", "maybe_evict"]
 
 EVICTIONS = ("lfu", "lru")
@@ -89,7 +91,9 @@ def evict_shard(shard, step, period, eviction: str, evict_every: int, ttl_steps,
                          [shard.rows])
     gone = tf.where(victims | cold)[:, 0]
     k = tf.size(gone)
-    updates = [shard.index.remove(tf.gather(shard.key, gone))]
+    # A reader's tombstones and marks (dynamic/deltas.py), before the keys change.
+    updates = [shard.index.remove(tf.gather(shard.key, gone))] + deltas_lib.mark_eviction(
+        shard, gone)
     if shard.gen is not None:  # local_sgd: the workers' copies are stale now
         updates.append(shard.gen.scatter_add(tf.IndexedSlices(tf.ones_like(gone), gone)))
     with tf.control_dependencies(updates):

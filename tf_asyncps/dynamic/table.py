@@ -57,6 +57,7 @@ from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import lookup as lookup_lib
 from tf_asyncps.core import placement, table_seam
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
+from tf_asyncps.dynamic import deltas as deltas_lib
 from tf_asyncps.dynamic import eviction as eviction_lib
 from tf_asyncps.dynamic import generations
 from tf_asyncps.dynamic import reshard as reshard_lib
@@ -248,7 +249,8 @@ class _Shard(tf.Module):
         local = tf.boolean_mask(rows, rows >= 0) - self.offset
         counted = tf.group(
             self.count.scatter_add(tf.IndexedSlices(tf.ones_like(local), local)),
-            self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(local), step), local)))
+            self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(local), step), local)),
+            *deltas_lib.mark_lookup(self, local, both))
         with tf.control_dependencies([counted]):
             return tf.identity(rows)
 
