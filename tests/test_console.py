@@ -212,6 +212,9 @@ def test_launch_stops_at_once_when_its_only_worker_dies(tmp_path):
     # The coordinator waits for a lost worker to come back: without a worker
     # left, launch waited for --timeout_s (1800 s by default), saying nothing.
     out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    for name in ("chief-0.log", "worker-0.log"):  # an earlier run's: started afresh
+        (out / "logs" / name).write_text("an earlier run\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tf_asyncps", "launch", "--num_workers=1", "--epochs=50",
          f"--output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -237,7 +240,20 @@ def test_launch_stops_at_once_when_its_only_worker_dies(tmp_path):
     assert text.rstrip().endswith("No worker is left (the chief would wait for one until "
                                   "--timeout_s): the chief and the cluster are stopped."), text
     assert took < 30, took  # chief and ps stopped: seconds, not --timeout_s
+    for name in ("chief-0.log", "worker-0.log"):
+        assert "an earlier run" not in (out / "logs" / name).read_text()
     wait_dead([t["pid"] for t in tasks.values()], 5)
+
+
+def test_each_run_starts_its_log_afresh_and_a_re_run_adds_to_it(tmp_path):
+    log = tmp_path / "chief-0.log"
+    say = lambda word: [sys.executable, "-c", f"print({word!r})"]
+    for word in ("first", "second"):
+        assert console.run_filtered(say(word), subprocess_env(), str(log), timeout_s=60) == 0
+    assert log.read_text() == "second\n"  # chief-0.log appended across launches before
+    assert console.run_filtered(say("re-run"), subprocess_env(), str(log), timeout_s=60,
+                                append=True) == 0
+    assert log.read_text() == "second\nre-run\n"
 
 
 def test_full_console_shows_every_line_and_logs_them_all():
@@ -251,11 +267,13 @@ def test_full_console_shows_every_line_and_logs_them_all():
 
 
 def test_reference_on_a_quiet_console_keeps_tensorflow_lines_in_its_log(tmp_path):
-    # --console=quiet is what auto is on a terminal; `reference` printed
-    # TensorFlow's start-up notices there (oneDNN, cuInit) while launch hid them.
+    # `reference` printed TensorFlow's start-up notices (oneDNN, cuInit; written
+    # before TensorFlow's logging is set up, whatever TF_CPP_MIN_LOG_LEVEL
+    # says) while launch hid them: by default (auto), here a pipe, it is quiet
+    # as launch is.
     out = tmp_path / "run"
     rc, text = run_command(
-        [sys.executable, "-m", "tf_asyncps", "reference", "--console=quiet", "--epochs=1",
+        [sys.executable, "-m", "tf_asyncps", "reference", "--epochs=1",
          "--steps_per_epoch=2", f"--output_dir={out}"], timeout=120)
     lines = text.splitlines(keepends=True)
     log = tmp_path / "run_reference" / "logs" / "reference.log"

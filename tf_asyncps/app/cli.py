@@ -155,7 +155,9 @@ flags.DEFINE_enum("console", "auto", ["auto", "quiet", "full"],
                   "C++ runtime lines (start-up notices, gRPC error blocks) only in a log "
                   "file (its path is printed first); full prints everything; auto: quiet "
                   "on a terminal, full otherwise (a log collector gets everything), and "
-                  "quiet for launch (each task's whole output is in OUTPUT_DIR/logs).")
+                  "quiet for launch and reference (their whole output is in "
+                  "OUTPUT_DIR/logs, OUTPUT_DIR_reference/logs). Each run starts its log "
+                  "files afresh.")
 flags.DEFINE_boolean(
     "allow_foreign_address", False,
     "train/server: start even if this task's own address in TF_CONFIG is not an "
@@ -354,8 +356,10 @@ def cmd_bench(argv):
 
 
 def cmd_reference(argv):
-    """The job's model trained in this one process: no cluster, no TF_CONFIG."""
-    if _quiet_console():  # the flags are checked here, without TensorFlow
+    """The job's model trained in this one process: no cluster, no TF_CONFIG.
+    Quiet unless --console=full, as launch: a tool run by hand, whose whole
+    output is in OUTPUT_DIR_reference/logs."""
+    if FLAGS.console != "full":  # the flags are checked here, without TensorFlow
         _job_config()
         out = os.path.normpath(FLAGS.output_dir) + "_reference" if FLAGS.output_dir else None
         return _filtered_self("reference", "reference",
@@ -468,7 +472,7 @@ def _launch(argv, cfg, backup_default, gpu_plan, quiet):
         runs, why = 0, ""
         while True:
             runs += 1
-            rc = _run_chief(c, args, env, deadline)
+            rc = _run_chief(c, args, env, deadline, append=runs > 1)
             if rc == 0 or not FLAGS.restart_failed_tasks:
                 break
             if rc > 0 and rc != EXIT_LOST_TASK:
@@ -536,10 +540,11 @@ def _report_task_cpu(cpu, rc, links=None) -> None:
         files.atomic_write_json(path, metrics)
 
 
-def _run_chief(c, args, env, deadline) -> int:
+def _run_chief(c, args, env, deadline, append=False) -> int:
     """Runs the chief (`train`) until it exits; returns its exit code.
 
-    Its output goes whole to ``logs/chief-0.log`` and filtered to the console
+    Its output goes whole to ``logs/chief-0.log`` (a re-run, ``append``,
+    adds to the first run's) and filtered to the console
     (app/console.py): TensorFlow's C++ start-up notices and gRPC error blocks
     become one line per unreachable task. A ps or worker process that exits
     meanwhile is reported; when the job cannot go on (a ps is down, or no
@@ -561,7 +566,7 @@ def _run_chief(c, args, env, deadline) -> int:
                         restarts=FLAGS.restart_failed_tasks,
                         timeout_s=max(1.0, deadline - time.monotonic()),
                         on_start=lambda p: c.write_state({"chief:0": p.pid}),
-                        full=FLAGS.console == "full", watch=watch)
+                        full=FLAGS.console == "full", watch=watch, append=append)
 
 
 flags.DEFINE_boolean("version", False, "Print tf_asyncps's version, the installed "

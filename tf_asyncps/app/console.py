@@ -255,9 +255,10 @@ class TaskWatch:
 def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
                  timeout_s: Optional[float] = None, on_start=None, who: str = "launch",
                  full: bool = False, watch: Optional[Callable[[], Optional[str]]] = None,
-                 poll_s: float = 0.5) -> int:
+                 poll_s: float = 0.5, append: bool = False) -> int:
     """Runs ``cmd`` to its end with its output through a :class:`ConsoleFilter`:
-    whole into ``log_path`` (appended, line-buffered), filtered to sys.stdout.
+    whole into ``log_path`` (line-buffered; a new run starts it afresh unless
+    ``append``), filtered to sys.stdout.
 
     Args:
       cmd: the command (started with ``cluster.spawn``: it dies with this process).
@@ -271,6 +272,8 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
       watch: called every ``poll_s`` seconds while it runs (e.g. a
         :class:`TaskWatch`); a message it returns stops it.
       poll_s: seconds between calls of ``watch``.
+      append: add to ``log_path`` (a re-run of the same job, e.g. launch's
+        chief after a lost task) instead of truncating it.
 
     Returns:
       Its exit code (negative: killed by that signal).
@@ -287,7 +290,7 @@ def run_filtered(cmd, env, log_path: str, *, restarts: bool = False,
     child = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if on_start is not None:
         on_start(child)
-    log = open(log_path, "a", buffering=1)  # line-buffered: tail -f and tools see each line
+    log = open(log_path, "a" if append else "w", buffering=1)  # line-buffered: tail -f and tools see each line
     console = ConsoleFilter(sys.stdout, log, log_path, restarts=restarts, full=full)
     reader = threading.Thread(
         target=console.pump, name="child-output", daemon=True,

@@ -39,7 +39,8 @@ class LocalCluster:
     Args:
       num_workers: worker tasks (>= 1).
       num_ps: parameter-server tasks (>= 1).
-      log_dir: where each task writes ``<job>-<i>.log``; default a temp dir
+      log_dir: where each task writes ``<job>-<i>.log`` (started afresh by
+        :meth:`start`, added to by restarts); default a temp dir
         (``/tmp/tf_asyncps_cluster_*``), removed when this process exits
         unless ``keep_logs``.
       keep_logs: keep the default temp dir after this process exits (its
@@ -191,6 +192,8 @@ class LocalCluster:
         """Starts every ps and worker and waits until they serve."""
         try:
             for name in self.task_names:
+                # A new cluster starts each log afresh (a restart adds to it).
+                open(self.log_path(name), "wb").close()
                 self._spawn(name)
             self._wait(self.task_names)
         except BaseException:
