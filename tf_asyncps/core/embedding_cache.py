@@ -53,21 +53,22 @@ live on the ps, beside the table) on summed gradients, at most
 ``push_bound=0`` every step pushes its gradient and every row a step's own
 push touched is pulled again: the uncached step, exactly. A row leaves the
 cache only once its updates are pushed, so no update waits on an eviction.
+
+Modules: this one holds the config, a table's state and reports and the
+strategy's tables; ``cache_read`` the read, ``cache_write`` the write and
+the ps clock, ``cache_flush`` the flush at ``join``.
 """
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Callable, Optional
 
 import tensorflow as tf
-from absl import logging
 
 from tf_asyncps.compat import graph as graph_compat
-from tf_asyncps.compat import optimizers as optimizers_compat
 from tf_asyncps.compat import variables as variables_compat
-from tf_asyncps.core import grads as grads_lib
-from tf_asyncps.core import lookup as lookup_lib
-from tf_asyncps.core import placement, table_seam, trace_context
+from tf_asyncps.core import cache_flush, cache_read, cache_write, placement, table_seam
 from tf_asyncps.validate import check_int
 
 __all__ = ["EmbeddingCache", "CachedTable", "POLICIES", "STATS", "check_policy"]
@@ -79,7 +80,6 @@ POLICIES = ("lfu", "lru")
 STATS = ("lookups", "distinct", "hits", "rows_pulled", "rows_pushed", "updates_pushed",
          "evictions", "rows_flushed", "updates", "updates_lost")
 
-_BIG = 2.0 ** 62  # a slot that cannot take a new id sorts last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,49 +142,7 @@ def check_policy(policy) -> None:
             "policy, or route(sparse=..., dense=LocalSteps(k)) to keep the tables per step.")
 
 
-def _learning_rate(optimizer, dtype):
-    """The optimizer's current learning rate (a schedule called at its step)."""
-    lr = getattr(optimizer, "learning_rate", None)
-    if lr is None:
-        lr = getattr(optimizer, "lr", None)
-    if lr is None:
-        raise ValueError(f"embedding_cache: {type(optimizer).__name__} has no learning_rate "
-                         "for the cached rows' local copy.")
-    if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)) and \
-            not hasattr(lr, "value"):
-        lr = lr(optimizer.iterations)
-    return tf.cast(tf.convert_to_tensor(lr), dtype)
-
-
-#: Optimizers whose sparse update writes only the gradient's rows (tf_keras
-#: 2.21): SGD without momentum and Adagrad, new and legacy. Any other (Adam's
-#: moments, a momentum, RMSprop's decay) moves every row with a non-zero
-#: slot at each step.
-_ROW_WISE = ("SGD", "Adagrad")
-
-
-def _is_keras3(optimizer) -> bool:
-    keras3 = optimizers_compat.optimizer_class()
-    return keras3 is not None and isinstance(optimizer, keras3)
-
-
-def writes_every_row(optimizer) -> bool:
-    """Whether an update of ``optimizer`` may change rows its gradient does
-    not hold (then each applied step advances every row's clock)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    name = type(inner).__name__
-    if name not in _ROW_WISE:
-        return True
-    momentum = getattr(inner, "momentum", 0.0)
-    if name == "SGD" and not isinstance(momentum, (int, float)):
-        try:
-            momentum = float(tf.get_static_value(tf.convert_to_tensor(momentum)))
-        except (TypeError, ValueError):
-            return True
-    return bool(momentum)
-
-
-class CachedTable:
+class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
     """One table (or shard)'s cache: per-worker state, its ps clock, the
     read and the write.
 
@@ -279,309 +237,12 @@ class CachedTable:
                                      before_push=self.push, filter_gradient=self.count_updates,
                                      before_update=self.count_pushed)
 
-    # -- read ---------------------------------------------------------------------
-    def read(self, sparse_read, indices, name=None):
-        """``sparse_read(indices)`` served by the cache (traced reads; an
-        eager read is the table's own). Shape ``indices.shape + [dim]``."""
-        indices = tf.convert_to_tensor(indices)
-        if not graph_compat.inside_function():
-            return sparse_read(indices, name=name)
-        if trace_context.EVERY_ID.get():
-            # A dynamic table's rows (an id's row changes on eviction): the
-            # strategy's uncached read.
-            if not self._said_uncached:
-                self._said_uncached = True
-                logging.warning(
-                    "embedding_cache: %s is a DynamicEmbedding table, read uncached (its row "
-                    "of an id changes on an eviction, which a clock per row cannot tell); "
-                    "use a fixed Embedding or EmbeddingCollection to cache its rows.",
-                    self.name)
-            return lookup_lib.distinct_rows_gather(
-                sparse_read, indices, name, wire_dtype=self.wire_dtype,
-                num_rows=self.num_rows, variable=self.var)
-        self.build()
-        op = indices.op
-        held = {}
-        # Keras 3's reads (lookup.per_id_gradients): a gradient row per id
-        # occurrence, as its own rules square each occurrence.
-        per_id = trace_context.PER_ID_GRADIENTS.get()
-
-        def forward():
-            out, unique, position = self._read(sparse_read, indices, name, op)
-            held.update(unique=unique, position=position)
-            return out
-
-        def backward(dy):
-            with graph_compat.colocate_only_with(op):
-                rows = tf.reshape(dy, [-1, self.dim])
-                if per_id:
-                    return tf.IndexedSlices(tf.cast(rows, self.var.dtype),
-                                            tf.reshape(indices, [-1]),
-                                            tf.constant([self.num_rows, self.dim], tf.int64))
-                unique = held["unique"]
-                summed = tf.math.unsorted_segment_sum(rows, held["position"],
-                                                      tf.size(unique))
-                return tf.IndexedSlices(tf.cast(summed, self.var.dtype), unique,
-                                        tf.constant([self.num_rows, self.dim], tf.int64))
-
-        return variables_compat.recorded_on_variable(self.var, forward, backward)
-
-    def _read(self, sparse_read, indices, name, op):
-        cfg, h, dtype = self.config, self._h(), self.var.dtype
-        r, d = self.capacity, self.dim
-        with graph_compat.colocate_only_with(op):  # the worker
-            flat = tf.reshape(indices, [-1])
-            unique, position = tf.unique(flat)
-            ids = tf.cast(unique, tf.int64)
-            n = tf.size(unique)
-            slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
-            cached = slot >= 0
-            safe = tf.maximum(slot, 0)
-            seen = tf.where(cached, variables_compat.gather_handle(h["seen"], safe, tf.int64),
-                            tf.constant(-1, tf.int64))
-            wire_ids = grads_lib.narrow_indices(ids, self.num_rows)
-        with tf.device(self.clock.device):  # the ps: which rows cross
-            server = tf.gather(self.clock, wire_ids)
-            behind = server - seen
-            need = tf.logical_or(seen < 0, behind > cfg.pull_bound)
-            need_at = tf.reshape(tf.where(need), [-1])
-            fresh_clock = tf.gather(server, need_at)
-            need_ids = tf.gather(wire_ids, need_at)
-            served = tf.boolean_mask(behind, tf.logical_not(need))
-            counted = self.histogram.assign_add(tf.math.bincount(
-                tf.cast(served, tf.int32), minlength=cfg.pull_bound + 1,
-                maxlength=cfg.pull_bound + 1, dtype=tf.int64))
-        fresh = sparse_read(need_ids, name=name)
-        fresh = grads_lib.read_over_wire(fresh, self.wire_dtype, back_with=op)
-        with graph_compat.colocate_only_with(op):
-            need, need_at = tf.identity(need), tf.identity(need_at)
-            fresh, fresh_clock = tf.identity(fresh), tf.identity(fresh_clock)
-            shape = tf.stack([tf.cast(n, tf.int64), d])
-            at = need_at[:, None]
-            fresh_full = tf.scatter_nd(at, tf.cast(fresh, dtype), shape)
-            clock_full = tf.scatter_nd(at, fresh_clock, shape[:1])
-            kept = variables_compat.gather_handle(h["rows"], safe, dtype)
-            own = tf.where(cached[:, None], variables_compat.gather_handle(h["delta"], safe, dtype),
-                           tf.zeros_like(kept))
-            # A pulled row of a cached id keeps the worker's unpushed updates.
-            values = tf.where(need[:, None], fresh_full + own, kept)
-            writes, evictions = self._place(h, ids, slot, cached, need, values, clock_full, r)
-            n64, pulled = tf.cast(n, tf.int64), tf.size(need_at, out_type=tf.int64)
-            writes.append(self._count(lookups=tf.size(flat, out_type=tf.int64), distinct=n64,
-                                      hits=n64 - pulled, rows_pulled=pulled,
-                                      evictions=evictions))
-            with tf.control_dependencies(writes + [counted]):
-                out = tf.gather(values, position)
-            out = tf.reshape(out, tf.concat([tf.shape(indices), [d]], 0))
-            out.set_shape(indices.shape.concatenate([d]))
-        return out, wire_ids, position
-
-    def _place(self, h, ids, slot, cached, need, values, clock_full, r):
-        """Writes a read's pulled rows into the cache; returns the write ops
-        and the number of rows evicted."""
-        cfg = self.config
-        refresh_at = tf.reshape(tf.where(tf.logical_and(need, cached)), [-1])
-        refresh_slot = tf.gather(slot, refresh_at)
-        writes = [variables_compat.scatter_update_handle(h["rows"], refresh_slot, tf.gather(values, refresh_at)),
-                  variables_compat.scatter_update_handle(h["seen"], refresh_slot,
-                                           tf.gather(clock_full, refresh_at))]
-        # New ids take clean slots: free ones first, then by LFU/LRU score.
-        new_at = tf.reshape(tf.where(tf.logical_and(need, tf.logical_not(cached))), [-1])
-        hit_slot = tf.boolean_mask(slot, cached)
-        in_use = tf.scatter_nd(hit_slot[:, None], tf.ones_like(hit_slot), [r]) > 0
-        slot_ids = variables_compat.read_handle(h["ids"], tf.int64)
-        dirty = variables_compat.read_handle(h["count"], tf.int64) > 0
-        score = variables_compat.read_handle(h["score"], tf.int64)
-        blocked = tf.logical_or(in_use, dirty)
-        key = tf.where(blocked, tf.constant(_BIG, tf.float64),
-                       tf.where(slot_ids < 0, tf.constant(-1.0, tf.float64),
-                                tf.cast(score, tf.float64)))
-        free = r - tf.reduce_sum(tf.cast(blocked, tf.int32))
-        k = tf.minimum(tf.size(new_at), free)
-        _, victims = tf.math.top_k(-key, k=k, sorted=True)
-        take_at = new_at[:k]
-        take_ids = tf.gather(ids, take_at)
-        old = tf.gather(slot_ids, victims)
-        evicted = old >= 0
-        with tf.control_dependencies([slot_ids, dirty, score]):
-            gone = variables_compat.scatter_update_handle(h["slot_of"], tf.boolean_mask(old, evicted),
-                                            tf.fill([tf.reduce_sum(tf.cast(evicted, tf.int32))],
-                                                    tf.constant(-1, tf.int32)))
-            with tf.control_dependencies([gone]):
-                writes.append(variables_compat.scatter_update_handle(h["slot_of"], take_ids, victims))
-            zeros_rd = tf.zeros([k, self.dim], self.var.dtype)
-            zeros_r = tf.zeros([k], tf.int64)
-            writes += [
-                variables_compat.scatter_update_handle(h["ids"], victims, take_ids),
-                variables_compat.scatter_update_handle(h["rows"], victims, tf.gather(values, take_at)),
-                variables_compat.scatter_update_handle(h["seen"], victims, tf.gather(clock_full, take_at)),
-                variables_compat.scatter_update_handle(h["count"], victims, zeros_r),
-                variables_compat.scatter_update_handle(h["gsum"], victims, zeros_rd),
-                variables_compat.scatter_update_handle(h["delta"], victims, zeros_rd)]
-            reset = variables_compat.scatter_update_handle(h["score"], victims, zeros_r)
-        used = tf.concat([hit_slot, victims], 0)
-        with tf.control_dependencies([reset]):
-            if cfg.policy == "lfu":
-                writes.append(variables_compat.scatter_add_handle(h["score"], used, tf.ones_like(used,
-                                                                                   tf.int64)))
-            else:
-                tick = variables_compat.read_handle(h["tick"], tf.int64) + 1
-                with tf.control_dependencies([variables_compat.assign_handle(h["tick"], tick)]):
-                    writes.append(variables_compat.scatter_update_handle(
-                        h["score"], used, tf.fill(tf.shape(used), tick)))
-        return writes, tf.reduce_sum(tf.cast(evicted, tf.int64))
-
     def _count(self, **values):
         """Adds ``values`` (int64 scalars by :data:`STATS` name) to the counters."""
         zero = tf.constant(0, tf.int64)
         vector = tf.stack([tf.cast(values.get(k, zero), tf.int64) for k in STATS])
         with tf.device(self.counters.device):
             return self.counters.assign_add(vector)
-
-    # -- write --------------------------------------------------------------------
-    def push(self, grad, var, optimizer):
-        """The step's gradient of this table, on the worker, as the push: the
-        cached rows' gradients accumulated (and applied to the local copy),
-        the rows due and the uncached rows' gradients returned as one
-        IndexedSlices (a ``TableHooks.before_push``)."""
-        if not isinstance(grad, tf.IndexedSlices) or not self.built:
-            return grad
-        self.optimizer = optimizer
-        if _is_keras3(optimizer):
-            return self._push_occurrences(grad)
-        cfg, h, dtype = self.config, self._h(), self.var.dtype
-        ids = tf.cast(grad.indices, tf.int64)
-        g = tf.reshape(tf.cast(grad.values, dtype), [-1, self.dim])
-        slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
-        cached = slot >= 0
-        c_at = tf.reshape(tf.where(cached), [-1])
-        cs = tf.gather(slot, c_at)
-        cg = tf.gather(g, c_at)
-        step = -_learning_rate(optimizer, dtype) * cg
-        added = [variables_compat.scatter_add_handle(h["count"], cs, tf.ones_like(cs, tf.int64)),
-                 variables_compat.scatter_add_handle(h["gsum"], cs, cg),
-                 variables_compat.scatter_add_handle(h["delta"], cs, step),
-                 variables_compat.scatter_add_handle(h["rows"], cs, step)]
-        # The push keeps the gradient's row order (an optimizer's kernels
-        # may round a row differently at another position).
-        safe = tf.maximum(slot, 0)
-        with tf.control_dependencies(added):
-            counts = tf.where(cached, variables_compat.gather_handle(h["count"], safe, tf.int64),
-                              tf.ones_like(ids))
-            sums = tf.where(cached[:, None], variables_compat.gather_handle(h["gsum"], safe, dtype), g)
-        pushed = tf.logical_or(tf.logical_not(cached), counts > cfg.push_bound)
-        p_at = tf.reshape(tf.where(pushed), [-1])
-        push_ids, push_n = tf.gather(ids, p_at), tf.gather(counts, p_at)
-        due_slot = tf.boolean_mask(slot, tf.logical_and(cached, pushed))
-        with tf.control_dependencies([counts, sums]):
-            zeros = tf.zeros([tf.size(due_slot), self.dim], dtype)
-            cleared = [variables_compat.scatter_update_handle(h["count"], due_slot,
-                                                tf.zeros_like(due_slot, tf.int64)),
-                       variables_compat.scatter_update_handle(h["gsum"], due_slot, zeros),
-                       variables_compat.scatter_update_handle(h["delta"], due_slot, zeros)]
-        with tf.control_dependencies(cleared):
-            push_g = tf.gather(sums, p_at)
-        counted = self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
-                              updates_pushed=tf.reduce_sum(push_n),
-                              updates=tf.size(ids, out_type=tf.int64))
-        with tf.control_dependencies([counted]):
-            push_g = tf.identity(push_g)
-        self._counts[graph_compat.outermost_graph()] = (push_n, None)
-        return tf.IndexedSlices(tf.cast(push_g, grad.values.dtype),
-                                tf.cast(push_ids, grad.indices.dtype), grad.dense_shape)
-
-    def _push_occurrences(self, grad):
-        """:meth:`push` of a Keras 3 gradient, one row per id occurrence
-        (Keras 3's rules square each occurrence): the pushed ids' occurrence
-        rows of this step as they are, in their order, then, per pushed id
-        with earlier unpushed updates, their summed gradient as one more
-        occurrence. Its clock advances in :meth:`count_pushed` (Keras 3's
-        row-wise rules reorder the rows on the worker)."""
-        cfg, h, dtype, d = self.config, self._h(), self.var.dtype, self.dim
-        occ = tf.reshape(grad.indices, [-1])
-        g = tf.reshape(tf.cast(grad.values, dtype), [-1, d])
-        unique, position = tf.unique(occ)
-        ids = tf.cast(unique, tf.int64)
-        summed = tf.math.unsorted_segment_sum(g, position, tf.size(unique))
-        slot = variables_compat.gather_handle(h["slot_of"], ids, tf.int32)
-        cached = slot >= 0
-        safe = tf.maximum(slot, 0)
-        zero_rows = tf.zeros_like(summed)
-        count = tf.where(cached, variables_compat.gather_handle(h["count"], safe, tf.int64),
-                         tf.zeros_like(ids))
-        gsum = tf.where(cached[:, None], variables_compat.gather_handle(h["gsum"], safe, dtype),
-                        zero_rows)
-        delta = tf.where(cached[:, None], variables_compat.gather_handle(h["delta"], safe, dtype),
-                         zero_rows)
-        step = -_learning_rate(self.optimizer, dtype) * summed
-        after = count + 1
-        pushed = tf.logical_or(tf.logical_not(cached), after > cfg.push_bound)
-        earlier = tf.logical_and(tf.logical_and(pushed, cached), count > 0)
-        # The cached slots' new state: cleared when pushed, else one more update.
-        c_at = tf.reshape(tf.where(cached), [-1])
-        cs = tf.gather(slot, c_at)
-        kept = tf.logical_not(tf.gather(pushed, c_at))
-        keep = lambda new: tf.where(kept[:, None] if new.shape.rank == 2 else kept, new,
-                                    tf.zeros_like(new))
-        with tf.control_dependencies([count, gsum, delta]):
-            written = [
-                variables_compat.scatter_update_handle(h["count"], cs, keep(tf.gather(after, c_at))),
-                variables_compat.scatter_update_handle(h["gsum"], cs,
-                                                       keep(tf.gather(gsum + summed, c_at))),
-                variables_compat.scatter_update_handle(h["delta"], cs,
-                                                       keep(tf.gather(delta + step, c_at))),
-                variables_compat.scatter_add_handle(h["rows"], cs, tf.gather(step, c_at))]
-        o_at = tf.reshape(tf.where(tf.gather(pushed, position)), [-1])
-        indices = tf.concat([tf.gather(occ, o_at),
-                             tf.cast(tf.boolean_mask(unique, earlier), occ.dtype)], 0)
-        values = tf.concat([tf.gather(g, o_at), tf.boolean_mask(gsum, earlier)], 0)
-        push_ids = tf.boolean_mask(ids, pushed)
-        push_n = tf.where(cached, after, tf.ones_like(after))
-        push_n = tf.boolean_mask(push_n, pushed)
-        counted = self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
-                              updates_pushed=tf.reduce_sum(push_n),
-                              updates=tf.size(ids, out_type=tf.int64))
-        with tf.control_dependencies(written + [counted]):
-            values = tf.identity(values)
-        self._counts[graph_compat.outermost_graph()] = (
-            push_n, grads_lib.narrow_indices(push_ids, self.num_rows))
-        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), indices, grad.dense_shape)
-
-    def count_updates(self, grad, var):
-        """On the ps, right before the optimizer applies a push: each pushed
-        row's clock advances by the updates it carries (a
-        ``TableHooks.filter_gradient``)."""
-        counts, ids = self._counts.get(graph_compat.outermost_graph(), (None, None))
-        if counts is None or ids is not None or not isinstance(grad, tf.IndexedSlices):
-            return grad
-        with tf.device(self.clock.device):
-            ticked = self._tick(counts, grad.indices)
-        with tf.control_dependencies([ticked]):
-            values = tf.identity(grad.values)
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-
-    def count_pushed(self, optimizer, variables):
-        """On the ps, right before the optimizer applies a Keras 3 push: the
-        pushed ids' clocks advance by the updates each carries (a
-        ``TableHooks.before_update``; the gradient itself stays the object
-        core/rowwise.py carries its squares for)."""
-        counts, ids = self._counts.get(graph_compat.outermost_graph(), (None, None))
-        if counts is None or ids is None:
-            return None
-        with tf.device(self.clock.device):
-            return self._tick(counts, ids)
-
-    def _tick(self, counts, indices):
-        """Advances the clock of the rows ``indices`` by ``counts`` (the
-        updates each carries); with an optimizer that writes every row,
-        every row's clock by one and the pushed rows' by the rest."""
-        indices = tf.cast(indices, tf.int64)
-        shape = tf.shape(self.clock, tf.int64)
-        if not writes_every_row(self.optimizer):
-            return self.clock.scatter_add(tf.IndexedSlices(counts, indices, shape))
-        every = self.clock.assign_add(tf.ones_like(self.clock), read_value=False)
-        with tf.control_dependencies([every]):
-            return self.clock.scatter_add(tf.IndexedSlices(counts - 1, indices, shape))
 
     def count_lost(self) -> int:
         """Once every live worker's updates are pushed (the flush): the
@@ -604,10 +265,6 @@ class CachedTable:
         return dict(zip(STATS, values), staleness=self.histogram.numpy().tolist())
 
 
-#: A worker's state cannot be read: it died or restarted (a new context).
-_WORKER_GONE = (tf.errors.AbortedError, tf.errors.UnavailableError, tf.errors.CancelledError)
-
-
 class Caches:
     """The strategy's cached tables: one :class:`CachedTable` per table
     variable (or shard) created in its scope, the flush, the reports.
@@ -625,6 +282,7 @@ class Caches:
         self._strategy = strategy
         self._register = register
         self._wire_dtype = wire_dtype
+        self._flush_observers = []
 
     def add(self, part, table_shape=None) -> bool:
         """Caches ``part`` (a trainable rank-2 variable of static shape, a
@@ -655,64 +313,15 @@ class Caches:
 
     def flush(self) -> int:
         """Pushes every worker's unpushed updates (on the chief, once the
-        schedule drained: ``join``): per worker one optimizer update of its
-        rows' summed gradients, each row's clock advanced by its updates.
+        schedule drained: ``join``): see :func:`cache_flush.flush`.
         Returns the rows pushed."""
-        total = 0
-        tables = [t for t in self.tables if t.built and t.optimizer is not None]
-        per_worker = {}
-        for t in tables:
-            states = {k: variables_compat.per_worker_values(v)
-                      for k, v in t.worker_state().items()}
-            if any(v is None for v in states.values()):
-                continue
-            for w in range(len(states["count"])):
-                count = states["count"][w]
-                try:
-                    with tf.device(count.device):
-                        slots = tf.reshape(tf.where(count.read_value() > 0), [-1])
-                        ids = tf.gather(states["ids"][w].read_value(), slots)
-                        n = tf.gather(count.read_value(), slots)
-                        g = tf.gather(states["gsum"][w].read_value(), slots)
-                except (*_WORKER_GONE, tf.errors.InvalidArgumentError) as e:
-                    if isinstance(e, tf.errors.InvalidArgumentError) and \
-                            "restarted" not in str(e):
-                        raise
-                    # Its updates are lost: count_lost counts them below.
-                    logging.warning("embedding_cache: worker %d is unreachable at the flush "
-                                    "(%s); its unpushed updates of %s are lost.", w,
-                                    type(e).__name__, t.name)
-                    continue
-                if int(tf.size(slots)) == 0:
-                    continue
-                per_worker.setdefault(w, []).append((t, ids, n, g, states, slots))
-        for w, items in sorted(per_worker.items()):
-            by_opt = {}
-            for item in items:
-                by_opt.setdefault(id(item[0].optimizer), []).append(item)
-            for group in by_opt.values():
-                pairs = [(tf.IndexedSlices(g, ids, tf.constant([t.num_rows, t.dim], tf.int64)),
-                          t.var) for t, ids, n, g, _, _ in group]
-                optimizer = group[0][0].optimizer
-                if _is_keras3(optimizer):  # its own update, in cross-replica context
-                    with self._strategy.scope():
-                        optimizer.apply_gradients(pairs)
-                else:
-                    with self._strategy.scope(), tf.distribute.ReplicaContext(
-                            self._strategy, replica_id_in_sync_group=0):
-                        optimizer.apply_gradients(pairs)
-                for t, ids, n, g, states, slots in group:
-                    with tf.device(t.clock.device):
-                        t._tick(n, ids)
-                    t._count(updates_pushed=tf.reduce_sum(n), rows_flushed=tf.size(ids))
-                    for k in ("count", "gsum", "delta"):
-                        v = states[k][w]
-                        with tf.device(v.device):
-                            v.scatter_update(tf.IndexedSlices(
-                                tf.zeros(tf.concat([tf.shape(slots), v.shape[1:]], 0),
-                                         v.dtype), slots))
-                    total += int(tf.size(ids))
-        for t in self.tables:
-            if t.built:
-                t.count_lost()
-        return total
+        with contextlib.ExitStack() as stack:
+            for observe in self._flush_observers:
+                stack.enter_context(observe())
+            return cache_flush.flush(self.tables, self._strategy)
+
+    def observe_flushes(self, observer: Callable) -> None:
+        """Enters ``observer()`` (a context manager) around each flush from
+        now on: a tool measuring the flushes apart from the steps (the bench
+        counts their bytes and seconds)."""
+        self._flush_observers.append(observer)
