@@ -58,6 +58,18 @@ def _stepper(engine, table, opt, cache=None, dense=None):
     return step
 
 
+def _same_as_uncached(uncached, cached):
+    """Asserts two runs' (table, dense, reads, cache) equal bit for bit;
+    returns the cached run's ``cache.stats()``."""
+    (t0, d0, r0, _), (t1, d1, r1, cache) = uncached, cached
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_array_equal(d1, d0)
+    assert len(r1) == len(r0)
+    for a, b in zip(r1, r0):
+        np.testing.assert_array_equal(a, b)
+    return cache.stats()
+
+
 def test_the_config_refuses_each_bad_field_by_name():
     with pytest.raises(ValueError, match="EmbeddingCache: rows must be an int >= 1"):
         EmbeddingCache(0)
@@ -133,12 +145,7 @@ def test_bounds_zero_are_the_uncached_step_exactly(make_opt):
         reads = [step(tf.constant(b, tf.int64)).numpy() for b in batches]
         out.append((table.numpy(), dense.numpy(), reads, cache))
         engine.stop_watchdogs()
-    (t0, d0, r0, _), (t1, d1, r1, cache) = out
-    np.testing.assert_array_equal(t1, t0)
-    np.testing.assert_array_equal(d1, d0)
-    for a, b in zip(r1, r0):
-        np.testing.assert_array_equal(a, b)
-    s = cache.stats()
+    s = _same_as_uncached(*out)
     assert s["lookups"] == 12 * 12 and s["updates_pushed"] == s["rows_pushed"]
     assert s["hits"] == 0 and s["rows_pulled"] == s["distinct"]
     assert s["evictions"] > 0
@@ -258,12 +265,7 @@ def test_keras3_bounds_zero_are_the_uncached_step_exactly(name):
         reads = [step(tf.constant(b, tf.int64)).numpy() for b in batches]
         out.append((table.numpy(), dense.numpy(), reads, cache))
         engine.stop_watchdogs()
-    (t0, d0, r0, _), (t1, d1, r1, cache) = out
-    np.testing.assert_array_equal(t1, t0)
-    np.testing.assert_array_equal(d1, d0)
-    for a, b in zip(r1, r0):
-        np.testing.assert_array_equal(a, b)
-    s = cache.stats()
+    s = _same_as_uncached(*out)
     assert s["lookups"] == 12 * 12 and s["distinct"] < s["lookups"]  # ids repeat
     assert s["hits"] == 0 and s["rows_pulled"] == s["rows_pushed"] == s["distinct"]
     assert s["updates_pushed"] == s["rows_pushed"] and s["evictions"] > 0
