@@ -506,7 +506,8 @@ def _run_child(run, settings, timeout_s, hosts=None):
 SPREAD_KEYS = ("steps_per_sec", "examples_per_sec", "updates_per_sec", "test_accuracy",
                "steps_to_target", "seconds_to_target", "bytes_sent_per_step",
                "bytes_received_per_step", "bytes_per_step", "limit_bytes_per_step",
-               "all_links_bytes_per_step", "test_auc", "test_loss", "cpu_s_per_step_total")
+               "all_links_bytes_per_step", "test_auc", "test_loss", "cpu_s_per_step_total",
+               "flush_bytes_per_step", "heldout_loss")
 
 
 def spread(values) -> Optional[Dict[str, float]]:

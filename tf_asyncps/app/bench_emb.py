@@ -13,6 +13,7 @@ crossing with its int64 id: distinct ids x (8 + 4 x 32) B x 2 = 272 B per
 distinct id, plus the head (33 float32 read and 33 pushed).
 """
 
+import contextlib
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -106,8 +107,11 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     """One embedding run (in its own process; called by ``bench.run_one``,
     whose ``settings`` it takes). Returns ``bench.run_one``'s keys but
     ``peak_rss_mb`` (accuracy ones None: the ids carry no test set), plus ``bytes_per_step`` (sent +
-    received), ``limit_bytes_per_step``, per segment ``loss`` and ``heldout_loss``
-    (mse on 16 batches of the seed + 1 stream, after training)."""
+    received by the workers in their steps; a cache's flushes at the joins taken out),
+    with a cache ``flush_bytes_per_step`` (the flushes' bytes on the workers' links per
+    measured step), ``flush_bytes_per_join`` and ``joins``, ``limit_bytes_per_step``,
+    per segment ``loss`` and ``heldout_loss`` (mse on 16 batches of the seed + 1
+    stream, after training)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import tf_keras
@@ -158,6 +162,33 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     workers = [f"worker:{i}" for i in range(run["num_workers"])]
     every_host = ["chief:0"] + [f"ps:{i}" for i in range(NUM_PS)] + workers
     segments = []
+    # The cache's flush at each join (tf_keras fit joins at every epoch end)
+    # is closing traffic, not a step's: its bytes on the workers' links and
+    # every host's are summed apart and taken out of the steps' bytes.
+    flushed = {"worker_tx_bytes": 0, "worker_rx_bytes": 0, "all_tx_bytes": 0, "joins": 0,
+               "seconds": 0.0}
+
+    def link_bytes():
+        c = [hosts.counters(w) for w in workers]
+        return {"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
+                "worker_rx_bytes": sum(x["rx_bytes"] for x in c),
+                "all_tx_bytes": sum(hosts.counters(h)["tx_bytes"] for h in every_host)}
+
+    caches = getattr(getattr(strategy, "extended", None), "caches", None)
+    if caches is not None and hosts is not None:
+        @contextlib.contextmanager
+        def counted_flush():
+            before, t0 = link_bytes(), time.perf_counter()
+            try:
+                yield
+            finally:
+                flushed["seconds"] += time.perf_counter() - t0
+                after = link_bytes()
+                for k in before:
+                    flushed[k] += after[k] - before[k]
+                flushed["joins"] += 1
+
+        caches.observe_flushes(counted_flush)
 
     class Probe(tf_keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -165,18 +196,17 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
 
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.perf_counter() - self.t0
-            c = [hosts.counters(w) for w in workers] if hosts else []
-            # Every host's sent bytes: each byte on the network once, the ps
-            # tasks' traffic between themselves and the chief's included.
-            every = sum(hosts.counters(h)["tx_bytes"] for h in every_host) if hosts else None
+            # Every host's sent bytes (all_tx_bytes): each byte on the network
+            # once, the ps tasks' traffic between themselves and the chief's
+            # included. flush_*: the joins' flushes so far (in the others).
+            wire = link_bytes() if hosts else {}
+            if wire:
+                wire.update({f"flush_{k}": v for k, v in flushed.items()})
             gs = (strategy.staleness_stats().global_step
                   if isinstance(strategy, AsyncParameterServerStrategy) else None)
             segments.append({"steps": eval_every, "seconds": seconds, "global_step": gs,
                              "loss": float((logs or {}).get("loss", float("nan"))),
-                             "test_accuracy": None,
-                             **({"worker_tx_bytes": sum(x["tx_bytes"] for x in c),
-                                 "worker_rx_bytes": sum(x["rx_bytes"] for x in c),
-                                 "all_tx_bytes": every} if c else {})})
+                             "test_accuracy": None, **wire})
 
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn),
               epochs=max(2, steps_total // eval_every), steps_per_epoch=eval_every, verbose=0,
@@ -197,12 +227,26 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
            "heldout_loss": heldout_loss,
            "task_pids": shared["pids"]}  # bench.run_one adds peak_rss_mb
     if "worker_tx_bytes" in segments[0]:
-        for key, name in (("worker_tx_bytes", "bytes_sent_per_step"),
-                          ("worker_rx_bytes", "bytes_received_per_step")):
-            out[name] = (segments[-1][key] - segments[0][key]) / steps
+        first, last = segments[0], segments[-1]
+
+        def per_step(key):  # the steps' bytes, the joins' flushes taken out
+            flush = last[f"flush_{key}"] - first[f"flush_{key}"]
+            return (last[key] - first[key] - flush) / steps, flush / steps
+
+        (out["bytes_sent_per_step"], sent_flush), (out["bytes_received_per_step"],
+                                                    recv_flush) = map(
+            per_step, ("worker_tx_bytes", "worker_rx_bytes"))
         out["bytes_per_step"] = out["bytes_sent_per_step"] + out["bytes_received_per_step"]
-        out["all_links_bytes_per_step"] = (
-            segments[-1]["all_tx_bytes"] - segments[0]["all_tx_bytes"]) / steps
+        out["all_links_bytes_per_step"], all_flush = per_step("all_tx_bytes")
+        joins = last["flush_joins"] - first["flush_joins"]
+        if joins:
+            # Closing traffic, per step of the measured epochs (it shrinks
+            # as epochs lengthen) and per join.
+            out["flush_bytes_per_step"] = sent_flush + recv_flush
+            out["flush_all_links_bytes_per_step"] = all_flush
+            out["flush_bytes_per_join"] = (sent_flush + recv_flush) * steps / joins
+            out["joins"] = joins
+            out["flush_seconds"] = last["flush_seconds"] - first["flush_seconds"]
     if isinstance(strategy, AsyncParameterServerStrategy):
         out["updates_per_sec"] = (segments[-1]["global_step"] -
                                   segments[0]["global_step"]) / secs
