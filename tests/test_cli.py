@@ -275,10 +275,10 @@ def test_digits_split_is_fixed():
 def test_the_checks_choices_are_the_packages():
     # job_config repeats them so that checking a flag imports no TensorFlow.
     from tf_asyncps import policies
-    from tf_asyncps.app import cli, ctr_model, datasets, models
+    from tf_asyncps.app import ctr_model, datasets, models, shared_flags
     from tf_asyncps.core import mixed_precision
-    assert cli.MODELS == job_config.MODELS == models.NAMES
-    assert cli.DATASETS == job_config.DATASETS == datasets.NAMES
+    assert shared_flags.MODELS == job_config.MODELS == models.NAMES
+    assert shared_flags.DATASETS == job_config.DATASETS == datasets.NAMES
     assert job_config.KERAS == models.KERAS_CHOICES
     assert job_config.PRECISIONS == mixed_precision.PRECISIONS
     assert job_config.CTR_EMBEDDINGS == ctr_model.EMBEDDINGS
@@ -342,8 +342,8 @@ def test_an_interrupted_command_says_so_without_a_traceback(monkeypatch, capsys)
 
 
 def test_help_exits_0_and_lists_each_command_once_with_its_flags(runs):
-    from tf_asyncps.app import cli  # noqa: F401 - defines the flags
-    from absl import flags
+    from tf_asyncps.app import cli  # noqa: F401 - defines every command's flags
+    from tf_asyncps.app.shared_flags import our_flags
     rc, out = runs[("--help",)]["rc"], runs[("--help",)]["out"]
     assert rc == 0, out
     lines = out.splitlines()
@@ -352,7 +352,8 @@ def test_help_exits_0_and_lists_each_command_once_with_its_flags(runs):
     assert out.count("--helpfull") == 2  # one hint line: all flags, and bench's
     assert "Try --helpfull" not in out
     named = set(re.findall(r"--(\w+)", out))
-    ours = {f.name for f in flags.FLAGS.flags_by_module_dict()["tf_asyncps.app.cli"]}
+    ours = set(our_flags())
+    assert {"model", "num_ps", "allow_foreign_address", "version"} <= ours  # each module's
     assert ours <= named, sorted(ours - named)
 
 
@@ -385,11 +386,11 @@ def test_bench_flags_are_listed_by_bench_helpfull_only(runs):
 
 def test_policy_flag_names_every_registered_policy():
     from tf_asyncps import policies
-    from tf_asyncps.app import cli
+    from tf_asyncps.app import shared_flags
     assert sorted(job_config.REGISTERED_POLICIES) == policies.names()
-    assert cli.POLICIES == job_config.REGISTERED_POLICIES + ("route",)
-    help_text = cli.FLAGS["policy"].help
-    for name in cli.POLICIES:
+    assert shared_flags.POLICIES == job_config.REGISTERED_POLICIES + ("route",)
+    help_text = shared_flags.FLAGS["policy"].help
+    for name in shared_flags.POLICIES:
         assert f"{name} (" in help_text, name
 
 

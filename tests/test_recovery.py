@@ -195,7 +195,7 @@ def test_a_checkpoint_of_another_model_fails_once_with_the_fix(tmp_path):
 
 
 def test_lost_task_messages_and_exit_descriptions():
-    from tf_asyncps.app import cli
+    from tf_asyncps.app import cli, launch_cmd
     e = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error "
                                    "information from remote target /job:ps/replica:0/task:0")
     with_backup = cli._lost_task_message(e, "/b")
@@ -204,9 +204,9 @@ def test_lost_task_messages_and_exit_descriptions():
     without = cli._lost_task_message(e, None)
     assert "without --backup_dir there is no checkpoint" in without
     assert cli._lost_task_message(ValueError("x"), "/b") is None
-    assert cli._describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
-    assert "a task of the cluster was lost" in cli._describe_exit(cli.EXIT_LOST_TASK)
-    assert cli._describe_exit(1) == "exited with code 1"
+    assert launch_cmd._describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert "a task of the cluster was lost" in launch_cmd._describe_exit(cli.EXIT_LOST_TASK)
+    assert launch_cmd._describe_exit(1) == "exited with code 1"
 
 
 @dataclasses.dataclass(frozen=True)
