@@ -1,6 +1,6 @@
 """``tf-asyncps bench``: the command and its flags (the runs: bench.py; the
 report: bench_report.py). It also uses the common flags --num_workers,
---batch_size, --learning_rate, --seed and --output_dir (cli.py)."""
+--batch_size, --learning_rate, --seed and --output_dir (shared_flags.py)."""
 
 import contextlib
 import os
