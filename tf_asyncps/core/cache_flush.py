@@ -11,10 +11,10 @@ from absl import logging
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import cache_write
 
-__all__ = ["flush"]
+__all__ = ["WORKER_GONE", "flush"]
 
 #: A worker's state cannot be read: it died or restarted (a new context).
-_WORKER_GONE = (tf.errors.AbortedError, tf.errors.UnavailableError, tf.errors.CancelledError)
+WORKER_GONE = (tf.errors.AbortedError, tf.errors.UnavailableError, tf.errors.CancelledError)
 
 
 def flush(tables, strategy) -> int:
@@ -39,7 +39,7 @@ def flush(tables, strategy) -> int:
                     ids = tf.gather(states["ids"][w].read_value(), slots)
                     n = tf.gather(count.read_value(), slots)
                     g = tf.gather(states["gsum"][w].read_value(), slots)
-            except (*_WORKER_GONE, tf.errors.InvalidArgumentError) as e:
+            except (*WORKER_GONE, tf.errors.InvalidArgumentError) as e:
                 if isinstance(e, tf.errors.InvalidArgumentError) and \
                         "restarted" not in str(e):
                     raise

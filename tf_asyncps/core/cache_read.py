@@ -95,6 +95,9 @@ class CacheRead:
             fresh_clock = tf.gather(server, need_at)
             need_ids = tf.gather(wire_ids, need_at)
             served = tf.boolean_mask(behind, tf.logical_not(need))
+            distinct = tf.size(wire_ids, out_type=tf.int64)
+            pulled = tf.size(need_at, out_type=tf.int64)
+            self._count(distinct=distinct, hits=distinct - pulled, rows_pulled=pulled)
             # No control edge to the worker's rows: a traced step runs every
             # stateful op it holds, and an edge between tasks is a message.
             self.histogram.assign_add(tf.math.bincount(
@@ -118,9 +121,10 @@ class CacheRead:
             # A pulled row of a cached id keeps the worker's unpushed updates.
             values = tf.where(need[:, None], fresh_full + own, kept)
             writes, evictions = self._place(h, ids, slot, cached, need, values, clock_full, r)
-            n64, pulled = tf.cast(n, tf.int64), tf.size(need_at, out_type=tf.int64)
-            self._count(lookups=tf.size(flat, out_type=tf.int64), distinct=n64,
-                        hits=n64 - pulled, rows_pulled=pulled, evictions=evictions)
+            # Counted where each arises: no counter crosses.
+            variables_compat.scatter_add_handle(
+                h["local"], tf.constant([0, 1], tf.int32),
+                tf.stack([tf.size(flat, out_type=tf.int64), evictions]))
             with tf.control_dependencies(writes):
                 out = tf.gather(values, position)
             out = tf.reshape(out, tf.concat([tf.shape(indices), [d]], 0))

@@ -80,6 +80,10 @@ POLICIES = ("lfu", "lru")
 STATS = ("lookups", "distinct", "hits", "rows_pulled", "rows_pushed", "updates_pushed",
          "evictions", "rows_flushed", "updates", "updates_lost")
 
+#: The counters of :data:`STATS` each worker keeps itself (summed over the
+#: live workers at ``cache_stats()``; a restarted worker's start at 0).
+WORKER_STATS = ("lookups", "evictions")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +206,12 @@ class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
             self.delta = wv(lambda: tf.zeros([r, d], dtype), "cache_delta")
             self.score = wv(lambda: tf.zeros([r], tf.int64), "cache_score")
             self.tick = wv(lambda: tf.zeros([], tf.int64), "cache_tick")
+            # WORKER_STATS, counted where they arise (no message per read).
+            self.local = wv(lambda: tf.zeros([len(WORKER_STATS)], tf.int64), "cache_local_stats")
         self.built = True
 
     _WORKER_STATE = ("slot_of", "ids", "rows", "seen", "count", "gsum", "delta", "score",
-                     "tick")
+                     "tick", "local")
 
     def worker_state(self):
         """``{name: variable}`` of the per-worker state (built)."""
@@ -261,8 +267,25 @@ class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
         ints, index = updates, 0..pull_bound). Eager reads on the ps."""
         if not self.built:
             return dict({k: 0 for k in STATS}, staleness=[0] * (self.config.pull_bound + 1))
-        values = self.counters.numpy().tolist()
-        return dict(zip(STATS, values), staleness=self.histogram.numpy().tolist())
+        out = dict(zip(STATS, self.counters.numpy().tolist()))
+        for values in self._local_values():
+            for k, v in zip(WORKER_STATS, values):
+                out[k] += v
+        return dict(out, staleness=self.histogram.numpy().tolist())
+
+    def _local_values(self):
+        """Each reachable worker's WORKER_STATS (lists of ints)."""
+        per_worker = variables_compat.per_worker_values(self.local)
+        if per_worker is None:  # one process: a plain variable
+            return [self.local.numpy().tolist()]
+        out = []
+        for v in per_worker:
+            try:
+                with tf.device(v.device):
+                    out.append(v.read_value().numpy().tolist())
+            except cache_flush.WORKER_GONE:
+                pass  # its counts went with it
+        return out
 
 
 class Caches:
