@@ -17,7 +17,9 @@ the strategy works at epoch level and reads the parameter servers' counters
   ``BackupAndRestore`` in a ``tf.train.Checkpoint`` (DynamicEmbedding's map
   cannot go in Keras's ``.weights.h5``);
 * ``step_backup.py``: :class:`StepBackup`, a backup every N worker steps
-  (each at a drained schedule) and a mid-epoch resume, for both Kerases.
+  (each at a drained schedule) and a mid-epoch resume, for both Kerases;
+* ``delta_chain.py`` (with ``dirty_rows.py``, ``delta_files.py``): the delta
+  backups StepBackup and ``tf_asyncps.export``'s stream write.
 
 Names load on first use (as in the package root): importing one module here
 does not import the other frameworks'.

@@ -122,8 +122,9 @@ class StepBackup(tf_keras.callbacks.Callback):
     delta of another base or a half-written file (delta_chain.ChainError,
     naming the file). A model without a table, or a step traced before this
     callback registered its marks (no row marked after steps ran) get full
-    saves. A chain of fixed tables restores onto another number of ps tasks
-    (rows by global row); a DynamicEmbedding's onto the shards that wrote it.
+    saves. A chain restores onto another number of ps tasks (rows by global
+    row; a DynamicEmbedding's ids re-homed at the first lookup, as a
+    checkpoint's).
 
     Saved: the model, its optimizer (slots, ``iterations``) and the
     strategy's global step (``strategy.staleness_tracker.global_step``,
@@ -457,8 +458,8 @@ class StepBackup(tf_keras.callbacks.Callback):
         if os.path.isdir(final):  # a backup of these steps from an earlier run
             shutil.rmtree(final)
         os.rename(tmp, final)
-        if self._deltas is not None:
-            self._deltas.dirty.clear()
+        if self._deltas is not None:  # rows, filter marks, tombstones
+            self._deltas.clear()
         self._base, self._seq = os.path.basename(final), 0
 
     def _prune(self) -> None:
