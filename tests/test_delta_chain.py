@@ -495,6 +495,9 @@ def test_tombstones_remove_the_evicted_ids_at_restore(dynamic_chain, tmp_path):
 
 
 def test_a_dynamic_chain_refuses_other_shards_naming_the_file(dynamic_chain, tmp_path):
+    """A delta over shards of another capacity, or over other shards than
+    those the base was restored from (no restore from them pending): refused
+    naming the file and the fix."""
     from tf_asyncps.dynamic import deltas as dynamic_deltas
     base, folders, want, _ = dynamic_chain
     model, layer, opt = _dynamic_model()
@@ -502,8 +505,135 @@ def test_a_dynamic_chain_refuses_other_shards_naming_the_file(dynamic_chain, tmp
     other = dict(np.load(os.path.join(folders[0], "0.npz")))
     other["shards"] = np.concatenate([other["shards"], other["shards"]])
     with pytest.raises(ValueError, match=r"x/0\.npz holds table 'emb' over shards "
-                       r"of \[6, 6\] rows, this table has \[6\]"):
+                       r"of \[6, 6\] rows, this table has \[6\] and its capacity is 6"):
         dynamic_deltas.apply(layer.dynamic_table, state, other, "x/0.npz")
+    other["shards"] = np.concatenate([other["shards"][:1]] * 2)
+    other["shards"][:, 0] = [2, 4]
+    with pytest.raises(ValueError, match=r"over shards of \[2, 4\] rows, this table has \[6\] "
+                       r"and no restore from them is pending here .* apply the chain before "
+                       r"the first lookup"):
+        dynamic_deltas.apply(layer.dynamic_table, state, other, "x/0.npz")
+
+
+class _DynamicSplit(tf.Module):
+    """A DynamicTable over a table split by hand into shards of ``sizes``
+    rows (the strategy's partitioner splits it so on a cluster), LFU
+    eviction every 4 steps, and a dense variable: the model ModelDeltas and
+    a tf.train.Checkpoint read."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        from tf_asyncps.dynamic.table import DynamicTable
+        parts = [tf.Variable(tf.zeros([n, DIM]), name=f"t/part_{i}") for i, n in enumerate(sizes)]
+        self.table = tf.__internal__.distribute.ShardedVariable(parts, name="t")
+        self.dt = DynamicTable(self.table, key_dtype=tf.int64, min_count=1, eviction="lfu",
+                               evict_every=4, ttl_steps=None, name="emb",
+                               initializer=lambda shape: tf.fill(shape, 0.1))
+        self.dense = tf.Variable(tf.fill([2 * DIM, 1], 0.1), name="dense")
+        self.parts = parts
+        self.layer = type("Layer", (), {})()
+        self.layer.dynamic_table = self.dt
+
+    @property
+    def variables(self):
+        return [self.table, self.dense]
+
+    @property
+    def trainable_variables(self):
+        return self.parts + [self.dense]
+
+    def _flatten_layers(self, include_self=False, recursive=True):
+        return [self.layer]
+
+
+def _split_dynamic(sizes):
+    from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
+    m = _DynamicSplit(sizes)
+    opt = tf_keras.optimizers.Adagrad(0.5)
+    opt.build(m.trainable_variables)
+    dynamic_checkpoint.track_optimizer(m.dt, opt, m.trainable_variables)
+    return m, opt
+
+
+def _split_step(m, opt, reader, batch, step):
+    """One step in one process: the lookup admits and counts on each shard,
+    the update goes through the table's gradient filter and marks its rows,
+    then the eviction pass due at the next step."""
+    from tf_asyncps.dynamic.table import optimizer_slots
+    with tf.GradientTape() as tape:
+        rows = m.dt.lookup(tf.constant(batch, tf.int64), step=tf.constant(step, tf.int64),
+                           training=True)
+        loss = tf.reduce_sum((tf.matmul(tf.reshape(rows, [len(batch), -1]), m.dense) - 1) ** 2)
+    pairs = [(g, v) for g, v in zip(tape.gradient(loss, m.trainable_variables),
+                                     m.trainable_variables) if g is not None]
+    opt.apply_gradients([(reader.mark(m.dt.drop_free_rows(g, v), v), v) for g, v in pairs])
+    m.dt.maybe_evict(step + 1, lambda var: optimizer_slots(opt, var))
+
+
+def _split_state(m, opt):
+    """The table's entry, each shard's map, the counters and the dense
+    variable with its Adagrad slot, after the re-homing a lookup runs
+    first and the slot move the next update runs first."""
+    from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    from tf_asyncps.dynamic import reshard
+    m.dt.prepare()
+    reshard.prepare_slots(m.dt, dynamic_checkpoint.slot_sets(m.dt, opt))
+    out = dynamic_deltas.state_of(m.dt)
+    for j, shard in enumerate(m.dt.shards):
+        keys, rows = (t.numpy() for t in shard.index.export())
+        out[f"index{j}"] = np.stack([keys, rows])[:, np.argsort(rows)]
+    out.update({f"stats:{k}": np.asarray(v) for k, v in m.dt.stats().items()})
+    out["dense"], out["dense_slot"] = m.dense.numpy(), slot(opt, "accumulator", m.dense).numpy()
+    out["iterations"] = opt.iterations.numpy()
+    return out
+
+
+def test_a_dynamic_chain_written_over_2_shards_restores_onto_3(tmp_path):
+    """(issue 41 item 2) A table over shards of 6 + 6 rows, 17 ids, LFU
+    eviction every 4 steps: base after step 6 (one pass run), deltas after
+    steps 10 and 11 (rows admitted and evicted; id 100, seen in each of the
+    first 6 steps only, keeps its row untouched while its count ages from 4
+    to 2). Restored onto 4 + 4 + 4 rows, base + chain give exactly what the
+    full checkpoint at step 11 gives there: rows, ids, counts, last steps,
+    values, Adagrad slot rows, each shard's map and counters, the dense
+    variable."""
+    rng = np.random.RandomState(3)
+    batches = [(rng.zipf(1.5, 6) % 16).reshape(3, 2).tolist() for _ in range(11)]
+    for batch in batches[:6]:
+        batch[0][0] = 100
+    root = str(tmp_path)
+    a, opt = _split_dynamic([6, 6])
+    deltas = delta_chain.ModelDeltas(a, opt)
+    assert list(deltas.dynamic) == ["t0"]
+    reader = deltas.track()
+    for step in range(6):
+        _split_step(a, opt, reader, batches[step], step)
+    base = tf.train.Checkpoint(m=a, opt=opt).write(os.path.join(root, "base", "ckpt"))
+    deltas.clear()
+    folders = []
+    for seq, steps in ((1, range(6, 10)), (2, range(10, 11))):
+        for step in steps:
+            _split_step(a, opt, reader, batches[step], step)
+        folders.append(deltas.write(os.path.join(root, f"delta-{seq}"), base_id="b", seq=seq))
+    assert a.dt.stats()["evicted"] > 0  # the chain crossed eviction passes
+    full = tf.train.Checkpoint(m=a, opt=opt).write(os.path.join(root, "full", "ckpt"))
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    assert any(len(dynamic_deltas.decode_keys(np.load(os.path.join(f, "0.npz")), "tomb:"))
+               for f in folders)
+    got = {}
+    for how in ("chain", "full"):
+        b, opt_b = _split_dynamic([4, 4, 4])
+        tf.train.Checkpoint(m=b, opt=opt_b).read(base if how == "chain" else full)
+        if how == "chain":
+            assert delta_chain.ModelDeltas(b, opt_b).restore(folders, "b") == 2
+        got[how] = _split_state(b, opt_b)
+        assert b.dt.reshard_stats()["from_shards"] == 2 and b.dt.reshard_stats()["moved"] > 0
+    assert got["full"]["iterations"] == 11 and len(got["full"]["rows"]) > 0
+    assert got["full"]["count"][got["full"]["key"].tolist().index(100)] == 2
+    assert sorted(got["chain"]) == sorted(got["full"])
+    for name, want in got["full"].items():
+        np.testing.assert_array_equal(got["chain"][name], want, err_msg=name)
 
 
 def test_the_dynamic_table_s_gradient_filter_copies_the_gradient():

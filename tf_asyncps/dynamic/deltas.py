@@ -27,7 +27,14 @@ each shard's counters and the tombstones. Counts and filter slots not
 marked changed only by LFU aging (``max(c // 2, 1)``, ``c // 2`` per pass),
 so a restore ages them by the passes since (:func:`apply`) and the marked
 ones overwrite them: the chain restores every row, slot, id and count
-exactly (the restore onto the same shards; see :func:`apply`).
+exactly.
+
+Onto another number of shards (ps tasks): the base restored there keeps
+each live row at its global row until the first lookup re-homes the table
+(reshard.py); the chain is applied to that state laid out as the shards
+that wrote it (:func:`relayout`), and the result restored as a checkpoint
+written over them would be, so the re-homing that follows gives what the
+full checkpoint at the chain's end gives on the new shards.
 """
 
 import types
@@ -40,7 +47,7 @@ from tf_asyncps.compat import hooks as hooks_compat
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
 
 __all__ = ["attach", "mark_lookup", "mark_eviction", "read", "clear", "apply", "state_of",
-           "encode_keys", "decode_keys"]
+           "relayout", "restore", "encode_keys", "decode_keys"]
 
 _ALL = -1  # int8, every reader's bit
 _COUNTERS = checkpoint_lib.COUNTERS
@@ -191,6 +198,43 @@ def _age(values: np.ndarray, passes: np.ndarray, floor_one: bool) -> np.ndarray:
     return np.where(values > 0, np.maximum(aged, 1), 0) if floor_one else aged
 
 
+def _sizes(shards) -> list:
+    return np.asarray(shards)[:, 0].tolist()
+
+
+def relayout(table, state: Dict[str, np.ndarray], sizes, where: str) -> Dict[str, np.ndarray]:
+    """``state`` (:func:`state_of` of a table whose base checkpoint, written
+    over shards of ``sizes`` rows, was restored onto other shards and not
+    re-homed yet) laid out as those shards: the live rows as they are (by
+    global row), each shard's ``passes`` the restore's (the saved shards'
+    largest: every eviction call covers every shard, so at a quiet point
+    they are equal), the other counters zero (each delta replaces them),
+    no filter slots (a restore onto other shards starts the filters empty).
+
+    Raises:
+      ValueError: another capacity, or no restore onto other shards pending
+        on the table (a lookup re-homed it already, or its base was written
+        over other shards than the chain): ``where`` names the delta file.
+    """
+    sizes = [int(n) for n in sizes]
+    here = [s.rows for s in table.shards]
+    pending = {int(s.marks.pending.numpy()) for s in table.shards}
+    if sum(sizes) != table.capacity or pending != {len(sizes)}:
+        why = (f"its capacity is {table.capacity}" if sum(sizes) != table.capacity else
+               "no restore from them is pending here (a lookup re-homed the table after the "
+               "base was restored, or the base was written over other shards than the chain)")
+        raise ValueError(
+            f"delta chain: {where} holds table {table.name!r} over shards of {sizes} rows, "
+            f"this table has {here} and {why}: restore the chain's own base (the full "
+            "backup it names) and apply the chain before the first lookup.")
+    p = _COUNTERS.index("passes")
+    shards = np.zeros([len(sizes), len(_COUNTERS)], np.int64)
+    shards[:, 0] = sizes
+    shards[:, p] = int(np.max(state["shards"][:, p])) if len(state["shards"]) else 0
+    empty = np.zeros([0], np.int64)
+    return dict(state, filter_at=empty, filter=empty, waiting_at=empty, shards=shards)
+
+
 def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, np.ndarray]:
     """``state`` (:func:`state_of`'s arrays, the table as restored so far)
     with one delta (:func:`read`'s arrays) applied, in numpy.
@@ -198,20 +242,30 @@ def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, n
     Order, as on the ps: LFU aging by the passes since (counts of the
     unmarked live rows, the unmarked filter slots), the tombstoned ids'
     rows freed, then the marked rows and filter slots written over, the
-    refused ids' slots and the counters replaced.
+    refused ids' slots and the counters replaced. A delta written over
+    other shards than this table's is applied to the base laid out as
+    those (:func:`relayout`, on the first delta); its filter slots are
+    dropped (the restore onto other shards empties the filters).
 
     Raises:
-      ValueError: the delta was written over other shards (``where`` names
-        the file): a chain restores onto the shards that wrote it.
+      ValueError: see :func:`relayout`; or the chain's deltas were written
+        over different shards (``where`` names the file).
     """
     shards = np.asarray(delta["shards"])
-    if shards.shape != state["shards"].shape or \
-            not np.array_equal(shards[:, 0], state["shards"][:, 0]):
-        raise ValueError(
-            f"delta chain: {where} holds table {table.name!r} over shards of "
-            f"{shards[:, 0].tolist()} rows, this table has {state['shards'][:, 0].tolist()}: "
-            "a DynamicEmbedding's deltas restore onto the shards that wrote them; restore "
-            "its full backup onto new shards (StepBackup(full_every=1) once) instead.")
+    here = [s.rows for s in table.shards]
+    if shards.shape[1:] != state["shards"].shape[1:] or \
+            _sizes(shards) != _sizes(state["shards"]):
+        if _sizes(state["shards"]) != here:
+            raise ValueError(
+                f"delta chain: {where} holds table {table.name!r} over shards of "
+                f"{_sizes(shards)} rows, the deltas before it over {_sizes(state['shards'])}: "
+                "one chain is written over one set of shards; restore its base and the "
+                "deltas of that base only.")
+        state = relayout(table, state, _sizes(shards), where)
+    # Filter slots are by position in the shards' filters: kept on the
+    # shards that wrote them only.
+    flen = (np.array([int(s.filter.shape[0]) for s in table.shards], np.int64)
+            if _sizes(shards) == here else None)
     p = _COUNTERS.index("passes")
     passes = np.maximum(shards[:, p] - state["shards"][:, p], 0)
     rows = np.asarray(state["rows"])
@@ -220,12 +274,14 @@ def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, n
     count, last = state["count"].copy(), state["last"].copy()
     if table.eviction == "lfu":
         count = _age(count, passes[shard_of], True)
-    flen = np.array([int(s.filter.shape[0]) for s in table.shards], np.int64)
-    filt = np.zeros(int(flen.sum()), np.int64)
-    filt[state["filter_at"]] = state["filter"]
-    if table.eviction == "lfu":
-        filt = _age(filt, np.repeat(passes, flen), False)
-    filt[delta["filter_at"]] = delta["filter"]
+    if flen is not None:
+        filt = np.zeros(int(flen.sum()), np.int64)
+        filt[state["filter_at"]] = state["filter"]
+        if table.eviction == "lfu":
+            filt = _age(filt, np.repeat(passes, flen), False)
+        filt[delta["filter_at"]] = delta["filter"]
+    else:
+        filt = np.zeros([0], np.int64)
     keys = np.asarray(state["key"], object if state["key"].dtype == object else np.int64)
     tombs = decode_keys(delta, "tomb:")
     keep = ~np.isin(keys, tombs) & ~np.isin(rows, delta["ids"])
@@ -251,15 +307,17 @@ def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, n
         out["slots"] = np.zeros([0, len(out["rows"]), table.output_dim], np.float32)
     nonzero = np.flatnonzero(filt)
     out["filter_at"], out["filter"] = nonzero.astype(np.int64), filt[nonzero]
-    out["waiting_at"] = np.asarray(delta["waiting_at"], np.int64)
+    out["waiting_at"] = np.asarray(delta["waiting_at"] if flen is not None else [], np.int64)
     out["shards"] = shards
     return out
 
 
 def restore(table, state: Dict[str, np.ndarray]) -> None:
-    """Puts ``state`` (:func:`apply`'s result) into the table (eager; same
-    shards): its rows, slots, metadata, filters and counters, and each
-    shard's id -> row map rebuilt from the live rows."""
+    """Puts ``state`` (:func:`apply`'s result) into the table (eager): its
+    rows, slots, metadata, filters and counters, and each shard's id -> row
+    map rebuilt from the live rows; a state laid out over other shards
+    (:func:`relayout`) as a checkpoint written over them, re-homed at the
+    first lookup (reshard.py)."""
     dtype = tf.string if state["key"].dtype == object else tf.int64
     tensors = {n: tf.constant(v, dtype if n == "key" else None) for n, v in state.items()}
     checkpoint_lib.restore_state(table, tensors)
