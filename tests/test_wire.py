@@ -77,11 +77,15 @@ def test_a_lookup_reads_each_distinct_id_once_with_the_same_rows_and_gradient():
     assert gather.inputs[1].op.type == "Cast"
     assert "Unique" in _ancestors(gather.inputs[1])
     assert [op.inputs[1].op.type for op in ops(run_p, "ResourceGather")] != ["Cast"]
-    # The gradient of the expanding gather takes the shape of rows that are
-    # already on the worker, not of the ps's tensor (one transfer a step).
+    # The rows are expanded beside the ids; the gradient is one segment sum
+    # there at the read's own positions, which reads no shape of the ps's
+    # rows (that would be one more transfer a step).
     [expand] = ops(run_d, "GatherV2")
-    assert expand.inputs[0].op.type == "Identity"
-    assert expand.inputs[0].op.colocation_groups() != gather.colocation_groups()
+    assert expand.colocation_groups() != gather.colocation_groups()
+    # (The other one is the test's own conversion of the gradient to dense.)
+    sums = ops(run_d, "UnsortedSegmentSum")
+    assert len(sums) == 2 and sum(s.inputs[1] is expand.inputs[1] for s in sums) == 1
+    assert [c.type for c in gather.outputs[0].consumers()] == ["GatherV2"]
 
 
 def test_ids_out_of_a_tables_range_are_still_refused():

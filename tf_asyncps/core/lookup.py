@@ -13,11 +13,15 @@ gathers from each shard) runs as::
     rows = var.sparse_read(unique)           # on the ps: distinct ids, rows
     out  = tf.gather(rows, position)         # on the worker: back to a row per id
 
-The backward pass mirrors it: the gradient of ``tf.gather`` sums the rows of
-repeated ids on the worker, so the ps receives one gradient row per distinct
-id, which is what tf_keras's optimizers apply anyway (they de-duplicate in
-``apply_gradients``) and what Keras 3's sparse updates sum to. Values and
-updates are the same as without it, up to float summation order.
+The backward pass mirrors it: the rows of repeated ids are summed on the
+worker, so the ps receives one gradient row per distinct id, which is what
+tf_keras's optimizers apply anyway (they de-duplicate in ``apply_gradients``)
+and what Keras 3's sparse updates sum to. Values and updates are the same as
+without it, up to float summation order. That backward is recorded as one
+operation on the variable (``unsorted_segment_sum(dy, position)`` at
+``unique``) rather than differentiated through the three ops above, whose
+registered gradients rebuild shapes at run time for each table shard
+(docs/benchmarks.md#ctr-step-cost-third-round).
 
 Every path that reads rows of such a variable goes through its
 ``sparse_read`` (``tf.gather``, ``tf.nn.embedding_lookup``, tf_keras's
@@ -95,10 +99,12 @@ def distinct_rows_gather(sparse_read, indices, name=None, *, distinct=True,
     if trace_context.EVERY_ID.get() or not distinct:
         return grads_lib.read_over_wire(sparse_read(indices, name=name), wire_dtype,
                                         back_with=op)
-    if trace_context.PER_ID_GRADIENTS.get() and variable is not None:
+    if variable is None:
+        return _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op)
+    if trace_context.PER_ID_GRADIENTS.get():
         return _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype,
                                      num_rows, op)
-    return _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op)
+    return _summed_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_rows, op)
 
 
 def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_rows, op):
@@ -117,11 +123,53 @@ def _per_id_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_
                                     dense_shape)
 
     return variables_compat.recorded_on_variable(
-        variable, lambda: _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op),
+        variable, lambda: _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op,
+                                         recorded=True)[0],
         backward)
 
 
-def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
+def _summed_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_rows, op):
+    """The distinct-id read, whose gradient to ``variable`` is one summed row
+    per distinct id at the read's own ``unique`` (known distinct)."""
+    shape, held = variable.shape, {}
+
+    def forward():
+        out, held["unique"], held["position"] = _distinct_read(
+            sparse_read, indices, name, wire_dtype, num_rows, op, recorded=True)
+        return out
+
+    def backward(dy):
+        with graph_compat.colocate_only_with(op):  # on the worker, beside the ids
+            rows = dy
+            if indices.shape.rank != 1:
+                rows = tf.reshape(dy, [-1] + shape[1:].as_list() if shape[1:].is_fully_defined()
+                                  else tf.concat([[-1], tf.shape(dy)[tf.rank(indices):]], 0))
+            wire = grads_lib.wire_dtype_of(rows.dtype, wire_dtype)
+            if wire is not None:
+                # The gradient of the read's two wire casts, as TensorFlow's
+                # gradient of them gives it: each id's row in the wire dtype.
+                rows = tf.cast(tf.cast(rows, wire), rows.dtype)
+            unique = held["unique"]
+            summed = tf.math.unsorted_segment_sum(rows, held["position"], tf.size(unique))
+            return tf.IndexedSlices(tf.cast(summed, variable.dtype), unique,
+                                    _dense_shape(variable))
+
+    return variables_compat.recorded_on_variable(variable, forward, backward)
+
+
+def _dense_shape(variable):
+    """The gradient's dense_shape: ``variable``'s static shape as TensorFlow's
+    gather gradient gives it (int32 where it fits), else read at run time."""
+    shape = variable.shape
+    if shape.is_fully_defined():
+        dims = shape.as_list()
+        return tf.constant(dims, tf.int32 if max(dims) <= tf.int32.max else tf.int64)
+    return tf.shape(variable, out_type=tf.int64)
+
+
+def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op, recorded=False):
+    """The read itself. ``recorded``: its backward is recorded by the caller
+    (returns ``(out, unique, position)``), else TensorFlow differentiates it."""
     # The ids' own device (the worker), not the variable's: only the distinct
     # ids and their rows cross.
     with graph_compat.colocate_only_with(op):
@@ -131,18 +179,19 @@ def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op):
         grads_lib.mark_distinct(unique)  # its gradient's rows are distinct already
     rows = grads_lib.read_over_wire(sparse_read(unique, name=name), wire_dtype, back_with=op)
     with graph_compat.colocate_only_with(op):
-        # The rows on the worker first: the gather's gradient takes the shape
-        # of its params beside them, which would be one more transfer from
-        # the ps every step if they were the ps's tensor.
-        rows = tf.identity(rows)
+        if not recorded:
+            # The rows on the worker first: the gather's gradient takes the
+            # shape of its params beside them, which would be one more
+            # transfer from the ps every step if they were the ps's tensor.
+            rows = tf.identity(rows)
         out = tf.gather(rows, position)
-        if flat:
-            return out
-        shape = tf.concat([tf.shape(indices, out_type=tf.int32),
-                           tf.shape(rows, out_type=tf.int32)[1:]], 0)
-        out = tf.reshape(out, shape)
-        out.set_shape(indices.shape.concatenate(rows.shape[1:]))
-        return out
+        if not flat:
+            row = rows.shape[1:]  # static: no shape read of the ps's tensor
+            row = (tf.constant(row.as_list(), tf.int32) if row.is_fully_defined()
+                   else tf.shape(rows, out_type=tf.int32)[1:])
+            out = tf.reshape(out, tf.concat([tf.shape(indices, out_type=tf.int32), row], 0))
+            out.set_shape(indices.shape.concatenate(rows.shape[1:]))
+        return (out, unique, position) if recorded else out
 
 
 def read_distinct_rows(var, *, distinct=True, wire_dtype=None) -> bool:
