@@ -15,8 +15,11 @@ Importing this module imports nothing; each function imports TensorFlow
 when called.
 """
 
+import contextlib
+
 __all__ = ["constants_beside_consumers", "gather_gradient_parts", "inside_function",
-           "outermost_graph", "resources_written", "colocated_with", "colocate_only_with"]
+           "outermost_graph", "resources_written", "colocated_with", "colocate_only_with",
+           "on_device_only"]
 
 
 def constants_beside_consumers(ops) -> int:
@@ -130,3 +133,16 @@ def colocate_only_with(op):
     ignore_existing=True)`` without its deprecation warning; TF 2.16-2.21)."""
     from tensorflow.python.framework import ops
     return ops.colocate_with(op, ignore_existing=True)
+
+
+@contextlib.contextmanager
+def on_device_only(device):
+    """Context: ops created in it are placed on ``device`` (a device string),
+    with no colocation from the scopes around them and no control inputs
+    (``ops.colocate_with(None, ignore_existing=True)``, TF 2.16-2.21: the
+    colocation stack cleared, the device scope kept)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+    with ops.colocate_with(None, ignore_existing=True), tf.device(device), \
+            tf.control_dependencies(None):
+        yield

@@ -11,6 +11,7 @@ once: :func:`wire_dtype_of` for gradients (:func:`copy_to`) and reads
 reads).
 """
 
+import functools
 import weakref
 
 import tensorflow as tf
@@ -19,7 +20,7 @@ from tf_asyncps.compat import graph as graph_compat
 
 __all__ = ["map_values", "scale", "all_finite", "cast", "copy_to", "sum_parts",
            "flat_tensors", "unique_rows", "mark_distinct", "known_distinct", "narrow_indices",
-           "wire_dtype_of", "read_over_wire"]
+           "wire_dtype_of", "read_over_wire", "shared_constant"]
 
 
 def map_values(fn, grad):
@@ -157,6 +158,47 @@ def known_distinct(indices) -> bool:
     return False
 
 
+# graph -> {(placement, dtype, value): the constant made there}
+_CONSTANTS = weakref.WeakKeyDictionary()
+
+
+def shared_constant(value, dtype, beside):
+    """``tf.constant(value, dtype)`` made once per graph and placement.
+
+    A step repeats the same small constants (an axis, a slice's bounds, a
+    zero) for every table shard and variable, and each constant is one more
+    op of every step: ops that share a placement share them. The constant
+    has no control inputs (it has no effect to order).
+
+    Args:
+      value: a Python number or (nested) list of numbers.
+      dtype: its dtype.
+      beside: an op or tensor just made in the caller's scope, of the graph
+        being built: the constant is placed as it is (on its device where it
+        names one, else with its colocation).
+
+    Returns:
+      A constant tensor of ``dtype``; a new one in eager mode.
+    """
+    op = getattr(beside, "op", beside)
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or getattr(op, "graph", None) is not graph:
+        return tf.constant(value, dtype)
+    dtype = tf.as_dtype(dtype)
+    if op.device:
+        where, place = op.device, functools.partial(graph_compat.on_device_only, op.device)
+    else:  # with the caller's colocation (its own group aside), no control inputs
+        own = b"loc:@" + op.name.encode()
+        where = tuple(g for g in op.colocation_groups() if g != own)
+        place = functools.partial(tf.control_dependencies, None)
+    made = _CONSTANTS.setdefault(graph, {})
+    key = (where, dtype.name, repr(value))
+    if key not in made:
+        with place():
+            made[key] = tf.constant(value, dtype)
+    return made[key]
+
+
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -216,28 +258,39 @@ def _pack(values, indices, rows):
     indices = narrow_indices(indices, rows)
     # A 16-bit dtype's bitcast is [n, 2] already; a 32-bit one's [n].
     bits = tf.bitcast(indices, values.dtype)
+    one = shared_constant(1, tf.int32, bits)
     if values.dtype.size == 4:
-        bits = tf.expand_dims(bits, 1)
+        bits = tf.expand_dims(bits, one)
     if values.shape.rank != 2:  # a matrix's rows are [n, k] as they are
         k = values.shape[1:].num_elements()
-        values = tf.reshape(values, tf.constant([-1, k], tf.int32))
-    return tf.concat([values, bits], 1)
+        values = tf.reshape(values, shared_constant([-1, k], tf.int32, bits))
+    return tf.concat([values, bits], one)
 
 
 def _unpack(packed, values, indices):
     """The (values, indices) of :func:`_pack`'s tensor, in their own shapes and
     dtypes (indices back to int64 where they were)."""
     k = values.shape[1:].num_elements()
-    if values.shape.rank == 2:  # rows of a matrix: the columns are the values
-        vals = packed[:, :k]
-    else:
+
+    def const(v):
+        return shared_constant(v, tf.int32, packed)
+
+    # packed[:, :k], and packed[:, k] (a 32-bit dtype's index: one column,
+    # [n] once sliced out) or packed[:, k:] (a 16-bit dtype's two, which the
+    # bitcast joins into one int32), with the bounds shared by the shards.
+    vals = tf.strided_slice(packed, const([0, 0]), const([0, k]), const([1, 1]),
+                            begin_mask=3, end_mask=1)
+    if values.shape.rank != 2:  # a matrix's rows: the columns are the values
         # int32 dims: a vector's values have none ([] alone would be float32).
         dims = tf.constant(values.shape[1:].as_list(), tf.int32)
-        vals = tf.reshape(packed[:, :k], tf.concat([[tf.shape(packed)[0]], dims], 0))
+        vals = tf.reshape(vals, tf.concat([[tf.shape(packed)[0]], dims], 0))
     vals.set_shape(values.shape)
-    # A 32-bit dtype's index is one column ([n] once sliced out); a 16-bit
-    # dtype's two, which the bitcast joins into one int32.
-    bits = packed[:, k] if packed.dtype.size == 4 else packed[:, k:]
+    if packed.dtype.size == 4:
+        bits = tf.strided_slice(packed, const([0, k]), const([0, k + 1]), const([1, 1]),
+                                begin_mask=1, end_mask=1, shrink_axis_mask=2)
+    else:
+        bits = tf.strided_slice(packed, const([0, k]), const([0, 0]), const([1, 1]),
+                                begin_mask=1, end_mask=3)
     idx = tf.bitcast(bits, tf.int32)
     return vals, tf.cast(idx, indices.dtype)
 

@@ -152,18 +152,19 @@ def _summed_gradient_read(variable, sparse_read, indices, name, wire_dtype, num_
             unique = held["unique"]
             summed = tf.math.unsorted_segment_sum(rows, held["position"], tf.size(unique))
             return tf.IndexedSlices(tf.cast(summed, variable.dtype), unique,
-                                    _dense_shape(variable))
+                                    _dense_shape(variable, summed))
 
     return variables_compat.recorded_on_variable(variable, forward, backward)
 
 
-def _dense_shape(variable):
+def _dense_shape(variable, beside):
     """The gradient's dense_shape: ``variable``'s static shape as TensorFlow's
     gather gradient gives it (int32 where it fits), else read at run time."""
     shape = variable.shape
     if shape.is_fully_defined():
         dims = shape.as_list()
-        return tf.constant(dims, tf.int32 if max(dims) <= tf.int32.max else tf.int64)
+        return grads_lib.shared_constant(
+            dims, tf.int32 if max(dims) <= tf.int32.max else tf.int64, beside)
     return tf.shape(variable, out_type=tf.int64)
 
 
@@ -184,7 +185,7 @@ def _distinct_read(sparse_read, indices, name, wire_dtype, num_rows, op, recorde
             # shape of its params beside them, which would be one more
             # transfer from the ps every step if they were the ps's tensor.
             rows = tf.identity(rows)
-        out = tf.gather(rows, position)
+        out = tf.gather(rows, position, axis=grads_lib.shared_constant(0, tf.int32, position))
         if not flat:
             row = rows.shape[1:]  # static: no shape read of the ps's tensor
             row = (tf.constant(row.as_list(), tf.int32) if row.is_fully_defined()

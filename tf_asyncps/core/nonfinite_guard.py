@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import variables as variables_compat
+from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core import trace_context
 
 __all__ = ["guarded_by", "guard", "active"]
@@ -161,8 +162,8 @@ def guard(var, fn: Callable) -> Callable:
 def _zeros_unless(pred, grad):
     """``grad`` (tensor or IndexedSlices: its values) where ``pred`` (scalar
     tf.bool) holds, else zeros of its shape (the indices kept)."""
-    def values(v):
-        return tf.where(pred, v, tf.zeros([], v.dtype))
+    def values(v):  # the zero shared by the variables beside the predicate
+        return tf.where(pred, v, grads_lib.shared_constant(0, v.dtype, pred))
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(values(grad.values), grad.indices, grad.dense_shape)
     return values(grad)
