@@ -26,6 +26,7 @@ Layout of ``backup_dir``:
 import os
 import re
 import shutil
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -142,7 +143,8 @@ class StepBackup(tf_keras.callbacks.Callback):
     construction, before ``fit`` builds its input). A re-run of a fit that
     ended trains nothing (its last backup is at ``epochs * steps_per_epoch``).
     Steps redone: ``progress.json`` holds the worker steps done before a
-    crash (written every ``period_s`` at closure ends, at each backup and by
+    crash (written every ``period_s`` by a writer thread, so also while a
+    backup drains the schedule, at each backup and by
     :meth:`record_failure`); a re-run adds (steps done) - (steps of the
     backup it resumes from).
 
@@ -214,15 +216,18 @@ class StepBackup(tf_keras.callbacks.Callback):
         self._quiet = (0, 0)  # (worker steps, closures done) at the last quiet point
         self._last_backup = -1
         self._next_backup = self.every_steps
-        self._last_write = 0.0
         self._coordinator = None
+        # The progress writer: a thread, since the chief schedules a backup
+        # interval's closures at once and then waits in the drain.
+        self._stop = threading.Event()
+        self._writer = None
+        self._write_lock = threading.Lock()
         self._strategy = None
         self._deltas = None  # delta_chain.ModelDeltas while deltas are written
         self._base = None  # folder name of the chain's full backup
         self._seq = 0  # deltas written on it
         self._ckpt = None
         self.save_function = None  # the traced checkpoint write (one trace per fit)
-        self._first_closure = True
 
     # -- fit position ---------------------------------------------------------
     @property
@@ -253,13 +258,37 @@ class StepBackup(tf_keras.callbacks.Callback):
             return 1
 
     def _write_progress(self) -> None:
-        self._last_write = time.monotonic()
-        atomic_write_json(self._progress_path, {
-            "steps_done": self.steps_done(), "chief_runs": self.chief_runs,
-            "resumed_from_step": self.resumed_from_step, "steps_redone": self.steps_redone})
+        # One writer at a time: a later count must not be replaced by an
+        # earlier one read by the other thread.
+        with self._write_lock:
+            atomic_write_json(self._progress_path, {
+                "steps_done": self.steps_done(), "chief_runs": self.chief_runs,
+                "resumed_from_step": self.resumed_from_step,
+                "steps_redone": self.steps_redone})
+
+    def _write_every_period(self, stop) -> None:
+        """The writer thread's loop: ``progress.json`` every ``period_s``
+        until ``stop`` (a threading.Event) is set."""
+        while not stop.wait(self.period_s):
+            self._write_progress()
+
+    def _start_writer(self) -> None:
+        self._stop_writer()
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_every_period, args=(self._stop,),
+                                        daemon=True, name="StepBackup-progress")
+        self._writer.start()
+
+    def _stop_writer(self) -> None:
+        self._stop.set()
+        if self._writer is not None:
+            self._writer.join(timeout=10)
+            self._writer = None
 
     def record_failure(self) -> None:
-        """Writes the progress of a run about to fail (steps done so far)."""
+        """Writes the progress of a run about to fail (steps done so far) and
+        stops the progress writer."""
+        self._stop_writer()
         if self._started:
             self._write_progress()
 
@@ -301,7 +330,7 @@ class StepBackup(tf_keras.callbacks.Callback):
         return divmod(self.resumed_from_step, int(steps_per_epoch))
 
     def on_train_begin(self, logs=None):
-        self._ckpt, self.save_function, self._first_closure = None, None, True
+        self._ckpt, self.save_function = None, None
         self._strategy = strategy_of(self.model)
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self._strategy)
         self._steps_per_epoch = int((self.params or {}).get("steps") or 0)
@@ -341,6 +370,7 @@ class StepBackup(tf_keras.callbacks.Callback):
             epoch, step = divmod(self.resumed_from_step, self._steps_per_epoch)
             tf_keras_compat.set_fit_resume_point(self.model, epoch, step)
         self._write_progress()
+        self._start_writer()
 
     def _model_deltas(self):
         """The model's ModelDeltas, or None without a table. Builds the
@@ -405,13 +435,6 @@ class StepBackup(tf_keras.callbacks.Callback):
         self._scheduled = epoch * self._steps_per_epoch + int(steps_in_epoch)
         if self._scheduled >= self._next_backup:
             self.backup_now()
-        elif self._first_closure:
-            # Its scheduling traced the step: the period starts now, so the
-            # next closures' hooks (timed by tf_keras) do no file I/O.
-            self._last_write = time.monotonic()
-        elif time.monotonic() - self._last_write >= self.period_s:
-            self._write_progress()
-        self._first_closure = False
 
     def backup_now(self) -> str:
         """Drains the schedule and writes a backup of the fit's position;
@@ -477,5 +500,6 @@ class StepBackup(tf_keras.callbacks.Callback):
             self.backup_now()
         else:
             self._write_progress()
+        self._stop_writer()
         if not models_compat.is_keras3_model(self.model):
             tf_keras_compat.set_fit_resume_point(self.model, None)
