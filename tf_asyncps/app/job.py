@@ -22,6 +22,7 @@ from tf_asyncps.callbacks import recovery
 from tf_asyncps.callbacks.dynamic import DynamicEviction
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps.app import datasets, dynamic_ids
+from tf_asyncps.app.job_backup import JobBackup
 from tf_asyncps.app.job_config import OPTIMIZERS, JobConfig, make_policy, parse_policy_args
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core import mixed_precision
@@ -243,19 +244,9 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
     # Under launch the chief's stderr is a pipe to a terminal (app/console.py).
     cbs = [callbacks_lib.ProgressLine(total, force=os.environ.get("TF_ASYNCPS_PROGRESS_LINE")
                                       == "1"), logger]
-    tracker = None
-    if cfg.backup_dir and cfg.backup_every_steps:
-        # A backup every N worker steps at a drained schedule; resumes mid-epoch.
-        tracker = callbacks_lib.StepBackup(cfg.backup_dir, cfg.backup_every_steps)
-        cbs.append(tracker)
-    elif cfg.backup_dir:
-        # Epoch checkpoints of the model and optimizer; a re-run resumes from
-        # the latest (ps failures are not recoverable in place).
-        tracker = recovery.ResumeTracker(cfg.backup_dir, cfg.steps_per_epoch,
-                                         cfg.steps_per_execution)
-        # The tracker records an epoch's steps before the epoch's checkpoint is
-        # written: a crash during that save counts the epoch as redone.
-        cbs += [tracker, k.callbacks.BackupAndRestore(cfg.backup_dir)]
+    backup = JobBackup(cfg.backup_dir, cfg.backup_every_steps, cfg.steps_per_epoch,
+                       cfg.steps_per_execution, k)
+    cbs += backup.callbacks
     s0 = strategy.staleness_stats()
     t0 = time.perf_counter()
     try:
@@ -270,31 +261,12 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
             per_worker,
             epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch, callbacks=cbs, verbose=0)
     except BaseException as e:
-        if tracker is not None and tracker.started:
-            tracker.record_failure()
-            say(f"training failed after {tracker.steps_done()} of {total} worker steps; "
-                f"a re-run resumes from the latest checkpoint in {cfg.backup_dir}")
-        elif tracker is not None and isinstance(e, (tf.errors.OpError, ValueError)) and \
-                any(w in str(e).lower() for w in ("restore", "checkpoint")) and \
-                tf.train.latest_checkpoint(os.path.join(cfg.backup_dir, "chief")):
-            # Restoring the backup failed before any step ran.
-            first = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
-            raise ValueError(
-                f"--backup_dir={cfg.backup_dir} holds a checkpoint this job cannot "
-                f"restore ({first[:300]}); it is probably from another model or "
-                "optimizer. Use a new --backup_dir or delete that one.") from None
+        backup.failed(e, total, say)
         raise
     train_s = time.perf_counter() - t0
     stats = strategy.staleness_stats()
     worker_steps = stats.worker_steps - s0.worker_steps
-    resumed = tracker.resumed_from_step if tracker else 0
-    if tracker and not tracker.started:
-        say(f"warning: the checkpoint in --backup_dir={cfg.backup_dir} is already at worker "
-            f"step {resumed} of {total} (--epochs={cfg.epochs}): nothing was trained; the "
-            "model is the checkpoint's. Raise --epochs or use a new --backup_dir.")
-    if tracker and tracker.chief_runs > 1:
-        say(f"resumed at worker step {resumed} (chief run {tracker.chief_runs}); "
-            f"{tracker.steps_redone} worker steps redone in all")
+    resumed = backup.resumed(total, cfg.epochs, say)
 
     # Evaluate and export a plain single-process float32 copy of the trained
     # model (mixed-precision variables are float32 already).
@@ -325,7 +297,7 @@ def _train_and_export(cfg, data, strategy, num_workers, num_ps, precision, t_job
         "scheduled_steps": int(max(0, total - resumed)),
         "retried_closures": int(stats.retried_closures),
         "worker_failures": int(stats.worker_failures),
-        "recovery": tracker.summary() if tracker else None,
+        "recovery": backup.summary(),
         "steps_per_sec": worker_steps / train_s,
         "examples_per_sec": worker_steps * cfg.batch_size / train_s,
         "train_time_s": train_s,
