@@ -494,6 +494,28 @@ def test_tombstones_remove_the_evicted_ids_at_restore(dynamic_chain, tmp_path):
     assert not gone & set(dynamic_deltas.state_of(layer.dynamic_table)["key"].tolist())
 
 
+def test_clear_takes_the_rows_filter_marks_and_tombstones():
+    """ModelDeltas.clear (a full save's, and each delta's) clears all three:
+    a tombstone left after a full save went into the next delta and freed
+    an id evicted and admitted again before the base, untouched after it."""
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    model, layer, opt = _dynamic_model()
+    deltas = delta_chain.ModelDeltas(model, opt)
+    reader = deltas.track()
+    for batch in DYN_BATCHES:
+        _dynamic_step(model, layer, opt, reader, batch)
+    table = layer.dynamic_table
+    before = dynamic_deltas.read(table, reader.mask, [], slots=False)
+    assert sorted(dynamic_deltas.decode_keys(before, "tomb:").tolist()) == [13, 14]
+    assert len(before["ids"]) and len(before["filter_at"])
+    deltas.clear()
+    after = dynamic_deltas.read(table, reader.mask, [], slots=False)
+    assert [len(after[n]) for n in ("ids", "filter_at")] == [0, 0]
+    assert len(dynamic_deltas.decode_keys(after, "tomb:")) == 0
+    # Its only reader read them: the tombstones are gone from the ps.
+    assert [int(s.delta_marks.tombs.size()) for s in table.shards] == [0]
+
+
 def test_a_dynamic_chain_refuses_other_shards_naming_the_file(dynamic_chain, tmp_path):
     """A delta over shards of another capacity, or over other shards than
     those the base was restored from (no restore from them pending): refused

@@ -137,7 +137,7 @@ class _ServingVariables:
                 [s for shards, _ in self.tables.values() for s in shards]
                 + [s.var for t in self.dynamic.values() for s in t.shards], "delta_publisher")
             for table in self.dynamic.values():
-                dynamic_deltas.attach(table, self.reader.mark_of)
+                dynamic_deltas.attach(table, self.reader.mark_of, self.reader.mask)
         return self.reader
 
     def clear(self) -> None:

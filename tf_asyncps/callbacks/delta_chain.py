@@ -140,7 +140,7 @@ class ModelDeltas:
             from tf_asyncps.dynamic import deltas as dynamic_deltas
             self.dirty = shared_reader(self.variables(), "step_backup")
             for table in self.dynamic.values():
-                dynamic_deltas.attach(table, self.dirty.mark_of)
+                dynamic_deltas.attach(table, self.dirty.mark_of, self.dirty.mask)
         return self.dirty
 
     def variables(self) -> List[tf.Variable]:

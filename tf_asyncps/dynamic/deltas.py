@@ -18,7 +18,11 @@ byte more per step on the wire):
 * ``filter``: an int8 mark per counting-filter slot, set where a lookup
   counted an id without a row;
 * ``tombs``: a ``MutableHashTable`` key -> int64 reader bits, the ids an
-  eviction pass removed, kept until each reader has read them.
+  eviction pass removed, kept until each reader has read them;
+* ``readers``: int64, the bits of the readers attached (a tombstone takes
+  theirs only: with one marked for all 8 bits, a table read by fewer
+  readers never dropped it, and the tombstones grew with every id
+  evicted).
 
 What a reader takes (:func:`read`), per table: the marked rows (global row,
 id, count, last step, values, optimizer slot rows), the marked filter slots
@@ -53,21 +57,27 @@ _ALL = -1  # int8, every reader's bit
 _COUNTERS = checkpoint_lib.COUNTERS
 
 
-def attach(table, row_marks) -> None:
+def attach(table, row_marks, mask: int = 0xFF) -> None:
     """Gives each shard of ``table`` its delta marks (see the module
-    docstring), once; ``row_marks(shard variable)`` is the shard's int8 row
-    mark. Call before the lookups and updates are traced."""
+    docstring), once, and adds the reader's bit ``mask`` (``1 << bit``) to
+    the shards' readers; ``row_marks(shard variable)`` is the shard's int8
+    row mark. Call before the lookups and updates are traced."""
     for s in table.shards:
-        if getattr(s, "delta_marks", None) is not None:
-            continue
+        m = getattr(s, "delta_marks", None)
+        if m is None:
+            with tf.init_scope(), tf.device(s.device):
+                filt = tf.Variable(tf.zeros([s.filter_slots], tf.int8), trainable=False,
+                                   name=f"{s.name}_filter_dirty")
+                tombs = tf.lookup.experimental.MutableHashTable(
+                    s.index.key_dtype, tf.int64, default_value=0, name=f"{s.name}_tombstones")
+                readers = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                      name=f"{s.name}_delta_readers")
+            m = types.SimpleNamespace(rows=row_marks(s.var), filter=filt, tombs=tombs,
+                                      readers=readers)
+            # Not model state: no checkpoint, no Keras weight.
+            hooks_compat.set_untracked_attribute(s, "delta_marks", m)
         with tf.init_scope(), tf.device(s.device):
-            filt = tf.Variable(tf.zeros([s.filter_slots], tf.int8), trainable=False,
-                               name=f"{s.name}_filter_dirty")
-            tombs = tf.lookup.experimental.MutableHashTable(
-                s.index.key_dtype, tf.int64, default_value=0, name=f"{s.name}_tombstones")
-        # Not model state: no checkpoint, no Keras weight.
-        hooks_compat.set_untracked_attribute(s, "delta_marks", types.SimpleNamespace(
-            rows=row_marks(s.var), filter=filt, tombs=tombs))
+            m.readers.assign(tf.bitwise.bitwise_or(m.readers, tf.constant(mask, tf.int64)))
 
 
 def _marks(shard):
@@ -95,7 +105,7 @@ def mark_eviction(shard, gone) -> List[tf.Operation]:
     keys = tf.gather(shard.key, gone)
     return [m.rows.scatter_update(tf.IndexedSlices(
                 tf.fill(tf.shape(gone), tf.constant(_ALL, tf.int8)), gone)),
-            m.tombs.insert(keys, tf.fill(tf.shape(keys), tf.constant(0xFF, tf.int64)))]
+            m.tombs.insert(keys, tf.fill(tf.shape(keys), m.readers.read_value()))]
 
 
 def encode_keys(keys: np.ndarray) -> Dict[str, np.ndarray]:
