@@ -92,6 +92,13 @@ REFUSED = [
      ["error: --ctr_zipf=nan is not a number"]),
     (["launch", "--flagfile=configs/ctr.flags", "--ctr_scale=1.5"],
      ["error: --ctr_scale must be in (0, 1]"]),
+    # The CTR job takes backups (issue 41); bad values refused as the main job's.
+    (["launch", "--flagfile=configs/ctr.flags", "--backup_every_steps=-5"],
+     ["flag --backup_every_steps=-5: -5 is not a non-negative integer"]),
+    (["launch", "--flagfile=configs/ctr.flags", "--backup_every_steps=9223372036854775808"],
+     ["--backup_every_steps must be an int >= 0 and < 2**63"]),
+    (["launch", "--flagfile=configs/ctr.flags", "--backup_dir=pyproject.toml"],
+     ["--backup_dir=pyproject.toml is a file"]),
     (["launch", "--timeout_s=nan"], ["error: --timeout_s=nan is not a number"]),
     # inf passed lower_bound=0 and dropped 999 of 1000 updates (non-finite).
     (["launch", "--learning_rate=inf"],

@@ -75,6 +75,23 @@ def test_dataset_fn_gives_worker_w_its_stream(data):
             np.testing.assert_array_equal(y.numpy(), want_y.numpy())
 
 
+def test_a_resumed_runs_streams_start_at_the_backups_worker_steps(data):
+    # ctr_job passes the backup's worker steps N: worker w's first batch is
+    # its stream's batch N (each worker read at most N batches before it).
+    fn = data.dataset_fn(64, start=37)
+    for w in (0, 1):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=w)
+        got = [b for _, b in zip(range(2), fn(ctx))]
+        for i, (x, y) in enumerate(got):
+            want_x, want_y = data.batch(cd.train_stream(w), 37 + i, 64)
+            np.testing.assert_array_equal(x["sparse"].numpy(), want_x["sparse"].numpy())
+            np.testing.assert_array_equal(x["dense"].numpy(), want_x["dense"].numpy())
+            np.testing.assert_array_equal(y.numpy(), want_y.numpy())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"start must be an int >= 0"):
+            data.dataset_fn(64, start=bad)
+
+
 def test_zipf_law_closed_forms(data):
     a = 1.1
     for n in (3, 24, 1460, 100_000):

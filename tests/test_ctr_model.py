@@ -112,13 +112,23 @@ def test_a_missing_embedding_collection_fails_clearly(monkeypatch):
     (dict(ctr_zipf=-0.5), "--ctr_zipf"),
     (dict(ctr_test_examples=1), "--ctr_test_examples"),
     (dict(dynamic_ids=True), "--ctr_embedding=dynamic"),
-    (dict(backup_dir="/tmp/x"), "--backup_dir"),
+    (dict(backup_every_steps=50), "--backup_every_steps needs --backup_dir"),
+    (dict(backup_every_steps=-1, backup_dir="/tmp"), "--backup_every_steps must be an int >= 0"),
+    (dict(backup_every_steps=2 ** 63, backup_dir="/tmp"), "--backup_every_steps must be an int"),
+    (dict(backup_every_steps=True, backup_dir="/tmp"), "--backup_every_steps must be an int"),
     (dict(ctr_embedding="dynamic", dynamic_capacity=0.0), "--dynamic_capacity"),
     (dict(dataset="digits"), "--dataset=digits"),
 ])
 def test_bad_ctr_settings_name_the_flag(fields, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         ctr_job.CtrConfig(**fields).validate()
+
+
+def test_the_ctr_job_takes_backups_every_n_steps(tmp_path):
+    # Refused until the CTR job checkpointed ("the CTR job does not checkpoint").
+    cfg = ctr_job.CtrConfig(backup_dir=str(tmp_path), backup_every_steps=50)
+    cfg.validate()
+    assert cfg.backup_every_steps == 50
 
 
 def test_ctr_defaults_validate():

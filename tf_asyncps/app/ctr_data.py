@@ -245,12 +245,16 @@ class CtrData:
             tf.data.Dataset.range(start, 2 ** 62)
         return idx.map(lambda i: self.batch(stream, i, batch)).prefetch(2)
 
-    def dataset_fn(self, batch: int):
+    def dataset_fn(self, batch: int, start: int = 0):
         """Per-worker ``dataset_fn(input_context)`` (``DatasetCreator`` /
-        ``tf_asyncps.keras3.DatasetFn``): worker w reads ``train_stream(w)``."""
+        ``tf_asyncps.keras3.DatasetFn``): worker w reads ``train_stream(w)``
+        from batch ``start`` (int >= 0; a resumed run passes the worker
+        steps of its backup, see ctr_job)."""
+        start = check_int(start, "start", min=0, below=2 ** 62, hint="a batch index")
+
         def dataset_fn(input_context):
             worker = tf.cast(input_context.input_pipeline_id, tf.int64)
-            return self.dataset(train_stream(0) + worker, batch)
+            return self.dataset(train_stream(0) + worker, batch, start=start)
         return dataset_fn
 
     def arrays(self, stream: int, examples: int, batch: int = 8192):

@@ -10,6 +10,17 @@ workers); the held-out split is evaluated on the chief. Both write
 the held-out log loss, the planted model's own ``planted_test_auc`` and
 ``planted_test_loss`` (the ceiling), ``chief_cpu_s_per_example`` and
 ``ctr``: the data's and model's settings).
+
+Backups (``--backup_dir``, ``--backup_every_steps``, launch
+``--restart_failed_tasks``): ``StepBackup`` every ``--backup_every_steps``
+worker steps, or every ``--steps_per_epoch`` (epoch ends) without it, full
+saves with deltas of the tables between them (app/job_backup.py, shared with
+the main job). A resumed run restores the newest backup, N worker steps, and
+each worker reads its stream from batch N: the restored model trained on
+batches 0..n_w - 1 of worker w's stream with sum(n_w) = N, so no batch it
+learnt from is read again; batches n_w..N-1 of each stream are not read by
+either run (all streams are draws from the same distribution). ``metrics.json``
+``recovery`` holds ``stream_start_batch`` = N.
 """
 
 import os
@@ -23,6 +34,7 @@ import tf_keras
 from tf_asyncps import callbacks as callbacks_lib
 from tf_asyncps import cluster as cluster_lib
 from tf_asyncps.app import ctr_data, ctr_model, job, models
+from tf_asyncps.app.job_backup import JobBackup
 from tf_asyncps.app.job_config import CtrConfig, make_policy
 from tf_asyncps.callbacks import recovery
 from tf_asyncps.callbacks.dynamic import DynamicEviction
@@ -117,8 +129,9 @@ def run(cfg: CtrConfig, resolver=None, print_fn=None) -> Dict[str, Any]:
       The metrics dict, also written to ``output_dir/metrics.json``.
 
     Raises:
-      ValueError: bad settings or cluster. TimeoutError: a task unreachable
-        within ``connect_timeout_s``.
+      ValueError: bad settings or cluster; a backup in ``backup_dir`` of
+        another model. TimeoutError: a task unreachable within
+        ``connect_timeout_s``.
     """
     t_job = time.perf_counter()
     cfg.validate()
@@ -166,7 +179,13 @@ def _train(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
                                            print_fn=say)
     cbs = [callbacks_lib.ProgressLine(total, force=os.environ.get("TF_ASYNCPS_PROGRESS_LINE")
                                       == "1"), logger]
-    dataset_fn = data.dataset_fn(cfg.batch_size)
+    # Without --backup_every_steps, a backup at each epoch end (StepBackup's,
+    # not BackupAndRestore's: the resume step is known before fit makes the
+    # workers' streams, and the tables get deltas).
+    backup = JobBackup(cfg.backup_dir, cfg.backup_every_steps or cfg.steps_per_epoch,
+                       cfg.steps_per_epoch, cfg.steps_per_execution, k)
+    cbs += backup.callbacks
+    dataset_fn = data.dataset_fn(cfg.batch_size, start=backup.resume_step)
     if models.is_keras3(k):
         from tf_asyncps.keras3 import DatasetFn
         per_worker = DatasetFn(dataset_fn)
@@ -175,11 +194,19 @@ def _train(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
     x_test, y_test, planted = _held_out(cfg, data)
     s0 = strategy.staleness_stats()
     t0, c0 = time.perf_counter(), time.process_time()
-    model.fit(per_worker, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch,
-              callbacks=cbs, verbose=0)
+    try:
+        model.fit(per_worker, epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch,
+                  callbacks=cbs, verbose=0)
+    except BaseException as e:
+        backup.failed(e, total, say)
+        raise
     train_s, chief_cpu = time.perf_counter() - t0, time.process_time() - c0
     stats = strategy.staleness_stats()
     worker_steps = stats.worker_steps - s0.worker_steps
+    resumed = backup.resumed(total, cfg.epochs, say)
+    recovered = backup.summary()
+    if recovered is not None:
+        recovered["stream_start_batch"] = backup.resume_step
     probs = _predict(model, x_test)
     examples = worker_steps * cfg.batch_size
     metrics = {
@@ -193,9 +220,10 @@ def _train(cfg, data, strategy, num_workers, num_ps, precision, t_job, say):
         "steps_per_epoch": cfg.steps_per_epoch,
         "batch_size": cfg.batch_size,
         "worker_steps": int(worker_steps),
-        "scheduled_steps": int(total),
+        "scheduled_steps": int(max(0, total - resumed)),
         "retried_closures": int(stats.retried_closures),
         "worker_failures": int(stats.worker_failures),
+        "recovery": recovered,
         "steps_per_sec": worker_steps / train_s,
         "examples_per_sec": examples / train_s,
         "train_time_s": train_s,

@@ -87,7 +87,7 @@ class JobConfig:
     locking: bool = False
     mixed_precision: str = "none"  # none, mixed_float16, mixed_bfloat16, auto
     wire_dtype: str = "float32"  # or "bfloat16": AsyncParameterServerStrategy(wire_dtype=)
-    backup_dir: Optional[str] = None  # BackupAndRestore checkpoints: resume after a crash
+    backup_dir: Optional[str] = None  # epoch or step backups: resume after a crash
     # > 0: StepBackup every that many worker steps (mid-epoch resume) instead.
     backup_every_steps: int = 0
     embedding_dim: int = 32  # recommender: width of each embedding table
@@ -159,7 +159,7 @@ class JobConfig:
         self._check_dynamic()
         check_int(self.min_shard_bytes, "--min_shard_bytes", min=0,
                   hint="0: no variable_partitioner")
-        check_int(self.backup_every_steps, "--backup_every_steps", min=0,
+        check_int(self.backup_every_steps, "--backup_every_steps", min=0, below=2 ** 63,
                   hint="0: epoch-end backups")
         if self.backup_every_steps and self.backup_dir is None:
             raise ValueError("--backup_every_steps needs --backup_dir=DIR (where the backups "
@@ -223,9 +223,6 @@ class CtrConfig(JobConfig):
         if self.dynamic_ids:
             raise ValueError("--dynamic_ids is the recommender's; the CTR job's raw-id "
                              "variant is --ctr_embedding=dynamic.")
-        if self.backup_dir is not None:
-            raise ValueError("the CTR job does not checkpoint (--backup_dir, launch "
-                             "--restart_failed_tasks); leave them out.")
         super().check()
         if (self.model, self.dataset) != ("dlrm", "criteo_synthetic"):
             raise ValueError(f"the CTR job is --model=dlrm --dataset=criteo_synthetic, got "

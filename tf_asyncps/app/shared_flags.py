@@ -124,7 +124,8 @@ flags.DEFINE_enum("mixed_precision", "none",
 
 flags.DEFINE_string("backup_dir", None,
                     "Checkpoint directory: the model and optimizer are saved at every "
-                    "epoch end (tf_keras BackupAndRestore), or every --backup_every_steps "
+                    "epoch end (tf_keras BackupAndRestore; the CTR job: StepBackup every "
+                    "--steps_per_epoch steps), or every --backup_every_steps "
                     "worker steps (tf_asyncps.callbacks.StepBackup), and a re-run of the "
                     "chief resumes from the latest backup (metrics.json: recovery). launch "
                     "--restart_failed_tasks or --backup_every_steps default it to "
