@@ -92,6 +92,23 @@ def test_restore_onto_other_shards_keeps_every_id_and_row(tmp_path, sizes):
     assert sorted(_invariants(b)) == sorted(IDS.tolist() + [1234])
 
 
+def test_a_read_onto_more_shards_leaves_only_the_new_maps_unmatched(tmp_path):
+    """StepBackup's check of a read (compat.checkpoint.assert_matched_except):
+    2 shards read onto 3 leave shard 2's id -> row map unmatched, which
+    TensorFlow's assert_existing_objects_matched refuses; allowed, nothing
+    else is unmatched; not allowed, TensorFlow's error stands."""
+    from tf_asyncps.compat import checkpoint as checkpoint_compat
+    path = tf.train.Checkpoint(m=_trained([15, 15], IDS)).write(str(tmp_path / "ckpt"))
+    b = _table([10, 10, 10])
+    status = tf.train.Checkpoint(m=b).read(path)
+    with pytest.raises(AssertionError, match="Found 1 Python objects"):
+        status.assert_existing_objects_matched()
+    checkpoint_compat.assert_matched_except(status, [b.dt.shards[2].index])
+    with pytest.raises(AssertionError, match="Found 1 Python objects"):
+        checkpoint_compat.assert_matched_except(status, [b.dt.shards[1].index])
+    assert int(b.dt.shards[0].marks.pending.numpy()) == 2
+
+
 def test_three_to_two_with_string_ids(tmp_path):
     ids = np.array([str(i) for i in IDS])
     a = _trained([10, 10, 10], tf.constant(ids), key_dtype=tf.string)

@@ -95,6 +95,22 @@ def test_a_backup_dir_that_is_a_file_is_refused_naming_the_fix(tmp_path):
 
 
 
+def test_a_full_save_clears_every_mark_of_the_deltas(tmp_path, monkeypatch):
+    """A full backup clears its ModelDeltas whole (rows, a dynamic table's
+    filter marks and tombstones: ModelDeltas.clear), not its row marks only."""
+    calls = []
+
+    class Deltas:
+        def clear(self):
+            calls.append("clear")
+
+    backup = StepBackup(str(tmp_path), 5)
+    backup._deltas = Deltas()
+    monkeypatch.setattr(backup, "_write_checkpoint", lambda prefix: None)
+    backup._write_full(str(tmp_path / "step-000000000005"), 5, {"format": 1})
+    assert calls == ["clear"] and backup._seq == 0
+
+
 # -- cluster scenarios ------------------------------------------------------------
 
 
@@ -171,6 +187,47 @@ def _k3_table_model(spe):
     return model
 
 
+def _dynamic_model(spe):
+    """A DynamicEmbedding of 26 rows (2 shards of 13 under ``_partitioner(2)``)
+    for the data's 29 ids, LFU eviction every 2 steps, under Adagrad. Its
+    rows start at zero: a restore gives the free rows fresh initializer
+    values and an eviction pass the evicted ones, so only a constant
+    initializer lets a resumed fit equal an uninterrupted one exactly."""
+    from tf_asyncps.layers import DynamicEmbedding
+    model = tf_keras.Sequential([tf_keras.Input((3,), dtype="int64"),
+                                 DynamicEmbedding(4, capacity=26, evict_every=2,
+                                                  initializer="zeros"),
+                                 tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+    model.compile(tf_keras.optimizers.Adagrad(0.1),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=spe)
+    return model
+
+
+def _dynamic_values(model):
+    """The DynamicEmbedding's checkpoint state (dynamic/checkpoint.py's
+    entry: rows, ids, counts, last steps, values, Adagrad slot rows, filter,
+    counters), each shard's id -> row map, its stats and reshard stats, as
+    numpy; after a restore onto other shards, once re-homed (as the first
+    lookup and update would)."""
+    from tf_asyncps.dynamic import checkpoint as dynamic_checkpoint
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    from tf_asyncps.dynamic import reshard
+    layer = model.layers[0]
+    table = layer.dynamic_table
+    dynamic_checkpoint.track_optimizer(table, model.optimizer)
+    table.prepare()
+    reshard.prepare_slots(table, dynamic_checkpoint.slot_sets(table, model.optimizer))
+    out = dynamic_deltas.state_of(table)
+    out.update({f"reshard:{k}": np.asarray(v) for k, v in table.reshard_stats().items()})
+    for j, shard in enumerate(table.shards):
+        keys, rows = (t.numpy() for t in shard.index.export())
+        order = np.argsort(rows)
+        out[f"index{j}"] = np.stack([keys[order], rows[order]])
+    out.update({f"stats:{k}": np.asarray(v) for k, v in layer.stats().items()})
+    return out
+
+
 def _partitioner(num_ps):
     """Splits the 50 x 4 table (800 bytes) over ``num_ps`` shards and leaves
     the Dense head (under 200 bytes) whole."""
@@ -198,6 +255,8 @@ class BackupRun:
       table, slot: the table's rows and their Adagrad accumulator at the
         end, ``[rows][dim]`` floats (table cases only, else None).
       shards: the table's shards (ps tasks holding it; table cases).
+      dynamic: the DynamicEmbedding's state, maps and stats
+        (``_dynamic_values``; dynamic cases only, else None).
       published: deltas the publisher wrote (None without a publisher).
       serving_diff: max |prediction of the publisher's SavedModel brought up
         by ``apply_deltas`` - the chief's model's| on 8 inputs (None without).
@@ -216,6 +275,7 @@ class BackupRun:
     table: list | None = None
     slot: list | None = None
     shards: int | None = None
+    dynamic: dict | None = None
     published: int | None = None
     serving_diff: float | None = None
 
@@ -252,9 +312,13 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
     x, y = small_problem(n=steps * epochs * batch)
     make = _k3_model if keras == "3" else _tf_keras_model
     table = keras in ("tf_keras_table", "3_table")
+    dynamic = keras == "tf_keras_dynamic"
     if table:
         make, keras = (_table_model, "tf_keras") if keras == "tf_keras_table" else \
             (_k3_table_model, "3")
+    if dynamic:
+        make, keras = _dynamic_model, "tf_keras"
+    if table or dynamic:
         x = (np.abs(x[:, :3]) * 10).astype(np.int64) % 50
 
     def data(skip):
@@ -270,24 +334,32 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
 
     out = []
     # The reference: one process (the chief's CPU, made after connecting),
-    # the same batches in order, no interruption.
+    # the same batches in order, no interruption. A DynamicEmbedding's
+    # (its rows, ids, counts and slots): the uninterrupted fit on the
+    # cluster, run "ref" (a StepBackup of its own beside it, as the others).
     strategy = tf_asyncps.AsyncParameterServerStrategy(
         c.resolver(), variable_partitioner=_partitioner(num_ps) if num_ps else None)
     ref = make(spe)
     w0 = _weights(ref)
-    ref.fit(data(0), epochs=epochs, steps_per_epoch=steps, verbose=0)
+    if dynamic and 0 in runs:
+        runs = ("ref",) + tuple(runs)
+    else:
+        ref.fit(data(0), epochs=epochs, steps_per_epoch=steps, verbose=0)
     for run in runs:  # 0: crashes at crash_at; 1: resumes and ends; 2: re-run of an ended fit
         if run != runs[0]:
             strategy = tf_asyncps.AsyncParameterServerStrategy(
                 c.resolver(), variable_partitioner=_partitioner(num_ps) if num_ps else None)
         with strategy.scope():
             model = make(spe)
-        if run == 0:
+        run_dir = backup_dir + ("_ref" if run == "ref" else "")
+        if run in (0, "ref"):
             _set_weights(model, w0)  # later runs start elsewhere: the restore must overwrite
+        if run == 0:
             backup = CrashAt(backup_dir, every, crash_at=crash_at, period_s=3600,
                              full_every=full_every)
-        else:
-            backup = StepBackup(backup_dir, every, period_s=3600, full_every=full_every)
+        else:  # the reference: its marks as the others', one backup (at the end)
+            backup = StepBackup(run_dir, 2**62 if run == "ref" else every, period_s=3600,
+                                full_every=full_every)
         resume_step = backup.resume_step
         # A serving stream beside the backups: it reads its own bit of the
         # same dirty marks (after the backup's restore: listed after it).
@@ -303,6 +375,9 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
         fields = {}
         if table:
             fields["table"], fields["slot"], fields["shards"] = _table_values(model)
+        if dynamic:
+            fields["dynamic"] = _dynamic_values(model)
+            fields["shards"] = len(model.layers[0].dynamic_table.shards)
         if pub is not None:
             fields["published"] = pub.published
             if not crashed:  # a crashed fit's last steps are past its last delta
@@ -317,12 +392,14 @@ def _one_framework(c, backup_dir, keras, spe, epochs, steps, every, crash_at, ba
             global_step=int(strategy.staleness_tracker.global_step.numpy()),
             iterations=int(model.optimizer.iterations.numpy()),
             diff_to_reference=_max_diff(_weights(model), _weights(ref)),
-            dirs=sorted(d for d in os.listdir(backup_dir) if not d.endswith(".json")),
+            dirs=sorted(d for d in os.listdir(run_dir) if not d.endswith(".json")),
             save_traces=(backup.save_function.experimental_get_tracing_count()
                          if backup.save_function is not None else 0),
-            kinds=[step_backup._kind(os.path.join(backup_dir, d))
-                   for d in sorted(os.listdir(backup_dir)) if d.startswith("step-")],
+            kinds=[step_backup._kind(os.path.join(run_dir, d))
+                   for d in sorted(os.listdir(run_dir)) if d.startswith("step-")],
             **fields))
+        if run == "ref":
+            ref = model
     return BackupCase(runs=out, moved=_max_diff(_weights(ref), w0))
 
 
@@ -347,18 +424,26 @@ def test_fit_resumes_mid_epoch_from_its_step_backup(tmp_path):
     with the weights of one uninterrupted process; the global step goes on;
     a third run of the ended fit trains nothing. Table cases: deltas beside
     a DeltaPublisher, and a chain written with the table over 2 ps restored
-    onto 3 ps."""
+    onto 3 ps. A DynamicEmbedding over 2 ps: the resumed fit holds the
+    uninterrupted one's table exactly, and its chain restored on 3 ps
+    equals that fit's full backup restored there."""
     table = dict(keras="tf_keras_table", spe=1, epochs=2, steps=7, every=2, crash_at=9,
                  full_every=5)
     cases = [dict(keras="tf_keras", spe=2, epochs=2, steps=7, every=5, crash_at=9),
              dict(keras="3", spe=1, epochs=2, steps=7, every=5, crash_at=9),
              dict(table, publish_every=3),
              dict(table, num_ps=2, runs=[0, 1], name="sharded"),
-             dict(table, keras="3_table", publish_every=3)]
+             dict(table, keras="3_table", publish_every=3),
+             dict(table, keras="tf_keras_dynamic", num_ps=2, runs=[0, 1], name="dynamic")]
     r = run_scenario(step_backup_resume, shared=(1, 2), tmpdir=str(tmp_path), cases=cases)
-    # The ended fit again, on 3 ps: base 12 + delta 14 written over 2 shards.
+    # The ended fit again, on 3 ps: base 12 + delta 14 written over 2 shards;
+    # the DynamicEmbedding's too, and its uninterrupted fit's full backup at 14.
+    dynamic = dict(table, keras="tf_keras_dynamic", num_ps=3, runs=[2])
     on3 = run_scenario(step_backup_resume, shared=(1, 3), tmpdir=str(tmp_path), num_ps=3,
-                       cases=[dict(table, num_ps=3, runs=[2], name="sharded")])
+                       cases=[dict(table, num_ps=3, runs=[2], name="sharded"),
+                              dict(dynamic, name="dynamic"), dict(dynamic, name="dynamic_ref")])
+    _dynamic_resharded(*(case.runs[0] for case in on3.cases[1:]))
+    _dynamic_resume(r.cases.pop())
     _deltas_resume(r.cases.pop())  # Keras 3
     _resharded(r.cases.pop(), on3.cases[0].runs[0])
     _deltas_resume(r.cases.pop())
@@ -415,6 +500,41 @@ def _deltas_resume(got):
     assert not again.started and again.resume_step == 14 and again.backups == []
     assert again.global_step == again.iterations == 14
     assert again.diff_to_reference < 1e-5 and again.published == 0
+
+
+def _dynamic_resume(got):
+    """A DynamicEmbedding split over 2 ps, LFU eviction every 2 steps, the
+    same backups as _deltas_resume's (full at 2, deltas at 4, 6, 8; the
+    crash at 9 resumes from base 2 + 3 deltas; delta 10, full 12, delta
+    14): the resumed fit holds the uninterrupted fit's table exactly (live
+    rows, ids, counts, last steps, values, Adagrad slot rows, filters,
+    counters, each shard's map) and its dense weights."""
+    ref, crash, resumed = got.runs
+    assert ref.shards == 2 and not ref.crashed and ref.backups == [14]
+    assert ref.dynamic["stats:evicted"] > 0  # the chains cross eviction passes
+    assert crash.crashed and crash.backups == [2, 4, 6, 8]
+    assert crash.kinds == ["full", "delta", "delta", "delta"]
+    assert resumed.resume_step == 8 and resumed.backups == [10, 12, 14]
+    assert resumed.global_step == resumed.iterations == ref.global_step == 14
+    assert resumed.kinds == ["full", "delta", "delta", "delta", "delta", "full", "delta"]
+    assert resumed.diff_to_reference < 1e-6
+    assert sorted(resumed.dynamic) == sorted(ref.dynamic)
+    for name, want in ref.dynamic.items():
+        np.testing.assert_array_equal(resumed.dynamic[name], want, err_msg=name)
+
+
+def _dynamic_resharded(chain, full):
+    """The DynamicEmbedding's base 12 + delta 14, written over 2 ps,
+    restored on 3 ps and re-homed, equals the uninterrupted fit's full
+    backup at 14 restored there: rows, ids, counts, last steps, values,
+    Adagrad slot rows, each shard's map, counters, moved and dropped ids."""
+    for run in (chain, full):
+        assert run.shards == 3 and run.resume_step == 14 and not run.started
+        assert run.dynamic["reshard:from_shards"] == 2
+    assert chain.kinds[-2:] == ["full", "delta"] and full.kinds == ["full"]
+    assert sorted(chain.dynamic) == sorted(full.dynamic)
+    for name, want in full.dynamic.items():
+        np.testing.assert_array_equal(chain.dynamic[name], want, err_msg=name)
 
 
 def _resharded(got, on3):

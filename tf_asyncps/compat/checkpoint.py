@@ -16,7 +16,7 @@ import functools
 
 __all__ = ["checkpointed_tensors", "save_elsewhere", "saved_elsewhere", "in_saved_model_export",
            "writing_checkpoint", "sharded_container", "in_save_context",
-           "whole_values", "trackable_paths"]
+           "whole_values", "trackable_paths", "assert_matched_except"]
 
 _CLASS = []
 
@@ -249,3 +249,33 @@ def trackable_paths(root, wanted=None, max_depth: int = 12) -> dict:
                 seen.add(id(child))
                 todo.append((f"{path}/{name}" if path else name, child, depth + 1))
     return out
+
+
+def assert_matched_except(status, allowed) -> None:
+    """``status.assert_existing_objects_matched()`` (a ``tf.train.Checkpoint``
+    read's status), except that the objects in ``allowed`` may be unmatched
+    (e.g. the id -> row map of a DynamicEmbedding shard the checkpoint,
+    written over fewer shards, does not hold). TF 2.21's
+    ``CheckpointLoadStatus``: its ``_checkpoint.all_python_objects`` and
+    ``object_by_proto_id``, filled by the assertion; without them the
+    assertion's error stands.
+
+    Raises:
+      AssertionError: TensorFlow's, when an object not in ``allowed`` is unmatched.
+    """
+    try:
+        status.assert_existing_objects_matched()
+        return
+    except AssertionError as e:
+        error = e
+    try:
+        from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
+        state = status._checkpoint
+        matched = {id(o) for o in state.object_by_proto_id.values()}
+        unused = [o for o in tf_checkpoint._objects_with_attributes(state.all_python_objects)
+                  if id(o) not in matched]
+    except (AttributeError, ImportError):
+        raise error from None
+    allowed = {id(o) for o in allowed}
+    if not unused or any(id(o) not in allowed for o in unused):
+        raise error
