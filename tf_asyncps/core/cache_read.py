@@ -97,12 +97,13 @@ class CacheRead:
             served = tf.boolean_mask(behind, tf.logical_not(need))
             distinct = tf.size(wire_ids, out_type=tf.int64)
             pulled = tf.size(need_at, out_type=tf.int64)
-            self._count(distinct=distinct, hits=distinct - pulled, rows_pulled=pulled)
             # No control edge to the worker's rows: a traced step runs every
-            # stateful op it holds, and an edge between tasks is a message.
-            self.histogram.assign_add(tf.math.bincount(
-                tf.cast(served, tf.int32), minlength=cfg.pull_bound + 1,
-                maxlength=cfg.pull_bound + 1, dtype=tf.int64))
+            # stateful op it holds, and an edge between tasks is a message
+            # (one op: each stateful op on the ps is one more).
+            self._count(distinct=distinct, hits=distinct - pulled, rows_pulled=pulled,
+                        histogram=tf.math.bincount(
+                            tf.cast(served, tf.int32), minlength=cfg.pull_bound + 1,
+                            maxlength=cfg.pull_bound + 1, dtype=tf.int64))
         fresh = sparse_read(need_ids, name=name)
         fresh = grads_lib.read_over_wire(fresh, self.wire_dtype, back_with=op)
         with graph_compat.colocate_only_with(op):

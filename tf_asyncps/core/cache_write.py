@@ -109,10 +109,8 @@ class CacheWrite:
                        variables_compat.scatter_update_handle(h["delta"], due_slot, zeros)]
         with tf.control_dependencies(cleared):
             push_g = tf.gather(sums, p_at)
-        self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
-                    updates_pushed=tf.reduce_sum(push_n),
-                    updates=tf.size(ids, out_type=tf.int64))
-        self._counts[graph_compat.outermost_graph()] = (self._wire_counts(push_n), None)
+        self._counts[graph_compat.outermost_graph()] = (
+            self._wire_counts(push_n, tf.size(ids)), None)
         return tf.IndexedSlices(tf.cast(push_g, grad.values.dtype),
                                 tf.cast(push_ids, grad.indices.dtype), grad.dense_shape)
 
@@ -164,29 +162,39 @@ class CacheWrite:
         push_ids = tf.boolean_mask(ids, pushed)
         push_n = tf.where(cached, after, tf.ones_like(after))
         push_n = tf.boolean_mask(push_n, pushed)
-        self._count(rows_pushed=tf.size(push_ids, out_type=tf.int64),
-                    updates_pushed=tf.reduce_sum(push_n),
-                    updates=tf.size(ids, out_type=tf.int64))
         with tf.control_dependencies(written):
             values = tf.identity(values)
         self._counts[graph_compat.outermost_graph()] = (
-            self._wire_counts(push_n), grads_lib.narrow_indices(push_ids, self.num_rows))
+            self._wire_counts(push_n, tf.size(ids)),
+            grads_lib.narrow_indices(push_ids, self.num_rows))
         return tf.IndexedSlices(tf.cast(values, grad.values.dtype), indices, grad.dense_shape)
 
-    def _wire_counts(self, push_n):
-        """What crosses to the ps for the pushed rows' update counts: None
-        with ``push_bound=0`` (every pushed row carries one update, the ps
-        makes the ones itself), else int32 (a count is at most
-        ``push_bound + 1``)."""
+    def _wire_counts(self, push_n, updates):
+        """What crosses to the ps for the pushed rows' update counts and the
+        step's updates (``updates``: the gradient's distinct ids, int32
+        scalar): None with ``push_bound=0`` (every row is pushed with one
+        update: the ps counts them itself), else int32 ``[pushed rows + 1]``,
+        the counts (each at most ``push_bound + 1``) then ``updates``. The
+        ps's counters are fed from it: no message of their own."""
         if self.config.push_bound == 0:
             return None
-        return tf.cast(push_n, tf.int32)
+        return tf.concat([tf.cast(push_n, tf.int32), tf.reshape(updates, [1])], 0)
 
-    def _counts_on_ps(self, counts, indices):
-        """The pushed rows' update counts (int64), on the ps."""
-        if counts is None:
-            return tf.ones_like(indices, tf.int64)
-        return tf.cast(counts, tf.int64)
+    def _counts_on_ps(self, wire, indices):
+        """On the ps: the pushed rows' update counts (int64 ``[rows]``), with
+        the push's counters (``rows_pushed``, ``updates_pushed``, ``updates``)
+        added as a control dependency of the counts."""
+        if wire is None:
+            counts = tf.ones_like(indices, tf.int64)
+            rows = tf.size(indices, out_type=tf.int64)
+            added = self._count(rows_pushed=rows, updates_pushed=rows, updates=rows)
+        else:
+            wire = tf.cast(wire, tf.int64)
+            counts, updates = wire[:-1], wire[-1]
+            added = self._count(rows_pushed=tf.size(counts, out_type=tf.int64),
+                                updates_pushed=tf.reduce_sum(counts), updates=updates)
+        with tf.control_dependencies([added]):
+            return tf.identity(counts)
 
     def count_updates(self, grad, var):
         """On the ps, right before the optimizer applies a push: each pushed

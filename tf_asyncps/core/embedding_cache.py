@@ -14,7 +14,7 @@ not; each shard its share of ``rows``) a
 
     worker (per-worker variables)          ps (beside the shard)
       slot_of[id] -> slot or -1              clock[id]: updates applied (int64)
-      per slot: id, row, seen clock,          stats, staleness histogram
+      per slot: id, row, seen clock,          stats and staleness histogram
       unpushed count, summed gradient,
       local delta, LFU count / LRU tick
 
@@ -191,11 +191,11 @@ class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
             with placement.beside(self.var):
                 self.clock = tf.Variable(tf.zeros([n], tf.int64), trainable=False,
                                          name="cache_clock")
-                self.counters = tf.Variable(tf.zeros([len(STATS)], tf.int64),
-                                            trainable=False, name="cache_stats")
-                self.histogram = tf.Variable(
-                    tf.zeros([self.config.pull_bound + 1], tf.int64), trainable=False,
-                    name="cache_staleness")
+                # STATS, then the staleness histogram (index = updates missed):
+                # one variable, so a read adds to both in one op.
+                self.counters = tf.Variable(
+                    tf.zeros([len(STATS) + self.config.pull_bound + 1], tf.int64),
+                    trainable=False, name="cache_stats")
             wv = self._worker_variable
             self.slot_of = wv(lambda: tf.fill([n], tf.constant(-1, tf.int32)), "cache_slot_of")
             self.ids = wv(lambda: tf.fill([r], tf.constant(-1, tf.int64)), "cache_ids")
@@ -243,18 +243,28 @@ class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
                                      before_push=self.push, filter_gradient=self.count_updates,
                                      before_update=self.count_pushed)
 
-    def _count(self, **values):
-        """Adds ``values`` (int64 scalars by :data:`STATS` name) to the counters."""
-        zero = tf.constant(0, tf.int64)
-        vector = tf.stack([tf.cast(values.get(k, zero), tf.int64) for k in STATS])
+    def _count(self, histogram=None, **values):
+        """Adds ``values`` (int scalars by :data:`STATS` name) and
+        ``histogram`` (int64 ``[pull_bound + 1]``, cached reads by updates
+        missed) to the counters, in one op on their ps."""
+        names = [k for k in STATS if k in values]
         with tf.device(self.counters.device):
-            return self.counters.assign_add(vector)
+            at = [STATS.index(k) for k in names]
+            parts = [tf.stack([tf.cast(values[k], tf.int64) for k in names])]
+            if histogram is not None:
+                at += range(len(STATS), len(STATS) + self.config.pull_bound + 1)
+                parts.append(histogram)
+            vector = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+            # A constant shape: tf.shape of the variable would read it (one
+            # more stateful op of the step).
+            return self.counters.scatter_add(tf.IndexedSlices(
+                vector, tf.constant(at, tf.int32), tf.constant(self.counters.shape.as_list(), tf.int32)))
 
     def count_lost(self) -> int:
         """Once every live worker's updates are pushed (the flush): the
         updates made but never pushed (a worker that died holding them, its
         cache rebuilt empty) are counted in ``updates_lost``. Returns them."""
-        c = dict(zip(STATS, self.counters.numpy().tolist()))
+        c = dict(zip(STATS, self.counters.numpy().tolist()[:len(STATS)]))
         lost = c["updates"] - c["updates_pushed"] - c["updates_lost"]
         if lost > 0:
             self._count(updates_lost=lost)
@@ -267,11 +277,12 @@ class CachedTable(cache_read.CacheRead, cache_write.CacheWrite):
         ints, index = updates, 0..pull_bound). Eager reads on the ps."""
         if not self.built:
             return dict({k: 0 for k in STATS}, staleness=[0] * (self.config.pull_bound + 1))
-        out = dict(zip(STATS, self.counters.numpy().tolist()))
+        counters = self.counters.numpy().tolist()
+        out = dict(zip(STATS, counters[:len(STATS)]))
         for values in self._local_values():
             for k, v in zip(WORKER_STATS, values):
                 out[k] += v
-        return dict(out, staleness=self.histogram.numpy().tolist())
+        return dict(out, staleness=counters[len(STATS):])
 
     def _local_values(self):
         """Each reachable worker's WORKER_STATS (lists of ints)."""
