@@ -4,6 +4,8 @@ per-worker ones)."""
 
 import contextlib
 import dataclasses
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -409,12 +411,25 @@ class NothingLost:
     """Attributes: table: the table after fit and join (list of rows).
     expected: the closed form init - lr * n_r / (BATCH * SEQ) * steps.
     stats: cache_stats() of the one table. closures: closures per worker.
-    unpushed: every worker's unpushed update counts after join (lists)."""
+    unpushed: every worker's unpushed update counts after join (lists).
+    flushes: the cache's flushes during fit. saved: the table a checkpoint
+    wrote after epoch 2; expected_at_save: the closed form after its steps;
+    closures_at_save: closures per worker then."""
     table: list
     expected: list
     stats: dict
     closures: list
     unpushed: list
+    flushes: int
+    saved: list
+    expected_at_save: list
+    closures_at_save: list
+
+
+@contextlib.contextmanager
+def _appending(calls):
+    calls.append(1)
+    yield
 
 
 @scenario(shares_cluster=True)
@@ -442,31 +457,52 @@ def nothing_lost(steps=30, rows=4, bound=5, lr=0.5) -> NothingLost:
                 tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
                                       trainable=False)])
             model.compile(tf_keras.optimizers.SGD(lr), lambda y, p: tf.reduce_mean(p))
-        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-                  steps_per_epoch=steps, verbose=0)
+        flushes, saved = [], []
+        strategy.extended.caches.observe_flushes(lambda: _appending(flushes))
+        path = os.path.join(tempfile.mkdtemp(), "table")
+
+        class SaveAfterTwoEpochs(tf_keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:  # a checkpoint between epochs flushes first
+                    tf.train.Checkpoint(table=model.layers[0].embeddings).write(path)
+                    saved.append(tf.train.load_checkpoint(path).get_tensor(
+                        "table/.ATTRIBUTES/VARIABLE_VALUE").tolist())
+                    saved.append(list(strategy.closures_done_per_worker()))
+
+        # Three epochs: their joins defer the flush to a save and fit's end.
+        model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=3,
+                  steps_per_epoch=steps // 3, verbose=0, callbacks=[SaveAfterTwoEpochs()])
         (table,) = strategy.extended.caches.tables[:1]
         from tf_asyncps.compat import variables as variables_compat
         unpushed = [v.numpy().tolist()
                     for v in variables_compat.per_worker_values(table.count)]
         expected = -lr * n[:, None] / (BATCH * SEQ) * steps * np.ones((1, FIT_DIM))
+        at_save = expected * (2 * (steps // 3)) / steps
         return NothingLost(table=model.get_weights()[0].tolist(), expected=expected.tolist(),
                            stats=list(strategy.cache_stats().values())[0],
                            closures=list(strategy.closures_done_per_worker()),
-                           unpushed=unpushed)
+                           unpushed=unpushed, flushes=len(flushes), saved=saved[0], closures_at_save=saved[1],
+                           expected_at_save=at_save.tolist())
 
 
 @pytest.mark.cluster
 def test_no_unpushed_update_is_lost_at_the_end_of_fit():
-    """After fit (its join), every worker's unpushed updates reached the ps:
-    the table is the closed form, each worker's counts are 0, and the counters
-    add up: 7 distinct ids x 30 updates pushed, the cached rows of a worker whose
-    steps are not a multiple of 6 flushed."""
+    """After fit (3 epochs), every worker's unpushed updates reached the ps,
+    flushed before a checkpoint written after epoch 2 (then the closed form of
+    its 20 steps) and at fit's end, not at the epoch-end joins: the table is the
+    closed form, each worker's counts are 0, and the counters add up: 7
+    distinct ids x 30 updates pushed, at each flush the cached rows of a worker
+    whose steps since the last flush are not a multiple of 6 flushed."""
     r = run_scenario(nothing_lost, shared=(2, 1), timeout=300)
     np.testing.assert_allclose(np.array(r.table), np.array(r.expected), rtol=1e-6)
     assert r.unpushed == [[0] * 4, [0] * 4]
-    assert sum(r.closures) == 30
+    assert sum(r.closures) == 30 and r.flushes == 2
+    np.testing.assert_allclose(np.array(r.saved), np.array(r.expected_at_save), rtol=1e-6)
     s = r.stats
     assert s["distinct"] == 7 * 30 and s["lookups"] == 8 * 30
     assert s["updates_pushed"] == s["updates"] == 7 * 30 and s["updates_lost"] == 0
-    assert s["rows_flushed"] == 4 * sum(1 for k in r.closures if k % 6)
+    at_save = r.closures_at_save
+    assert sum(at_save) == 20
+    assert s["rows_flushed"] == 4 * (sum(1 for k in at_save if k % 6) + sum(
+        1 for k, end in zip(at_save, r.closures) if (end - k) % 6))
     assert s["hits"] + s["rows_pulled"] == s["distinct"]

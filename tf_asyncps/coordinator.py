@@ -5,7 +5,8 @@ is one per strategy: ``tf.distribute.coordinator.ClusterCoordinator(strategy)``
 and tf_keras's ``fit`` get this object). It starts the engine's watchdogs
 when closures are scheduled, tells the engine when the schedule drained
 (``join``: local copies and cached rows' updates pushed, watchdogs
-stopped), turns a timed-out wait
+stopped; the cache's flush at tf_keras ``fit``'s epoch-end joins deferred to
+the end of fit, its validation or a save), turns a timed-out wait
 into a TimeoutError and an input that ran out into an OutOfRangeError that
 says why.
 """
@@ -14,6 +15,7 @@ import threading
 
 import tensorflow as tf
 
+from tf_asyncps.compat import call_scopes
 from tf_asyncps.compat import coordinator as coordinator_compat
 from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
@@ -52,6 +54,9 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             # An input that ran out is raised with INPUT_RAN_OUT_MESSAGE (or
             # Keras 3's own): not also logged in full once per closure.
             coordinator_compat.hide_closure_error_logs(tf.errors.OutOfRangeError)
+            # A cache's flush skipped at a fit's epoch-end join, still to run.
+            self._flush_deferred = False
+            call_scopes.before_save(self._run_deferred_flush)
 
     def has_queued_closures(self, waiting_workers=()) -> bool:
         """True unless the caller is draining: inside ``join``/``done``/``fetch``
@@ -64,6 +69,8 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return coordinator_compat.closure_queue_nonempty(self, ignore_workers=waiting_workers)
 
     def schedule(self, fn, args=None, kwargs=None):
+        if self._flush_deferred and call_scopes.TF_KERAS_EVALUATE.get() is not None:
+            self._run_deferred_flush()  # fit's validation reads every update
         try:
             out = super().schedule(fn, args=args, kwargs=kwargs)
         except tf.errors.OpError as e:
@@ -119,15 +126,36 @@ class AsyncClusterCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             raise
         self._input_ran_out = False
         try:
-            # embedding_cache: every worker's unpushed row updates reach the ps.
-            caches = getattr(self.strategy.extended, "caches", None)
-            if caches is not None:
-                caches.flush()
+            self._flush_caches()
         finally:
             # local_sgd: push what workers trained since their last exchange;
             # every policy: no watchdog polls the PS once the schedule drained.
             self.engine.drained()
         return out
+
+    def _flush_caches(self) -> None:
+        """embedding_cache: every worker's unpushed row updates reach the ps;
+        at a tf_keras ``fit``'s epoch-end join only when the fit returns, its
+        validation starts or a checkpoint or model is saved: nothing else
+        needs every update on the ps between two epochs, and each flush
+        moves every deferred row of every worker."""
+        caches = getattr(self.strategy.extended, "caches", None)
+        if caches is None:
+            return
+        fit = call_scopes.TF_KERAS_FIT.get()
+        if fit is not None and call_scopes.TF_KERAS_EPOCH_JOIN.get() and \
+                call_scopes.TF_KERAS_EVALUATE.get() is None:
+            if not self._flush_deferred:
+                self._flush_deferred = True
+                fit.at_exit.append(self._run_deferred_flush)
+            return
+        self._flush_deferred = False
+        caches.flush()
+
+    def _run_deferred_flush(self) -> None:
+        """The deferred flush, through ``join`` (nothing left to drain then)."""
+        if self._flush_deferred:
+            self.join()
 
     def done(self):
         finished = self._translate(super().done)

@@ -19,7 +19,15 @@ Hooked (tested with Keras 3.10.0, 3.12.4 and 3.15.1, tf_keras 2.18-2.21):
   tf_keras's ``optimizers.Optimizer`` (and its base), ``add_slot`` of
   tf_keras's legacy ``OptimizerV2``: :data:`CREATING_SLOT`;
 * Keras 3 ``keras.Model.fit``/``evaluate``/``predict``, Keras 3's own loops
-  (:func:`tf_asyncps.compat.keras_models.hook_loops`): :data:`KERAS3_LOOP`.
+  (:func:`tf_asyncps.compat.keras_models.hook_loops`): :data:`KERAS3_LOOP`;
+* tf_keras ``Model.fit``: :data:`TF_KERAS_FIT` (a :class:`FitCall` whose
+  ``at_exit`` callables run when fit returns or raises);
+* tf_keras ``data_adapter._ClusterCoordinatorDataHandler.sync`` (the join
+  ``fit``/``evaluate`` make at each epoch's end): :data:`TF_KERAS_EPOCH_JOIN`;
+* before a save, the callables registered with :func:`before_save`:
+  ``tf.train.Checkpoint.write``/``save`` (also ``CheckpointManager``'s,
+  tf_keras ``BackupAndRestore``'s and TF-format ``save_weights``' writes)
+  and tf_keras ``Model.save``/``save_weights`` (every format).
 
 A thread started inside such a call sees the defaults (Python 3.11 gives
 a new thread a fresh context); the calls above create their variables and
@@ -30,9 +38,11 @@ import contextvars
 import functools
 import inspect
 import threading
+import weakref
 
 __all__ = ["install", "KERAS3_COMPILE", "TF_KERAS_STEPS_PER_EXECUTION", "TF_KERAS_EVALUATE",
-           "CREATING_SLOT", "KERAS3_LOOP"]
+           "CREATING_SLOT", "KERAS3_LOOP", "TF_KERAS_FIT", "TF_KERAS_EPOCH_JOIN", "FitCall",
+           "before_save"]
 
 #: The Keras 3 model whose ``compile`` runs on this thread, or None.
 KERAS3_COMPILE = contextvars.ContextVar("tf_asyncps.keras3_compile", default=None)
@@ -45,7 +55,83 @@ CREATING_SLOT = contextvars.ContextVar("tf_asyncps.creating_slot", default=None)
 #: The Keras 3 model whose own fit/evaluate/predict runs on this thread, or None.
 KERAS3_LOOP = contextvars.ContextVar("tf_asyncps.keras3_loop", default=None)
 
+#: The :class:`FitCall` of the tf_keras ``fit`` running on this thread, or None.
+TF_KERAS_FIT = contextvars.ContextVar("tf_asyncps.tf_keras_fit", default=None)
+#: True while tf_keras's data handler joins at an epoch's end on this thread.
+TF_KERAS_EPOCH_JOIN = contextvars.ContextVar("tf_asyncps.tf_keras_epoch_join", default=False)
+
 _lock = threading.Lock()
+_before_save = []  # weakref.WeakMethod of the callables before_save registered
+
+
+def before_save(method) -> None:
+    """Runs ``method`` (a bound method, held weakly; no arguments) before
+    each save listed in the module's docstring, on the saving thread."""
+    with _lock:
+        _before_save.append(weakref.WeakMethod(method))
+
+
+def _run_before_save() -> None:
+    with _lock:
+        _before_save[:] = [m for m in _before_save if m() is not None]
+        methods = [m() for m in _before_save]
+    for m in methods:
+        if m is not None:
+            m()
+
+
+def _hook_before_save(cls, name) -> None:
+    from tf_asyncps.compat import hooks as hooks_compat
+
+    def make_hook(original):
+        @functools.wraps(original)
+        def hooked(self, *args, **kwargs):
+            _run_before_save()
+            return original(self, *args, **kwargs)
+        return hooked
+    hooks_compat.hook_method(cls, name, make_hook, key=f"{__name__}.before_save")
+
+
+class FitCall:
+    """One running tf_keras ``fit``: ``model`` and ``at_exit``, callables
+    (no arguments) run once each, in order, when the fit returns or raises."""
+
+    def __init__(self, model):
+        self.model = model
+        self.at_exit = []
+
+    def run_at_exit(self, raising: bool) -> None:
+        while self.at_exit:
+            fn = self.at_exit.pop(0)
+            try:
+                fn()
+            except Exception:  # pylint: disable=broad-except
+                if not raising:
+                    raise
+                # fit's own error is the one to see.
+
+
+def _hook_fit(cls) -> None:
+    """Hooks ``cls.fit``: :data:`TF_KERAS_FIT` holds its :class:`FitCall`."""
+    from tf_asyncps.compat import hooks as hooks_compat
+
+    def make_hook(original):
+        @functools.wraps(original)
+        def hooked(self, *args, **kwargs):
+            call = FitCall(self)
+            token = TF_KERAS_FIT.set(call)
+            raising = True
+            try:
+                out = original(self, *args, **kwargs)
+                raising = False
+                return out
+            finally:
+                try:
+                    call.run_at_exit(raising)
+                finally:
+                    TF_KERAS_FIT.reset(token)
+        return hooked
+    hooks_compat.hook_method(cls, "fit", make_hook, key=f"{__name__}.{TF_KERAS_FIT.name}")
 
 
 def _self(original):
@@ -102,7 +188,11 @@ def install() -> None:
             from keras.src.optimizers import base_optimizer
             for cls in (base_optimizer.BaseOptimizer, keras3_tf_optimizer.TFOptimizer):
                 _scope(cls, "add_variable_from_reference", CREATING_SLOT, _self)
+        import tensorflow as tf
+        for name in ("write", "save"):
+            _hook_before_save(tf.train.Checkpoint, name)
         try:
+            from tf_keras.src.engine import data_adapter as tf_keras_data_adapter
             from tf_keras.src.engine import training as tf_keras_training
             from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
             from tf_keras.src.optimizers.legacy import optimizer_v2
@@ -114,3 +204,8 @@ def install() -> None:
         _scope(tf_keras_training.Model, "_configure_steps_per_execution",
                TF_KERAS_STEPS_PER_EXECUTION, _self)
         _scope(tf_keras_training.Model, "evaluate", TF_KERAS_EVALUATE, _evaluate_call)
+        _hook_fit(tf_keras_training.Model)
+        _scope(tf_keras_data_adapter._ClusterCoordinatorDataHandler, "sync",
+               TF_KERAS_EPOCH_JOIN, lambda original: lambda self, args, kwargs: True)
+        for name in ("save", "save_weights"):
+            _hook_before_save(tf_keras_training.Model, name)
