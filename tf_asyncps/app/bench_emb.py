@@ -109,7 +109,10 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
     ``peak_rss_mb`` (accuracy ones None: the ids carry no test set), plus ``bytes_per_step`` (sent +
     received by the workers in their steps; a cache's flushes at the joins taken out),
     with a cache ``flush_bytes_per_step`` (the flushes' bytes on the workers' links per
-    measured step), ``flush_bytes_per_join`` and ``joins``, ``limit_bytes_per_step``,
+    measured step), ``flush_bytes_per_join`` and ``joins`` (flushes inside the measured
+    epochs), ``closing_flush_bytes`` and ``closing_flush_seconds`` (the flush at fit's
+    end), ``cpu_s_per_step`` (CPU seconds per measured step by task) and
+    ``cpu_s_per_step_total``, ``limit_bytes_per_step``,
     per segment ``loss`` and ``heldout_loss`` (mse on 16 batches of the seed + 1
     stream, after training)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -118,6 +121,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
 
     from tf_asyncps import cluster as cluster_lib
     from tf_asyncps import policies
+    from tf_asyncps.app.bench_ctr import task_cpu_seconds
     from tf_asyncps.cluster.netns import NetnsHosts
     from tf_asyncps.strategy import AsyncParameterServerStrategy
 
@@ -160,6 +164,7 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         model.compile(tf_keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=run["spe"])
 
     workers = [f"worker:{i}" for i in range(run["num_workers"])]
+    cpu_pids = dict(shared["pids"], chief=os.getpid())
     every_host = ["chief:0"] + [f"ps:{i}" for i in range(NUM_PS)] + workers
     segments = []
     # The cache's flush at each join (tf_keras fit joins at every epoch end)
@@ -206,7 +211,8 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
                   if isinstance(strategy, AsyncParameterServerStrategy) else None)
             segments.append({"steps": eval_every, "seconds": seconds, "global_step": gs,
                              "loss": float((logs or {}).get("loss", float("nan"))),
-                             "test_accuracy": None, **wire})
+                             "test_accuracy": None, "cpu_s": task_cpu_seconds(cpu_pids),
+                             **wire})
 
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn),
               epochs=max(2, steps_total // eval_every), steps_per_epoch=eval_every, verbose=0,
@@ -226,9 +232,14 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
            "staleness": None, "limit_bytes_per_step": limit_bytes_per_step(ids),
            "heldout_loss": heldout_loss,
            "task_pids": shared["pids"]}  # bench.run_one adds peak_rss_mb
+    first, last = segments[0], segments[-1]
+    # CPU seconds per measured step by task (the joins' flushes included).
+    out["cpu_s_per_step"] = {n: (None if first["cpu_s"][n] is None or last["cpu_s"][n] is None
+                                 else (last["cpu_s"][n] - first["cpu_s"][n]) / steps)
+                             for n in cpu_pids}
+    out["cpu_s_per_step_total"] = (None if None in out["cpu_s_per_step"].values()
+                                   else sum(out["cpu_s_per_step"].values()))
     if "worker_tx_bytes" in segments[0]:
-        first, last = segments[0], segments[-1]
-
         def per_step(key):  # the steps' bytes, the joins' flushes taken out
             flush = last[f"flush_{key}"] - first[f"flush_{key}"]
             return (last[key] - first[key] - flush) / steps, flush / steps
@@ -239,6 +250,13 @@ def run_one(run: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
         out["bytes_per_step"] = out["bytes_sent_per_step"] + out["bytes_received_per_step"]
         out["all_links_bytes_per_step"], all_flush = per_step("all_tx_bytes")
         joins = last["flush_joins"] - first["flush_joins"]
+        if flushed["joins"] > last["flush_joins"]:
+            # The flush at fit's end (its epochs' joins defer theirs there),
+            # after the measured epochs: bytes on the workers' links, seconds.
+            out["closing_flush_bytes"] = (
+                flushed["worker_tx_bytes"] + flushed["worker_rx_bytes"]
+                - last["flush_worker_tx_bytes"] - last["flush_worker_rx_bytes"])
+            out["closing_flush_seconds"] = flushed["seconds"] - last["flush_seconds"]
         if joins:
             # Closing traffic, per step of the measured epochs (it shrinks
             # as epochs lengthen) and per join.
