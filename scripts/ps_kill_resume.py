@@ -7,17 +7,24 @@ item 4).
         --steps_per_execution=10 --num_ps=2 --restart_failed_tasks \
         --backup_every_steps=200
 
-Runs ``tf-asyncps launch --output_dir=OUTPUT_DIR ARGS...`` (the arguments
-after ``--``), reads ``OUTPUT_DIR/backup/progress.json`` (the worker steps
-done, which StepBackup and the epoch backups' ResumeTracker write about
-every second) and, ``--delay_s`` seconds after it reaches ``--kill_at``, sends SIGKILL
-to ``--task`` (its pid from ``OUTPUT_DIR/logs/cluster.json``). Waits for
-launch to end and prints one JSON line: launch's exit status, the steps
-done when the kill was sent, and from ``metrics.json`` the ``recovery``
-section (chief runs, resumed_from_step, steps_redone), ``worker_steps``,
-``steps_per_sec`` and ``wall_time_s`` of the last chief run, plus the
-launch's wall seconds, and every value of steps_done seen (seconds,
-steps). Run it under both CPU slots (``/work/helpers/locked --exclusive``).
+The CTR job, the same way:
+
+    python scripts/ps_kill_resume.py --output_dir=/tmp/kill2 --kill_at=650 -- \
+        --flagfile=configs/ctr.flags --steps_per_epoch=500 --restart_failed_tasks \
+        --backup_every_steps=200
+
+Runs ``tf-asyncps launch ARGS... --output_dir=OUTPUT_DIR`` (the arguments
+after ``--``; ``--output_dir`` last, so it overrides a flagfile's), reads
+``OUTPUT_DIR/backup/progress.json`` (the worker steps done, which StepBackup
+and the epoch backups' ResumeTracker write about every second) and,
+``--delay_s`` seconds after it reaches ``--kill_at``, sends SIGKILL to
+``--task`` (its pid from ``OUTPUT_DIR/logs/cluster.json``). Waits for launch
+to end and prints one JSON line: launch's exit status, the steps done when
+the kill was sent, and from ``metrics.json`` the ``recovery`` section (chief
+runs, resumed_from_step, steps_redone), ``worker_steps``, ``steps_per_sec``
+and ``wall_time_s`` of the last chief run, plus the launch's wall seconds,
+and every value of steps_done seen (seconds, steps). Run it under both CPU
+slots (``/work/helpers/locked --exclusive``).
 """
 
 import json
@@ -53,7 +60,8 @@ def main(argv):
     if os.path.exists(out):
         raise app.UsageError(f"--output_dir={out} exists; give a new folder (a backup there "
                              "would be resumed).")
-    cmd = [sys.executable, "-m", "tf_asyncps", "launch", f"--output_dir={out}"] + argv[1:]
+    # --output_dir last: a --flagfile's own --output_dir (configs/ctr.flags) must not win.
+    cmd = [sys.executable, "-m", "tf_asyncps", "launch"] + argv[1:] + [f"--output_dir={out}"]
     progress = os.path.join(out, "backup", "progress.json")
     state = os.path.join(out, "logs", "cluster.json")
     t0 = time.monotonic()
