@@ -10,6 +10,7 @@ dataclasses declared with them (docs/tests.md#scenarios-beside-their-tests).
 import dataclasses
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -109,6 +110,44 @@ def test_a_full_save_clears_every_mark_of_the_deltas(tmp_path, monkeypatch):
     monkeypatch.setattr(backup, "_write_checkpoint", lambda prefix: None)
     backup._write_full(str(tmp_path / "step-000000000005"), 5, {"format": 1})
     assert calls == ["clear"] and backup._seq == 0
+
+
+def _in_process(backup, model):
+    """``backup`` given ``model`` and a global step, as on_train_begin would
+    under the strategy (its checkpoint needs nothing else of a cluster)."""
+    backup.model = model
+    backup._strategy = types.SimpleNamespace(staleness_tracker=types.SimpleNamespace(
+        global_step=tf.Variable(0, dtype=tf.int64)))
+    return backup
+
+
+def _dense(*units):
+    model = tf_keras.Sequential([tf_keras.layers.Dense(u) for u in units])
+    model.build((None, 4))
+    return model
+
+
+@pytest.mark.parametrize("units", [(5,), (3, 2)], ids=["another_shape", "another_layer"])
+def test_a_backup_of_another_model_is_refused_naming_backup_dir_and_the_fix(tmp_path, units):
+    """Restoring another model's full backup (the CTR job re-run with another
+    --ctr_max_rows into the same --backup_dir, say) says which folder and what
+    to do, not TensorFlow's shape or unmatched-object error alone; the same
+    model's backup restores its values."""
+    root, written = str(tmp_path), _dense(3)
+    meta = {"format": 1, "worker_steps": 5, "steps_per_epoch": 10, "global_step": 5}
+    _in_process(StepBackup(root, 5), written)._write_full(
+        os.path.join(root, "step-000000000005"), 5, meta)
+    same = _in_process(StepBackup(root, 5), _dense(3))
+    same._restore(*same._resume)
+    np.testing.assert_array_equal(same.model.layers[0].kernel.numpy(),
+                                  written.layers[0].kernel.numpy())
+    other = _in_process(StepBackup(root, 5), _dense(*units))
+    with pytest.raises(ValueError) as raised:
+        other._restore(*other._resume)
+    text = str(raised.value)
+    assert f"backup_dir={root} holds a backup this model cannot restore" in text
+    assert "step-000000000005" in text
+    assert "Use a new backup_dir or delete that one." in text
 
 
 # -- cluster scenarios ------------------------------------------------------------

@@ -394,21 +394,35 @@ class StepBackup(tf_keras.callbacks.Callback):
         """Reads the checkpoint at ``prefix``; every object of the fit must
         match one of it, but the id -> row maps of a DynamicEmbedding's
         shards beyond those it was written over (restored onto more ps
-        tasks: the table re-homes its ids at the first lookup)."""
-        status = self._checkpoint().read(prefix)
-        new_maps = []
-        for layer in models_compat.layers_of(self.model):
-            table = getattr(layer, "dynamic_table", None)
-            saved = int(table.shards[0].marks.pending.numpy()) if table is not None else 0
-            if saved:  # the shard count it was written over, when another
-                new_maps += [s.index for s in table.shards[saved:]]
-        checkpoint_compat.assert_matched_except(status, new_maps)
+        tasks: the table re-homes its ids at the first lookup).
+
+        Raises:
+          ValueError: the checkpoint is another model's or optimizer's (a
+            variable of another shape, or objects unmatched); names
+            backup_dir and the fix.
+        """
+        try:
+            status = self._checkpoint().read(prefix)
+            new_maps = []
+            for layer in models_compat.layers_of(self.model):
+                table = getattr(layer, "dynamic_table", None)
+                saved = int(table.shards[0].marks.pending.numpy()) if table is not None else 0
+                if saved:  # the shard count it was written over, when another
+                    new_maps += [s.index for s in table.shards[saved:]]
+            checkpoint_compat.assert_matched_except(status, new_maps)
+        except (ValueError, AssertionError) as e:  # TensorFlow's words alone name no fix
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"StepBackup: backup_dir={self.backup_dir} holds a backup this model cannot "
+                f"restore ({os.path.dirname(prefix)}: {first[:300]}); it is probably from "
+                "another model or optimizer. Use a new backup_dir or delete that one.") from None
 
     def _restore(self, path: str, meta: Dict) -> None:
         """Reads the backup at ``path``: a full one, or a delta's base and chain.
 
         Raises:
           delta_chain.ChainError: a delta's chain is broken (names the file).
+          ValueError: the backup is another model's (names backup_dir and the fix).
         """
         if meta.get("kind", "full") == "full":
             self._read(os.path.join(path, "ckpt"))
