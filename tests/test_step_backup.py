@@ -150,6 +150,33 @@ def test_a_backup_of_another_model_is_refused_naming_backup_dir_and_the_fix(tmp_
     assert "Use a new backup_dir or delete that one." in text
 
 
+def test_a_graph_restore_error_is_refused_with_its_telling_line(tmp_path, monkeypatch):
+    """Variables on ps tasks are restored by a RestoreV2 op: another shape
+    raises InvalidArgumentError whose first line is the graph error's header;
+    the message quotes the line that names the tensor and both shapes."""
+    root = str(tmp_path)
+    _in_process(StepBackup(root, 5), _dense(3))._write_full(
+        os.path.join(root, "step-000000000005"), 5,
+        {"format": 1, "worker_steps": 5, "steps_per_epoch": 10, "global_step": 5})
+    other = _in_process(StepBackup(root, 5), _dense(3))
+    shape = ("tensor_name = model/embeddings; shape in shape_and_slice spec [50000,16] does "
+             "not match the shape stored in checkpoint: [100000,16]")
+
+    class GraphRestore:
+        def read(self, prefix):
+            raise tf.errors.InvalidArgumentError(
+                None, None, "Graph execution error:\n\nDetected at node RestoreV2 defined at:\n"
+                f"  File \"x.py\", line 1, in <module>\n\n{shape}\n\t [[{{{{node RestoreV2}}}}]]")
+
+    monkeypatch.setattr(other, "_checkpoint", GraphRestore)
+    with pytest.raises(ValueError) as raised:
+        other._restore(*other._resume)
+    assert str(raised.value) == (
+        f"StepBackup: backup_dir={root} holds a backup this model cannot restore "
+        f"({root}/step-000000000005: {shape}); it is probably from another model or "
+        "optimizer. Use a new backup_dir or delete that one.")
+
+
 # -- cluster scenarios ------------------------------------------------------------
 
 

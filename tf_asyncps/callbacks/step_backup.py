@@ -69,6 +69,18 @@ def _kind(path: str) -> str:
     return (read_json(os.path.join(path, META_FILE)) or {}).get("kind", "full")
 
 
+def _first_line(error: BaseException) -> str:
+    """The first line of ``error`` that says what is wrong: not a graph
+    error's header, its traceback ("Detected at node", "File ...") or its
+    node line."""
+    for line in str(error).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
+                                         "[[")):
+            return line
+    return ""
+
+
 def newest_backup(backup_dir: str) -> Optional[Tuple[str, Dict]]:
     """(path, meta) of the newest complete backup in ``backup_dir``, or None.
 
@@ -410,8 +422,11 @@ class StepBackup(tf_keras.callbacks.Callback):
                 if saved:  # the shard count it was written over, when another
                     new_maps += [s.index for s in table.shards[saved:]]
             checkpoint_compat.assert_matched_except(status, new_maps)
-        except (ValueError, AssertionError) as e:  # TensorFlow's words alone name no fix
-            first = (str(e).strip().splitlines() or [""])[0]
+        # TensorFlow's words alone name no fix. One process: ValueError (shape)
+        # or AssertionError (unmatched); variables on ps tasks: RestoreV2's
+        # InvalidArgumentError (shape), its first line "Graph execution error:".
+        except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
+            first = _first_line(e)
             raise ValueError(
                 f"StepBackup: backup_dir={self.backup_dir} holds a backup this model cannot "
                 f"restore ({os.path.dirname(prefix)}: {first[:300]}); it is probably from "
