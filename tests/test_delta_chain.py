@@ -472,6 +472,25 @@ def test_a_dynamic_chain_round_trips_rows_slots_ids_and_counts(dynamic_chain):
         np.testing.assert_array_equal(g, w)
 
 
+def test_a_dynamic_delta_without_passes_run_restores_by_the_passes_counter(dynamic_chain):
+    """A delta written before ``passes_run`` was recorded is still read: its
+    aging is the change in each shard's ``passes`` (exact here, where no
+    period was skipped)."""
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    base, folders, want, _ = dynamic_chain
+    model, layer, opt = _dynamic_model()
+    tf.train.Checkpoint(model=model, opt=opt).read(base).assert_existing_objects_matched()
+    state = dynamic_deltas.state_of(layer.dynamic_table)
+    ran = []
+    for folder in folders:
+        old = dict(np.load(os.path.join(folder, "0.npz")))
+        ran.append(old.pop("passes_run").tolist())
+        state = dynamic_deltas.apply(layer.dynamic_table, state, old, folder)
+    assert ran == [[1], [1]]  # the passes after steps 2 and 4
+    for name in ("rows", "key", "count", "filter_at", "filter", "shards"):
+        np.testing.assert_array_equal(state[name], want[name], err_msg=name)
+
+
 def test_tombstones_remove_the_evicted_ids_at_restore(dynamic_chain, tmp_path):
     """Each delta holds the ids evicted since the previous one; applied,
     they leave the map (a lookup finds no row) and the base's rows they held
@@ -656,6 +675,52 @@ def test_a_dynamic_chain_written_over_2_shards_restores_onto_3(tmp_path):
     assert sorted(got["chain"]) == sorted(got["full"])
     for name, want in got["full"].items():
         np.testing.assert_array_equal(got["chain"][name], want, err_msg=name)
+
+
+def test_a_dynamic_chain_ages_by_the_passes_that_ran_not_the_periods(tmp_path):
+    """An eviction pass sets ``passes`` to its period, and a period whose
+    pass no worker ran (another ran a later one first) is skipped: passes
+    for periods 1, 2 and 4 after the base age the untouched counts and
+    filter slots three times, not four. Base (20 lookups of 14 ids
+    over 6 + 6 rows, no pass) + one delta give the table's own counts,
+    filter and counters, restored onto the same shards and onto 4 + 4 + 4
+    as the full checkpoint at the delta gives there."""
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    from tf_asyncps.dynamic.table import optimizer_slots
+    ids = tf.constant(list(range(100, 114)), tf.int64)
+    root = str(tmp_path)
+    a, opt = _split_dynamic([6, 6])
+    deltas = delta_chain.ModelDeltas(a, opt)
+    deltas.track()
+    for step in range(20):
+        a.dt.lookup(ids, step=tf.constant(step, tf.int64), training=True)
+    base = tf.train.Checkpoint(m=a, opt=opt).write(os.path.join(root, "base", "ckpt"))
+    deltas.clear()
+    for step in (4, 8, 16):  # periods 1, 2, 4 (evict_every 4): 3 passes
+        a.dt.maybe_evict(step, lambda var: optimizer_slots(opt, var))
+    folder = deltas.write(os.path.join(root, "delta-1"), base_id="b", seq=1)
+    full = tf.train.Checkpoint(m=a, opt=opt).write(os.path.join(root, "full", "ckpt"))
+    want = dynamic_deltas.state_of(a.dt)
+    assert [int(s.passes.numpy()) for s in a.dt.shards] == [4, 4]
+    assert sorted(set(want["count"].tolist())) == [2]  # 20 halved 3 times (4 times: 1)
+    assert len(want["filter"]) and set(want["filter"].tolist()) <= {2, 5}
+    b, opt_b = _split_dynamic([6, 6])
+    tf.train.Checkpoint(m=b, opt=opt_b).read(base)
+    assert delta_chain.ModelDeltas(b, opt_b).restore([folder], "b") == 1
+    got = dynamic_deltas.state_of(b.dt)
+    for name in ("rows", "key", "count", "last", "filter_at", "filter", "waiting_at",
+                 "shards"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    got = {}
+    for how in ("chain", "full"):
+        c, opt_c = _split_dynamic([4, 4, 4])
+        tf.train.Checkpoint(m=c, opt=opt_c).read(base if how == "chain" else full)
+        if how == "chain":
+            delta_chain.ModelDeltas(c, opt_c).restore([folder], "b")
+        got[how] = _split_state(c, opt_c)
+    assert sorted(set(got["full"]["count"].tolist())) == [2]
+    for name, want_c in got["full"].items():
+        np.testing.assert_array_equal(got["chain"][name], want_c, err_msg=name)
 
 
 def test_the_dynamic_table_s_gradient_filter_copies_the_gradient():

@@ -22,14 +22,19 @@ byte more per step on the wire):
 * ``readers``: int64, the bits of the readers attached (a tombstone takes
   theirs only: with one marked for all 8 bits, a table read by fewer
   readers never dropped it, and the tombstones grew with every id
-  evicted).
+  evicted);
+* ``ran``: int64 ``[8]``, per reader bit the eviction passes run since the
+  reader's last read. Not the change in ``passes``: a pass sets that to
+  its period, and a period whose pass no worker ran (another worker ran a
+  later period's first) is skipped, so the change counts passes the ps
+  never ran.
 
 What a reader takes (:func:`read`), per table: the marked rows (global row,
 id, count, last step, values, optimizer slot rows), the marked filter slots
 with their counts, the slots of ids refused a row since the last pass,
 each shard's counters and the tombstones. Counts and filter slots not
 marked changed only by LFU aging (``max(c // 2, 1)``, ``c // 2`` per pass),
-so a restore ages them by the passes since (:func:`apply`) and the marked
+so a restore ages them by the passes run since (:func:`apply`) and the marked
 ones overwrite them: the chain restores every row, slot, id and count
 exactly.
 
@@ -54,6 +59,7 @@ __all__ = ["attach", "mark_lookup", "mark_eviction", "read", "clear", "apply", "
            "relayout", "restore", "encode_keys", "decode_keys"]
 
 _ALL = -1  # int8, every reader's bit
+_BITS = 8  # reader bits (int8 marks)
 _COUNTERS = checkpoint_lib.COUNTERS
 
 
@@ -72,8 +78,10 @@ def attach(table, row_marks, mask: int = 0xFF) -> None:
                     s.index.key_dtype, tf.int64, default_value=0, name=f"{s.name}_tombstones")
                 readers = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       name=f"{s.name}_delta_readers")
+                ran = tf.Variable(tf.zeros([_BITS], tf.int64), trainable=False,
+                                  name=f"{s.name}_delta_passes")
             m = types.SimpleNamespace(rows=row_marks(s.var), filter=filt, tombs=tombs,
-                                      readers=readers)
+                                      readers=readers, ran=ran)
             # Not model state: no checkpoint, no Keras weight.
             hooks_compat.set_untracked_attribute(s, "delta_marks", m)
         with tf.init_scope(), tf.device(s.device):
@@ -97,15 +105,20 @@ def mark_lookup(shard, local_rows, filter_slots) -> List[tf.Operation]:
 
 
 def mark_eviction(shard, gone) -> List[tf.Operation]:
-    """In an eviction pass: the ops marking the freed local rows ``gone``
-    and recording their ids as tombstones (before the keys change)."""
+    """In an eviction pass: the ops marking the freed local rows ``gone``,
+    recording their ids as tombstones (before the keys change) and
+    counting the pass for each reader attached."""
     m = _marks(shard)
     if m is None:
         return []
     keys = tf.gather(shard.key, gone)
+    readers = m.readers.read_value()
+    ran = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(readers, tf.range(_BITS, dtype=tf.int64)), 1)
     return [m.rows.scatter_update(tf.IndexedSlices(
                 tf.fill(tf.shape(gone), tf.constant(_ALL, tf.int8)), gone)),
-            m.tombs.insert(keys, tf.fill(tf.shape(keys), m.readers.read_value()))]
+            m.tombs.insert(keys, tf.fill(tf.shape(keys), readers)),
+            m.ran.assign_add(ran)]
 
 
 def encode_keys(keys: np.ndarray) -> Dict[str, np.ndarray]:
@@ -145,7 +158,9 @@ def read(table, mask: int, slot_sets, slots: bool = True) -> Dict[str, np.ndarra
       (int64 [k]), "values" [k, dim], "slot:<j>" [k, dim] per slot set,
       "filter_at", "filter" (int64, marked filter slots by position in the
       shards' filters one after another, and their counts), "waiting_at",
-      "shards" (int64 [num_shards, len(COUNTERS)]), "tomb:*" the evicted ids}``.
+      "shards" (int64 [num_shards, len(COUNTERS)]), "passes_run" (int64
+      [num_shards], eviction passes run since the reader's last clear),
+      "tomb:*" the evicted ids}``.
     """
     bit = tf.constant(np.uint8(mask).view(np.int8))
     out = {n: [] for n in ("ids", "count", "last", "values", "filter_at", "filter",
@@ -176,20 +191,35 @@ def read(table, mask: int, slot_sets, slots: bool = True) -> Dict[str, np.ndarra
         res[f"slot:{j}"] = np.concatenate(rows)
     res["shards"] = np.array([[s.rows] + [int(getattr(s, c).numpy()) for c in _COUNTERS[1:]]
                               for s in table.shards], np.int64)
+    b = _bit(mask)
+    res["passes_run"] = np.array([int(s.delta_marks.ran[b].numpy()) for s in table.shards],
+                                 np.int64)
     res.update(_keyed("key:", np.concatenate(keys)))
     res.update(_keyed("tomb:", np.concatenate(tombs)))
     return res
 
 
+def _bit(mask: int) -> int:
+    """The reader's bit number of ``mask`` (``1 << bit``)."""
+    mask = int(mask)
+    if mask <= 0 or mask & (mask - 1) or mask >= 1 << _BITS:
+        raise ValueError(f"dynamic deltas: mask={mask} is not one reader's bit (1 << bit, "
+                         f"bit in [0, {_BITS})): pass the reader's DirtyReader.mask.")
+    return mask.bit_length() - 1
+
+
 def clear(table, mask: int) -> None:
     """Clears the reader's bit in each shard's filter marks and tombstones
-    (the row marks are cleared by its ``DirtyReader``); a tombstone every
-    reader has read goes. Eager, at a quiet point."""
+    and its count of passes run (the row marks are cleared by its
+    ``DirtyReader``); a tombstone every reader has read goes. Eager, at a
+    quiet point."""
     keep8 = tf.constant(~np.uint8(mask).view(np.int8))
+    bit = _bit(mask)
     for s in table.shards:
         m = s.delta_marks
         with tf.device(s.device):
             m.filter.assign(tf.bitwise.bitwise_and(m.filter, keep8))
+            m.ran.scatter_update(tf.IndexedSlices(tf.zeros([1], tf.int64), [bit]))
             k, v = m.tombs.export()
             left = tf.bitwise.bitwise_and(v, tf.constant(~mask & 0xFF, tf.int64))
             m.tombs.remove(tf.boolean_mask(k, left == 0))
@@ -249,8 +279,10 @@ def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, n
     """``state`` (:func:`state_of`'s arrays, the table as restored so far)
     with one delta (:func:`read`'s arrays) applied, in numpy.
 
-    Order, as on the ps: LFU aging by the passes since (counts of the
-    unmarked live rows, the unmarked filter slots), the tombstoned ids'
+    Order, as on the ps: LFU aging of the unmarked live rows' counts and
+    the unmarked filter slots by the passes run since (the delta's
+    ``passes_run``; in a delta written without it, the change in
+    ``passes``: one too many per period whose pass was skipped), the tombstoned ids'
     rows freed, then the marked rows and filter slots written over, the
     refused ids' slots and the counters replaced. A delta written over
     other shards than this table's is applied to the base laid out as
@@ -276,8 +308,11 @@ def apply(table, state: Dict[str, np.ndarray], delta, where: str) -> Dict[str, n
     # shards that wrote them only.
     flen = (np.array([int(s.filter.shape[0]) for s in table.shards], np.int64)
             if _sizes(shards) == here else None)
-    p = _COUNTERS.index("passes")
-    passes = np.maximum(shards[:, p] - state["shards"][:, p], 0)
+    if "passes_run" in delta:
+        passes = np.asarray(delta["passes_run"], np.int64)
+    else:  # written before passes_run
+        p = _COUNTERS.index("passes")
+        passes = np.maximum(shards[:, p] - state["shards"][:, p], 0)
     rows = np.asarray(state["rows"])
     offsets = np.cumsum(np.concatenate([[0], shards[:, 0]]))[:-1]
     shard_of = np.searchsorted(offsets, rows, side="right") - 1
