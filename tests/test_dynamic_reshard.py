@@ -109,6 +109,47 @@ def test_a_read_onto_more_shards_leaves_only_the_new_maps_unmatched(tmp_path):
     assert int(b.dt.shards[0].marks.pending.numpy()) == 2
 
 
+def _keras3_holding(m):
+    """A built Keras 3 model holding ``m``'s sharded table and its
+    DynamicTable on a layer (as a DynamicEmbedding's)."""
+    keras = pytest.importorskip("keras")
+
+    class Held(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.table = m.table
+            self.emb = keras.layers.Layer()
+            self.emb.dynamic_table = m.dt
+
+        def call(self, ids):
+            return m.dt.lookup(ids)
+
+    model = Held()
+    model.build((None,))
+    return model
+
+
+@pytest.mark.parametrize("sizes", [[10, 10, 10], [15, 15]], ids=["2to3", "same"])
+def test_checkpoint_backup_restores_onto_more_shards(tmp_path, sizes):
+    """Keras 3 CheckpointBackup (its restore check as StepBackup's): a
+    backup written over 2 shards resumes onto 3 (shard 2's map in no
+    checkpoint) and onto 2; every id keeps its row after the re-homing."""
+    from tf_asyncps.callbacks import CheckpointBackup
+    a = _trained([15, 15], IDS)
+    want = a.dt.lookup(IDS).numpy()
+    backup = CheckpointBackup(str(tmp_path / "b"), delete_checkpoint=False)
+    backup.set_model(_keras3_holding(a))
+    backup.on_train_begin()
+    backup.on_epoch_end(0)
+    b = _table(sizes)
+    resume = CheckpointBackup(str(tmp_path / "b"), delete_checkpoint=False)
+    resume.set_model(_keras3_holding(b))
+    resume.on_train_begin()
+    assert int(b.dt.shards[0].marks.pending.numpy()) == (2 if len(sizes) == 3 else 0)
+    np.testing.assert_array_equal(b.dt.lookup(IDS).numpy(), want)
+    assert sorted(_invariants(b)) == sorted(IDS.tolist())
+
+
 def test_three_to_two_with_string_ids(tmp_path):
     ids = np.array([str(i) for i in IDS])
     a = _trained([10, 10, 10], tf.constant(ids), key_dtype=tf.string)

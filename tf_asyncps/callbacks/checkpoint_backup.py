@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tf_asyncps.callbacks.dynamic import dynamic_layers
+from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import keras_models as models_compat
 
 __all__ = ["CheckpointBackup"]
@@ -32,7 +33,10 @@ class CheckpointBackup(keras.callbacks.Callback):
     at train end it deletes ``backup_dir`` if ``delete_checkpoint``. Under
     AsyncParameterServerStrategy the chief writes and reads it (the ps tasks
     send their variables). A fit that crashes mid-epoch resumes from the
-    start of that epoch, as with Keras's callback.
+    start of that epoch, as with Keras's callback. A DynamicEmbedding
+    restored onto more ps tasks than it was written over re-homes its ids
+    at the first lookup; the new shards' id -> row maps, in no checkpoint,
+    are the only objects allowed to be unmatched.
 
     Args:
       backup_dir: str, the folder of the checkpoints (made if missing); one
@@ -44,7 +48,7 @@ class CheckpointBackup(keras.callbacks.Callback):
         ``tf_keras.callbacks.BackupAndRestore``, which writes a TensorFlow
         checkpoint already); at train begin, the model is not built.
       tf.errors.OpError / AssertionError: the checkpoint does not match the
-        model (TensorFlow's restore check).
+        model (TensorFlow's restore check, but for those maps).
     """
 
     def __init__(self, backup_dir, delete_checkpoint=True):
@@ -85,7 +89,13 @@ class CheckpointBackup(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built and \
                 models_compat.model_strategy(self.model) is None:
             optimizer.build(self.model.trainable_variables)
-        checkpoint.read(path).assert_existing_objects_matched()
+        status = checkpoint.read(path)
+        new_maps = []
+        for layer in dynamic_layers(self.model):
+            shards = layer.dynamic_table.shards
+            saved = int(shards[0].marks.pending.numpy())  # 0: written over these shards
+            new_maps += [s.index for s in shards[saved:]] if saved else []
+        checkpoint_compat.assert_matched_except(status, new_maps)
         for layer in dynamic_layers(self.model):
             if optimizer is not None and not layer.under_strategy:  # (the strategy's
                 layer.use_optimizer(optimizer, self.model.trainable_variables)  # updates do)
