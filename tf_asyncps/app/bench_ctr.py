@@ -53,9 +53,12 @@ TEST_EXAMPLES = 65536
 LIMIT_BATCHES = 32
 CTR_RUNS = ("single@ctr", "vanilla@ctr", "vanilla_one_table@ctr", "async@ctr",
             "async_one_table@ctr", "async_bf16@ctr", "best@ctr", "keras3@ctr")
-#: Variants of async@ctr that say where its CPU goes, by name only (not in
-#: ``ctr``): without lookup de-duplication, without the non-finite check.
-CTR_VARIANTS = ("async_nodedup@ctr", "async_nocheck@ctr")
+#: Variants, by name only (not in ``ctr``): of async@ctr, where its CPU goes
+#: (without lookup de-duplication, without the non-finite check); of
+#: best@ctr, one lever off each (which lever costs held-out AUC): without
+#: bfloat16, without LocalSteps (the collection under ``async`` + bfloat16).
+CTR_VARIANTS = ("async_nodedup@ctr", "async_nocheck@ctr", "best_f32@ctr",
+                "collection_bf16@ctr")
 _ID_BYTES, _FLOAT_BYTES = 8, 4
 
 
@@ -82,7 +85,11 @@ def ctr_configs(num_workers: int = 2, steps_per_execution: int = 16, max_rows: i
                  policy="route", policy_args={"sparse": "async", "local_steps": SYNC_EVERY}),
             dict(pol, name="keras3@ctr", keras="3"),
             dict(pol, name="async_nodedup@ctr", dedup=False),
-            dict(pol, name="async_nocheck@ctr", skip_nonfinite=False)]
+            dict(pol, name="async_nocheck@ctr", skip_nonfinite=False),
+            dict(pol, name="best_f32@ctr", embedding="collection",
+                 policy="route", policy_args={"sparse": "async", "local_steps": SYNC_EVERY}),
+            dict(pol, name="collection_bf16@ctr", embedding="collection",
+                 wire_dtype="bfloat16")]
 
 
 def expand_only(only: Optional[List[str]]) -> Optional[List[str]]:
