@@ -2,8 +2,8 @@
 
 A ps task that dies takes its variables with it; the chief fails, the
 supervisor restarts the ps, and launch re-runs the chief, which resumes from
-the latest BackupAndRestore checkpoint. A SIGKILLed chief is re-run the same
-way. The result must be as good as an uninterrupted run with the same seed.
+the latest BackupAndRestore checkpoint (or, with --backup_every_steps, its
+newest step backup, mid-epoch). A SIGKILLed chief is re-run the same way. The result must be as good as an uninterrupted run with the same seed.
 
 Each scenario sits above the tests that read it and returns the dataclass
 declared with it (docs/tests.md#scenarios-beside-their-tests).
@@ -54,14 +54,21 @@ def _kill_task(out, name):
     return pid
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.cluster
-def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
-    base, out = str(tmp_path / "uninterrupted"), str(tmp_path / "interrupted")
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """metrics.json of the uninterrupted run (no --backup_dir), shared."""
+    base = str(tmp_path_factory.mktemp("uninterrupted"))
     run_command(_launch_cmd(base), timeout=150)
     with open(os.path.join(base, "metrics.json")) as f:
-        baseline = json.load(f)
-    assert baseline["recovery"] is None  # no --backup_dir: no checkpoints
+        metrics = json.load(f)
+    assert metrics["recovery"] is None  # no --backup_dir: no checkpoints
+    return metrics
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster
+def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path, baseline):
+    out = str(tmp_path / "interrupted")
 
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=2"),
@@ -97,6 +104,43 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path):
     assert "lost ps:0 during training" in text
     assert not os.path.exists(progress)  # removed once fit completed
     assert abs(m["test_accuracy"] - baseline["test_accuracy"]) <= 0.02, (
+        m["test_accuracy"], baseline["test_accuracy"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster
+def test_a_chief_sigkilled_mid_epoch_resumes_from_its_step_backup(tmp_path, baseline):
+    """Issue 41: with --backup_every_steps=30 (epochs of 50 steps) a chief
+    SIGKILLed after the backup at step 90 is re-run, resumes mid-epoch from
+    its newest complete step backup with at most 30 steps redone, and ends
+    within 0.01 of the uninterrupted run's test accuracy."""
+    out = str(tmp_path / "interrupted")
+    log = open(tmp_path / "launch.log", "w+")
+    proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=1",
+                                        "--backup_every_steps=30"),
+                            stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT,
+                            start_new_session=True)
+    meta = os.path.join(out, "backup", "step-000000000090", "meta.json")
+    try:
+        poll_until(lambda: os.path.exists(meta), proc, 150, "the step backup at 90")
+        _kill_task(out, "chief:0")
+        rc = proc.wait(timeout=150)
+    finally:
+        stop_process(proc)
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert rc == 0, text[-4000:]
+    with open(os.path.join(out, "metrics.json")) as f:
+        m = json.load(f)
+    rec = m["recovery"]
+    assert rec["chief_runs"] == 2, rec
+    # A step backup's step (epoch checkpoints would give multiples of 50).
+    assert rec["resumed_from_step"] >= 90 and rec["resumed_from_step"] % 30 == 0, rec
+    assert 0 <= rec["steps_redone"] <= 30, rec
+    assert m["scheduled_steps"] == 400 - rec["resumed_from_step"] == m["worker_steps"]
+    assert text.count("re-running it") == 1
+    assert abs(m["test_accuracy"] - baseline["test_accuracy"]) <= 0.01, (
         m["test_accuracy"], baseline["test_accuracy"])
 
 
