@@ -65,25 +65,17 @@ def baseline(tmp_path_factory):
     return metrics
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.cluster
-def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path, baseline):
+def _launch_with_kills(tmp_path, extra, kills):
+    """Runs launch (FLAGS + ``extra``) into ``tmp_path/interrupted`` and
+    calls ``kills(out, proc)`` while it runs; the launch process group is
+    stopped whatever happens. Asserts it exits 0; returns (its output,
+    metrics.json)."""
     out = str(tmp_path / "interrupted")
-
     log = open(tmp_path / "launch.log", "w+")
-    proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=2"),
-                            stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT,
-                            start_new_session=True)
-    progress = os.path.join(out, "backup", recovery.PROGRESS_FILE)
+    proc = subprocess.Popen(_launch_cmd(out, *extra), stdout=log, stderr=subprocess.STDOUT,
+                            env=subprocess_env(), cwd=ROOT, start_new_session=True)
     try:
-        # 1. ps:0 dies after the first epoch checkpoint.
-        first = poll_until(lambda: _latest_checkpoint(out), proc, 120, "the first checkpoint")
-        _kill_task(out, "ps:0")
-        # 2. The re-run chief resumed and wrote a newer checkpoint: kill it.
-        poll_until(lambda: (recovery.read_json(progress) or {}).get("chief_runs") == 2 and
-               _latest_checkpoint(out) not in (None, first),
-               proc, 120, "the second chief run to checkpoint an epoch")
-        _kill_task(out, "chief:0")
+        kills(out, proc)
         rc = proc.wait(timeout=150)
     finally:
         stop_process(proc)
@@ -92,7 +84,26 @@ def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path, baseline):
         log.close()
     assert rc == 0, text[-4000:]
     with open(os.path.join(out, "metrics.json")) as f:
-        m = json.load(f)
+        return text, json.load(f)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster
+def test_ps_and_chief_sigkill_resume_from_checkpoint(tmp_path, baseline):
+    progress = os.path.join(str(tmp_path / "interrupted"), "backup", recovery.PROGRESS_FILE)
+
+    def kills(out, proc):
+        # 1. ps:0 dies after the first epoch checkpoint.
+        first = poll_until(lambda: _latest_checkpoint(out), proc, 120, "the first checkpoint")
+        _kill_task(out, "ps:0")
+        # 2. The re-run chief resumed and wrote a newer checkpoint: kill it.
+        poll_until(lambda: (recovery.read_json(progress) or {}).get("chief_runs") == 2 and
+                   _latest_checkpoint(out) not in (None, first),
+                   proc, 120, "the second chief run to checkpoint an epoch")
+        _kill_task(out, "chief:0")
+
+    text, m = _launch_with_kills(tmp_path, ["--restart_failed_tasks", "--max_restarts=2"],
+                                 kills)
     rec = m["recovery"]
     assert rec["chief_runs"] == 3, rec
     # Resumed from an epoch boundary after the first failure, not from zero.
@@ -114,25 +125,14 @@ def test_a_chief_sigkilled_mid_epoch_resumes_from_its_step_backup(tmp_path, base
     SIGKILLed after the backup at step 90 is re-run, resumes mid-epoch from
     its newest complete step backup with at most 30 steps redone, and ends
     within 0.01 of the uninterrupted run's test accuracy."""
-    out = str(tmp_path / "interrupted")
-    log = open(tmp_path / "launch.log", "w+")
-    proc = subprocess.Popen(_launch_cmd(out, "--restart_failed_tasks", "--max_restarts=1",
-                                        "--backup_every_steps=30"),
-                            stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT,
-                            start_new_session=True)
-    meta = os.path.join(out, "backup", "step-000000000090", "meta.json")
-    try:
+    def kills(out, proc):
+        meta = os.path.join(out, "backup", "step-000000000090", "meta.json")
         poll_until(lambda: os.path.exists(meta), proc, 150, "the step backup at 90")
         _kill_task(out, "chief:0")
-        rc = proc.wait(timeout=150)
-    finally:
-        stop_process(proc)
-        log.seek(0)
-        text = log.read()
-        log.close()
-    assert rc == 0, text[-4000:]
-    with open(os.path.join(out, "metrics.json")) as f:
-        m = json.load(f)
+
+    text, m = _launch_with_kills(
+        tmp_path, ["--restart_failed_tasks", "--max_restarts=1", "--backup_every_steps=30"],
+        kills)
     rec = m["recovery"]
     assert rec["chief_runs"] == 2, rec
     # A step backup's step (epoch checkpoints would give multiples of 50).
