@@ -14,7 +14,7 @@ import shutil
 import keras
 import tensorflow as tf
 
-from tf_asyncps.callbacks.dynamic import dynamic_layers
+from tf_asyncps.callbacks.dynamic import dynamic_layers, maps_to_rehome
 from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import keras_models as models_compat
 
@@ -90,12 +90,7 @@ class CheckpointBackup(keras.callbacks.Callback):
                 models_compat.model_strategy(self.model) is None:
             optimizer.build(self.model.trainable_variables)
         status = checkpoint.read(path)
-        new_maps = []
-        for layer in dynamic_layers(self.model):
-            shards = layer.dynamic_table.shards
-            saved = int(shards[0].marks.pending.numpy())  # 0: written over these shards
-            new_maps += [s.index for s in shards[saved:]] if saved else []
-        checkpoint_compat.assert_matched_except(status, new_maps)
+        checkpoint_compat.assert_matched_except(status, maps_to_rehome(self.model))
         for layer in dynamic_layers(self.model):
             if optimizer is not None and not layer.under_strategy:  # (the strategy's
                 layer.use_optimizer(optimizer, self.model.trainable_variables)  # updates do)

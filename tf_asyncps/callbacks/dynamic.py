@@ -11,7 +11,7 @@ import tf_keras
 
 from tf_asyncps.dynamic import table as dt
 
-__all__ = ["DynamicEviction", "dynamic_layers"]
+__all__ = ["DynamicEviction", "dynamic_layers", "maps_to_rehome"]
 
 
 def dynamic_layers(model) -> list:
@@ -27,6 +27,21 @@ def dynamic_layers(model) -> list:
             out.append(layer)
         todo.extend(getattr(layer, "layers", None) or [])
     return out
+
+
+def maps_to_rehome(model) -> list:
+    """The id -> row maps (lookup tables) of ``model``'s DynamicEmbedding
+    shards that a checkpoint just read holds none of: those beyond the shard
+    count the checkpoint was written over, when it was restored onto more ps
+    tasks (the table re-homes its ids at the first lookup). A restore lets
+    exactly these go unmatched."""
+    maps = []
+    for layer in dynamic_layers(model):
+        shards = layer.dynamic_table.shards
+        saved = int(shards[0].marks.pending.numpy())  # 0: written over these shards
+        if saved:
+            maps += [s.index for s in shards[saved:]]
+    return maps
 
 
 class DynamicEviction(tf_keras.callbacks.Callback):

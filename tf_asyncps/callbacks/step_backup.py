@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_asyncps.callbacks import delta_chain
+from tf_asyncps.callbacks import delta_chain, dynamic
 from tf_asyncps.callbacks.common import strategy_of
 from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import keras_models as models_compat
@@ -415,13 +415,7 @@ class StepBackup(tf_keras.callbacks.Callback):
         """
         try:
             status = self._checkpoint().read(prefix)
-            new_maps = []
-            for layer in models_compat.layers_of(self.model):
-                table = getattr(layer, "dynamic_table", None)
-                saved = int(table.shards[0].marks.pending.numpy()) if table is not None else 0
-                if saved:  # the shard count it was written over, when another
-                    new_maps += [s.index for s in table.shards[saved:]]
-            checkpoint_compat.assert_matched_except(status, new_maps)
+            checkpoint_compat.assert_matched_except(status, dynamic.maps_to_rehome(self.model))
         # TensorFlow's words alone name no fix. One process: ValueError (shape)
         # or AssertionError (unmatched); variables on ps tasks: RestoreV2's
         # InvalidArgumentError (shape), its first line "Graph execution error:".
