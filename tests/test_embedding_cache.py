@@ -103,6 +103,98 @@ def test_the_bench_names_its_cached_embedding_run():
     assert "cache@emb" not in bench_emb.DEFAULT_EMB_RUNS
 
 
+def test_the_bench_cache_sweep_names_its_grid_and_refuses_bad_values():
+    """--bench_only=cache_sweep: per Zipf exponent the uncached async+dedup
+    run and a cached one per size and bound (issue 40's 3 x (1 + 2 x 4)
+    runs by default), on a truncated Zipf stream; each bad value refused
+    naming its flag."""
+    from tf_asyncps.app import bench_emb
+    runs = bench_emb.sweep_configs()
+    assert len(runs) == 27
+    assert [r["name"] for r in runs[:3]] == [
+        "async+dedup_z0.8@emb", "cache_z0.8_r1_b0@emb", "cache_z0.8_r1_b1@emb"]
+    assert runs[-1]["name"] == "cache_z1.2_r5_b20@emb"
+    (dedup,) = [r for r in bench_emb.emb_configs() if r["name"] == "async+dedup@emb"]
+    assert runs[0] == dict(dedup, name="async+dedup_z0.8@emb", zipf=0.8, truncated=True,
+                           hosts=False, stream_batches=512)
+    assert runs[-1] == dict(dedup, name="cache_z1.2_r5_b20@emb", zipf=1.2, truncated=True,
+                            hosts=False, stream_batches=512,
+                            cache={"rows": 50_000, "pull_bound": 20, "push_bound": 20})
+    assert runs[1]["cache"]["rows"] == 10_000
+    assert bench_emb.split_sweep(["cache_sweep", "async@emb"]) == (["async@emb"], True)
+    assert bench_emb.split_sweep(None) == ([], False)
+    for kwargs, words in [
+            ({"zipf": []}, "--bench_emb_zipf: give at least one value"),
+            ({"zipf": [-0.5]}, r"--bench_emb_zipf: \[-0.5\] out of range"),
+            ({"zipf": [1.0, 1.0]}, r"--bench_emb_zipf: \[1.0, 1.0\] repeats a value"),
+            ({"rows_pct": [0]}, r"--bench_cache_rows_pct: \[0\] out of range"),
+            ({"rows_pct": [101]}, r"--bench_cache_rows_pct: \[101\] out of range"),
+            ({"bounds": [-1, 2.5]}, r"--bench_cache_bounds: \[-1, 2.5\] out of range; each "
+                                    r"must be an int >= 0")]:
+        with pytest.raises(ValueError, match=words):
+            bench_emb.sweep_configs(**kwargs)
+
+
+def test_the_cache_sweeps_flags_are_parsed_and_need_the_run_set():
+    """The sweep's flags (lists of numbers) reach sweep_configs; given
+    without cache_sweep in --bench_only, or not numbers, they are refused
+    naming the flag."""
+    from absl.testing import flagsaver
+    from tf_asyncps.app import bench_cmd, shared_flags  # noqa: F401 (--num_workers)
+    with flagsaver.as_parsed(bench_emb_zipf="1.2", bench_cache_rows_pct="0.5",
+                             bench_cache_bounds="0,5"):
+        assert [r["name"] for r in bench_cmd._sweep_runs(True, netns=False)] == [
+            "async+dedup_z1.2@emb", "cache_z1.2_r0.5_b0@emb", "cache_z1.2_r0.5_b5@emb"]
+        assert all(r["hosts"] for r in bench_cmd._sweep_runs(True, netns=True))
+        with pytest.raises(ValueError, match="--bench_emb_zipf sets the runs of the cache "
+                                             "sweep; add cache_sweep to --bench_only"):
+            bench_cmd._sweep_runs(False, netns=False)
+    with flagsaver.as_parsed(bench_cache_bounds="5,x"):
+        with pytest.raises(ValueError, match="--bench_cache_bounds=5,x: each value must be "
+                                             "an int"):
+            bench_cmd._sweep_runs(True, netns=False)
+    assert bench_cmd._sweep_runs(False, netns=False) == []
+
+
+def test_the_sweep_table_reads_each_runs_repeats():
+    """sweep_table: medians of the repeats (with min-max where they differ),
+    ratios to the limit and to the uncached run of the same exponent; the
+    uncached run's rows read and written are its distinct ids."""
+    from tf_asyncps.app import bench_emb
+    uncached = {"name": "async+dedup_z1.2@emb", "repeats": [
+        {"steps_per_sec": 100.0, "bytes_per_step": 66e3, "limit_bytes_per_step": 60e3,
+         "distinct_per_step": 220.0, "heldout_loss": 0.5}]}
+    cached = {"name": "cache_z1.2_r5_b5@emb", "repeats": [
+        {"steps_per_sec": s, "bytes_per_step": b, "limit_bytes_per_step": 60e3,
+         "rows_pulled_per_step": 100.0, "rows_pushed_per_step": 20.0, "hit_rate": h,
+         "closing_rows_flushed": 2000, "heldout_loss": 0.51}
+        for s, b, h in ((80.0, 30e3, 0.5), (90.0, 32e3, 0.6))]}
+    failed = {"name": "cache_z1.2_r1_b5@emb", "error": "boom"}
+    head, rule, a, b = bench_emb.sweep_table([uncached, cached, failed])
+    assert head.startswith("| Zipf | cache | bounds | steps/s |") and rule.count("|---") == 13
+    assert a == ("| 1.2 | none | – | 100 | 66.0 | 1.100 | 60.0 | 220.0 | 220.0 | – | – | "
+                 "0.50000 | 1.000 |")
+    assert b == ("| 1.2 | 5% | 5 | 85 (80-90) | 31.0 (30.0-32.0) | 0.517 | 60.0 | 100.0 | "
+                 "20.0 | 0.550 (0.500-0.600) | 2,000 | 0.51000 | 1.020 |")
+
+
+def test_the_sweeps_truncated_zipf_stream():
+    """Ranks 1..rows with P(k) ~ k**-a, hashed: exponent 0 spreads the ids
+    evenly, larger ones concentrate them; numpy's Zipf refuses a <= 1."""
+    from tf_asyncps.app import bench_emb
+    distinct = {}
+    for a in (0.0, 0.8, 1.2):
+        ids = bench_emb.id_stream(0, batches=8, a=a, truncated=True)
+        assert ids.shape == (8, bench_emb.BATCH) and ids.dtype == np.int64
+        assert 0 <= ids.min() and ids.max() < bench_emb.ROWS
+        distinct[a] = np.mean([len(np.unique(b)) for b in ids])
+    assert distinct[0.0] > 500 > distinct[0.8] > distinct[1.2]
+    np.testing.assert_array_equal(bench_emb.id_stream(3, 2, a=1.0, truncated=True),
+                                  bench_emb.id_stream(3, 2, a=1.0, truncated=True))
+    with pytest.raises(ValueError, match="numpy's Zipf needs an exponent > 1"):
+        bench_emb.id_stream(0, a=1.0)
+
+
 def test_a_dynamic_tables_rows_are_read_uncached():
     """Reads in lookup.every_id() (a dynamic table's rows, whose id changes
     on eviction) are the table's own rows; the cache is never built."""

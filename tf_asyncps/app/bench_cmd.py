@@ -65,6 +65,15 @@ flags.DEFINE_integer("bench_ctr_max_rows", 1_000_000, "bench NAME@ctr runs: rows
                      lower_bound=1)
 flags.DEFINE_float("bench_ctr_scale", 1.0, "bench NAME@ctr runs: each feature's rows "
                    "(after --bench_ctr_max_rows) times this, in (0, 1].")
+flags.DEFINE_list("bench_emb_zipf", ["0.8", "1.0", "1.2"], "bench run set cache_sweep "
+                  "(--bench_only=cache_sweep; loopback or netns; issue 40's embedding cache "
+                  "sweep): the Zipf exponents of its id streams (ranks 1..1M with P(k) "
+                  "proportional to k**-a, each >= 0); per exponent one uncached run "
+                  "(async+dedup_zA@emb) and the cached runs cache_zA_rP_bB@emb.")
+flags.DEFINE_list("bench_cache_rows_pct", ["1", "5"], "bench run set cache_sweep: cache "
+                  "sizes, % of the table's 1M rows per worker, each in (0, 100].")
+flags.DEFINE_list("bench_cache_bounds", ["0", "1", "5", "20"], "bench run set cache_sweep: "
+                  "the cache's bounds (pull_bound = push_bound), ints >= 0.")
 flags.DEFINE_float("bench_run_timeout_s", 300.0, "bench: seconds before one run is stopped "
                    "and reported as failed.", lower_bound=1.0)
 
@@ -89,24 +98,61 @@ def _eval_every_for(steps: int, runs) -> int:
     return unit
 
 
+_SWEEP_FLAGS = (("bench_emb_zipf", float), ("bench_cache_rows_pct", float),
+                ("bench_cache_bounds", int))
+
+
+def _sweep_runs(swept: bool, netns: bool):
+    """The cache sweep's runs (bench_emb.sweep_configs) when --bench_only
+    names it, from its flags; else [].
+
+    Raises:
+      ValueError: a sweep flag without the run set, or a value that is not
+        a number of the flag's type, naming the flag.
+    """
+    from tf_asyncps.app import bench_emb
+    given = [f for f, _ in _SWEEP_FLAGS if FLAGS[f].present]
+    if not swept:
+        if given:
+            raise ValueError(f"--{given[0]} sets the runs of the cache sweep; add "
+                             f"{bench_emb.SWEEP} to --bench_only or drop it.")
+        return []
+    values = {}
+    for flag, kind in _SWEEP_FLAGS:
+        try:
+            values[flag] = [kind(v) for v in FLAGS[flag].value]
+        except ValueError:
+            raise ValueError(f"--{flag}={','.join(FLAGS[flag].value)}: each value must be "
+                             f"{'an int' if kind is int else 'a number'}.") from None
+    return bench_emb.sweep_configs(
+        values["bench_emb_zipf"], values["bench_cache_rows_pct"],
+        values["bench_cache_bounds"], num_workers=FLAGS["num_workers"].value,
+        steps_per_execution=FLAGS["bench_steps_per_execution"].value, hosts=netns)
+
+
 def cmd_bench(argv):
-    from tf_asyncps.app import bench
+    from tf_asyncps.app import bench, bench_emb
     netns = FLAGS.bench_hosts == "netns"
+    only, swept = bench_emb.split_sweep(FLAGS.bench_only)
     if FLAGS["bench_bandwidth_mbit"].present and not netns:
         raise ValueError("--bench_bandwidth_mbit limits the links of --bench_hosts=netns; add "
                          "--bench_hosts=netns or drop it.")
     if FLAGS.bench_scaling and netns:
         raise ValueError("--bench_scaling runs on loopback; drop --bench_hosts=netns (or "
                          "--bench_scaling).")
+    if FLAGS.bench_scaling and swept:
+        raise ValueError(f"--bench_scaling replaces the policy runs; drop it or "
+                         f"{bench_emb.SWEEP} from --bench_only.")
+    sweep = _sweep_runs(swept, netns)
     ctr = {"max_rows": FLAGS.bench_ctr_max_rows, "scale": FLAGS.bench_ctr_scale}
     if FLAGS.bench_scaling:
         runs = bench.scaling_configs(steps_per_execution=FLAGS.bench_steps_per_execution,
-                                     only=FLAGS.bench_only or None)
+                                     only=only or None)
     elif netns:
         runs = bench.hosts_configs(
             num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
             steps_per_execution=FLAGS.bench_steps_per_execution,
-            only=FLAGS.bench_only or None,
+            only=only or None,
             local_sgd_steps=FLAGS.bench_hosts_local_sgd_steps or None, ctr=ctr)
         # Bandwidth-bound steps are slow: shorter runs unless asked.
         if not FLAGS["bench_steps"].present:
@@ -118,9 +164,11 @@ def cmd_bench(argv):
             num_workers=FLAGS.num_workers, sync_every=FLAGS.bench_sync_every,
             steps_per_execution=FLAGS.bench_steps_per_execution,
             straggler_workers=FLAGS.bench_straggler_workers,
-            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=FLAGS.bench_only or None,
+            straggler_delay_ms=FLAGS.bench_straggler_delay_ms, only=only or None,
             straggler_steps=FLAGS.bench_straggler_steps or None,
             large_model_steps=FLAGS.bench_1m_steps or None, ctr=ctr)
+    if swept:  # the sweep alone, or beside the runs named with it
+        runs = (runs if only else []) + sweep
     for r in runs:
         if FLAGS.bench_eval_every % r["spe"]:
             raise ValueError(f"--bench_eval_every={FLAGS.bench_eval_every} must be a multiple "
@@ -166,6 +214,12 @@ def cmd_bench(argv):
     doc = bench_report.summarize(results, settings)
     paths = bench_report.write_outputs(doc, out)
     print(bench_report.markdown(doc), flush=True)
+    if swept:  # its own table: rows read and written, hit rate, held-out loss
+        table = "\n".join(bench_emb.sweep_table(doc["results"])) + "\n"
+        paths.append(os.path.join(out, "cache_sweep.md"))
+        with open(paths[-1], "w") as f:
+            f.write(table)
+        print(table, flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     failed = [r["name"] for r in results if "error" in r]
     if failed:

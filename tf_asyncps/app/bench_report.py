@@ -377,10 +377,13 @@ def _emb_table(results, s, machine) -> List[str]:
     from tf_asyncps.app import bench_emb as e
     where = (f"links limited to {s['bandwidth_mbit']:g} Mbit/s each way (tc tbf)"
              if s.get("bandwidth_mbit") else "unlimited links")
+    where = (f"each task on a host of its own, {where}" if s.get("hosts") else
+             "every task on loopback (bytes: the TCP payload of the tasks' sockets, "
+             "headers excluded)")
     lines = [
         f"Embedding({e.ROWS:,}, {e.DIM}) on {e.NUM_PS} ps (FixedShardsPartitioner), Dense(1), "
         f"Adagrad(0.1), {e.BATCH} Zipf({e.ZIPF_A}) ids per worker step, "
-        f"{s['steps']} worker steps per run, each task on a host of its own, {where}; "
+        f"{s['steps']} worker steps per run, {where}; "
         f"{s.get('repeats', 1)} repeat(s) per run, interleaved: medians (min-max); "
         f"{machine['cpus']} CPUs, TensorFlow {machine['tensorflow']}. Limit: the id "
         f"stream's distinct ids per batch x 272 B (id and row read, id and gradient row "
