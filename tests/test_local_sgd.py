@@ -5,6 +5,7 @@ dataclass declared with it (docs/tests.md#scenarios-beside-their-tests); the
 one-worker fits are test_fit_exactness.py's ``single_worker_fits``."""
 
 import dataclasses
+import re
 
 import pytest
 import tensorflow as tf
@@ -16,6 +17,7 @@ from scenarios import cluster, scenario
 from scenarios.common import run_steps, step_fn
 from test_fit_exactness import single_worker_fits
 from tf_asyncps import StalenessStats
+from tf_asyncps.core.local_copies import exchange_rule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +31,29 @@ def test_sync_every_must_be_a_positive_int(bad):
 def test_registered_with_its_default():
     p = tf_asyncps.policies.get("local_sgd")
     assert isinstance(p, tf_asyncps.policies.LocalSGD)
-    assert p.get_config() == {"sync_every": 16}
+    assert p.get_config() == {"sync_every": 16, "exchange": "sum"}
+
+
+@pytest.mark.parametrize("bad", ["avg", "Mean", "", None, 2, ("mean",)])
+def test_exchange_must_be_sum_or_mean(bad):
+    with pytest.raises(ValueError, match=r"local_sgd: exchange must be one of \['sum', "
+                       r"'mean'\].*got " + re.escape(repr(bad))):
+        tf_asyncps.policies.LocalSteps(sync_every=4, exchange=bad)
+
+
+@pytest.mark.parametrize("exchange", ["sum", "mean"])
+def test_get_config_round_trips_the_exchange(exchange):
+    p = tf_asyncps.policies.LocalSteps(sync_every=4, exchange=exchange)
+    assert p.get_config() == {"sync_every": 4, "exchange": exchange}
+    again = type(p)(**p.get_config())
+    assert again.get_config() == p.get_config() and again.exchange == exchange
+    assert repr(p) == f"LocalSGD(sync_every=4, exchange={exchange!r})"
+    # The rule the engine's exchange takes: the policy's own, a route's or a
+    # chain's part on local steps; "sum" for a policy that names none.
+    route = tf_asyncps.policies.route(sparse="async", dense=p)
+    assert exchange_rule(p) == exchange_rule(route) == exchange
+    assert exchange_rule(tf_asyncps.policies.chain(type(p)(**p.get_config()))) == exchange
+    assert exchange_rule(tf_asyncps.policies.get("async")) == "sum"
 
 
 ONE_WORKER = {
@@ -112,11 +136,13 @@ class LocalSgdLinear:
 
 @scenario(shares_cluster=True)
 def local_sgd_linear(num_workers=3, steps=60, lr=0.5, dim=4, sync_every=4,
-                     chained=False) -> LocalSgdLinear:
+                     chained=False, exchange="sum") -> LocalSgdLinear:
     """local_sgd with loss = sum(w) (gradient 1): every local step moves a
-    worker's copy by -lr, so after the drain w == w0 - lr * steps exactly.
+    worker's copy by -lr, so after the drain w == w0 - lr * steps exactly
+    (``exchange="sum"``) or w0 - lr * steps / num_workers (``"mean"``: each
+    step lands in exactly one pushed delta, divided by num_workers).
     ``chained``: the policy inside ``chain(...)``."""
-    policy = tf_asyncps.policies.get("local_sgd", sync_every=sync_every)
+    policy = tf_asyncps.policies.get("local_sgd", sync_every=sync_every, exchange=exchange)
     with cluster(num_workers=num_workers, num_ps=1) as c:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), update_policy=tf_asyncps.policies.chain(policy) if chained else policy)
@@ -154,6 +180,24 @@ def test_several_workers_sum_exactly_and_pull_chief_changes_also_inside_a_chain(
     # After the chief's assign, workers continued from 100, not from their copies.
     assert r.w == [100.0 - 0.5 * 60] * 4
     assert r.iterations == 120 and s.local_steps == 120
+
+
+@pytest.mark.cluster
+def test_the_mean_exchange_averages_the_weights_and_sums_the_counters():
+    """exchange="mean", 3 workers: a pushed delta of the trainable w counts
+    1/3, whatever the split of the steps (gradient 1: each local step is -lr
+    in exactly one delta), while the optimizer's step counter (not
+    trainable) is still summed: it ends at the number of steps."""
+    r = run_scenario(local_sgd_linear, shared=(3, 1), num_workers=3, steps=60, lr=0.5,
+                     sync_every=4, exchange="mean")
+    first = r.first
+    # Up to the float32 rounding of each pushed third (ulp of 100: 7.6e-6;
+    # about 20 pushes per run).
+    assert first.w == pytest.approx([2.0 - 0.5 * 60 / 3] * 4, abs=2e-4)
+    assert first.iterations == 60 and first.stats.local_steps == 60
+    # After the chief's assign, the workers continued from 100.
+    assert r.w == pytest.approx([100.0 - 0.5 * 60 / 3] * 4, abs=2e-4)
+    assert r.iterations == 120 and r.stats.local_steps == 120
 
 
 # -- the optimizer's slots -----------------------------------------------------------

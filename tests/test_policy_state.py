@@ -104,7 +104,7 @@ _ARGS = {"async": {}, "drop_stale": {"max_staleness": 5},
          "dc_asgd": {"lambda_": 0.5, "adaptive": True, "momentum": 0.5, "epsilon": 1e-3},
          "sync_replicas": {"replicas_to_aggregate": 2, "total_num_replicas": 3,
                            "max_staleness": 1, "timeout_s": 9.0},
-         "local_sgd": {"sync_every": 4}}
+         "local_sgd": {"sync_every": 4, "exchange": "mean"}}
 
 
 @pytest.mark.parametrize("name", sorted(_ARGS))

@@ -4,7 +4,10 @@ weights on per-worker copies exchanged every k steps (PERSIA's hybrid).
 
 Fast tier: the labels and the refusals. Cluster tier: closed forms on one
 worker (the table is plain SGD, the PS copy of the dense weight is the SGD
-trajectory sampled at the exchanges) and exact counters on two. Each cluster
+trajectory sampled at the exchanges; under either exchange rule), exact
+counters on two, and on two workers running one closure at a time the exact
+PS and worker copies of the dense weight after every exchange, under the
+``sum`` and the ``mean`` exchange (a simulation of the rule in float64). Each cluster
 scenario sits above the test that reads it and returns the dataclass declared
 with it (docs/tests.md#scenarios-beside-their-tests).
 """
@@ -130,9 +133,10 @@ def _sgd_trajectory(ids, x, y, table0, w0, lr):
 
 
 # -- on a cluster: route(sparse="async", dense=LocalSteps(k)) ---------------------
-def _strategy(c, sync_every):
+def _strategy(c, sync_every, exchange="sum"):
     policy = tf_asyncps.policies.route(
-        sparse="async", dense=tf_asyncps.policies.LocalSteps(sync_every=sync_every))
+        sparse="async",
+        dense=tf_asyncps.policies.LocalSteps(sync_every=sync_every, exchange=exchange))
     strategy = tf_asyncps.AsyncParameterServerStrategy(c.resolver(), update_policy=policy)
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
@@ -173,15 +177,15 @@ class RouteLocalStepsOneWorker:
 
 
 @scenario(shares_cluster=True)
-def route_local_steps_one_worker(ids, x, y, table0, w0, lr=0.1,
-                                 sync_every=3) -> RouteLocalStepsOneWorker:
+def route_local_steps_one_worker(ids, x, y, table0, w0, lr=0.1, sync_every=3,
+                                 exchange="sum") -> RouteLocalStepsOneWorker:
     """One worker; step j trains on ``ids[j]`` (int, [batch]), ``x[j]``
     ([batch, d]), ``y[j]`` ([batch]): pred = sum(table[id]) + x @ w, loss =
     mean((pred - y)^2) / 2, SGD(lr). Each step is scheduled and fetched on
     its own; after each, the PS copies of the table and of w are read. A
-    join then pushes the rest."""
+    join then pushes the rest. ``exchange``: the dense part's rule."""
     with cluster(num_workers=1, num_ps=1) as c:
-        strategy, coord = _strategy(c, sync_every)
+        strategy, coord = _strategy(c, sync_every, exchange)
         with strategy.scope():
             table = tf.Variable(table0, dtype=tf.float32, name="embeddings")
             w = tf.Variable(w0, dtype=tf.float32, name="dense/kernel")
@@ -211,10 +215,14 @@ def route_local_steps_one_worker(ids, x, y, table0, w0, lr=0.1,
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-def test_one_worker_table_is_sgd_and_the_ps_dense_copy_is_sgd_sampled_at_the_exchanges():
+@pytest.mark.parametrize("exchange", ["sum", "mean"])
+def test_one_worker_table_is_sgd_and_the_ps_dense_copy_is_sgd_sampled_at_the_exchanges(
+        exchange):
+    # One worker: the mean of one delta is the delta, so both rules are
+    # sequential SGD.
     data = _one_worker_data()
     r = run_scenario(route_local_steps_one_worker, shared=(1, 1), lr=LR, sync_every=K,
-                     **data)
+                     exchange=exchange, **data)
     n = len(data["ids"])
     tables, ws = _sgd_trajectory(**data, lr=LR)
     for j in range(1, n + 1):
@@ -311,3 +319,138 @@ def test_two_workers_sum_exactly_and_count_each_exchange():
     assert (s.applied, s.dropped, s.global_step, s.local_steps) == (
         steps, 0, steps, steps)
     assert r.iterations == steps
+
+
+# -- two workers, one closure at a time: the exchange rule's exact values ------------
+def _simulate_exchanges(workers, w0, target, lr, sync_every, divisor, num_workers=2):
+    """The dense part of ``route_local_steps_in_turn`` in float64: closure j
+    runs one step on worker ``workers[j]`` of loss 0.5 * sum((w - target)^2)
+    (gradient w - target), after the exchange it is due
+    (tf_asyncps/core/local_copies.py): a pull at the worker's first closure,
+    else an exchange once it has taken ``sync_every`` steps since its last
+    (s = Δ / divisor pushed, the worker continuing from y + s). Then the
+    join's push of each worker's rest. Returns ``(ps after each closure,
+    worker copy before each step, after each step, ps at the end, exchanges)``."""
+    w0, target = np.array(w0, np.float64), np.array(target, np.float64)
+    ps = w0.copy()
+    local, anchor = [None] * num_workers, [None] * num_workers
+    since = [0] * num_workers
+    ps_after, before, after, exchanges = [], [], [], 0
+    for a in workers:
+        if local[a] is None:  # the first closure pulls
+            local[a], anchor[a], since[a] = ps.copy(), ps.copy(), 0
+        elif since[a] >= sync_every:
+            share = (local[a] - anchor[a]) / divisor
+            y = ps.copy()
+            ps = y + share
+            local[a], anchor[a], since[a] = y + share, y + share, 0
+            exchanges += 1
+        before.append(local[a].copy())
+        local[a] = local[a] - lr * (local[a] - target)
+        since[a] += 1
+        after.append(local[a].copy())
+        ps_after.append(ps.copy())
+    for a in range(num_workers):  # the join pushes what is left
+        if local[a] is not None and since[a]:
+            ps = ps + (local[a] - anchor[a]) / divisor
+            exchanges += 1
+    return ps_after, before, after, ps, exchanges
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteLocalStepsInTurn:
+    """Two workers, closures scheduled and fetched one at a time, then a join.
+
+    Attributes:
+      workers: the worker index that ran each closure.
+      before, after: that worker's copy of w ([d]) at the start of its step
+        (after the closure's exchange or pull) and after its update.
+      ps: the PS copy of w ([d]) after each closure.
+      w: the PS copy of w after the join.
+      table: the table ([3][2]) after the join.
+      iterations: the optimizer's step counter at the end (int).
+      part_updates: ``{label: n}``, Route.part_updates() at the end.
+    """
+    workers: list[int]
+    before: list
+    after: list
+    ps: list
+    w: list[float]
+    table: list
+    iterations: int
+    part_updates: dict[str, int]
+
+
+@scenario(shares_cluster=True)
+def route_local_steps_in_turn(w0, target, steps=10, lr=0.25, sync_every=2,
+                              exchange="sum", ids=(0, 1, 1)) -> RouteLocalStepsInTurn:
+    """Two workers; loss = sum(table[ids]) + 0.5 * sum((w - target)^2), SGD(lr),
+    route(sparse="async", dense=LocalSteps(sync_every, exchange)). Each
+    closure holds one step that returns the worker's index and its copy of
+    w before and after its update; it is fetched before the next is
+    scheduled, and the PS copy of w read after it."""
+    with cluster(num_workers=2, num_ps=1) as c:
+        strategy, coord = _strategy(c, sync_every, exchange)
+        with strategy.scope():
+            table = tf.Variable(tf.zeros([3, 2]), name="embeddings")
+            w = tf.Variable(w0, dtype=tf.float32, name="dense/kernel")
+            opt = tf_keras.optimizers.SGD(lr)
+        id_tensor = tf.constant(list(ids), tf.int32)
+        t = tf.constant(target, tf.float32)
+
+        @tf.function
+        def step():
+            def replica_fn():
+                w_before = tf.identity(w.read_value())
+                with tf.control_dependencies([w_before]):
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_sum(tf.gather(table, id_tensor)) + \
+                            0.5 * tf.reduce_sum(tf.square(w - t))
+                    update = opt.apply_gradients(
+                        zip(tape.gradient(loss, [table, w]), [table, w]))
+                with tf.control_dependencies([update]):
+                    w_after = tf.identity(w.read_value())
+                index = tf.distribute.coordinator.experimental_get_current_worker_index()
+                return tf.cast(index, tf.int64), w_before, w_after
+            return strategy.run(replica_fn)
+
+        workers, before, after, ps = [], [], [], []
+        for _ in range(steps):
+            index, b, a = coord.fetch(coord.schedule(step))
+            workers.append(int(index))
+            before.append(np.asarray(b).tolist())
+            after.append(np.asarray(a).tolist())
+            ps.append(w.numpy().tolist())
+        coord.join()
+        return RouteLocalStepsInTurn(
+            workers=workers, before=before, after=after, ps=ps, w=w.numpy().tolist(),
+            table=table.numpy().tolist(), iterations=int(opt.iterations.numpy()),
+            part_updates=strategy.update_policy.part_updates())
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange,divisor", [("sum", 1), ("mean", 2)])
+def test_two_workers_in_turn_ps_and_worker_copies_follow_the_exchange_rule(
+        exchange, divisor):
+    """Whichever worker runs each closure, the PS copy after each closure,
+    each worker's copy at the start and end of its step and the PS copy after
+    the join are the rule's: ``sum`` adds a worker's delta Δ, ``mean`` Δ / 2,
+    the worker continuing from y + Δ (y + Δ / 2), y the PS copy it read."""
+    steps, lr, k = 10, 0.25, 2
+    w0, target = [2.0, -1.0, 0.5], [0.0, 1.0, 4.0]
+    r = run_scenario(route_local_steps_in_turn, shared=(2, 1), w0=w0, target=target,
+                     steps=steps, lr=lr, sync_every=k, exchange=exchange)
+    ps, before, after, end, exchanges = _simulate_exchanges(
+        r.workers, w0, target, lr, k, divisor)
+    np.testing.assert_allclose(r.before, before, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(r.after, after, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(r.ps, ps, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(r.w, end, rtol=0, atol=1e-5)
+    # The table is updated on the PS every step: -lr x steps x count(row).
+    assert r.table == [[-lr * steps] * 2, [-2 * lr * steps] * 2, [0.0, 0.0]]
+    assert r.iterations == steps
+    assert r.part_updates == {"sparse": steps, "dense": exchanges}
+    # 10 closures on 2 workers: one ran >= 5, so exchanged at least twice
+    # (then the join's push).
+    assert exchanges >= 3

@@ -38,7 +38,7 @@ POLICY_ARGS = {
     "dc_asgd": ("lambda_", "adaptive", "momentum", "epsilon"),
     "sync_replicas": ("replicas_to_aggregate", "total_num_replicas", "max_staleness",
                       "timeout_s"),
-    "local_sgd": ("sync_every",)}
+    "local_sgd": ("sync_every", "exchange")}
 #: --policy's choices: the registered policies and ``route`` (a policy per part).
 POLICIES = REGISTERED_POLICIES + ("route",)
 #: Training examples of each data set with a fixed one (datasets.load's

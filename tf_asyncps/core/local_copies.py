@@ -10,16 +10,24 @@ those variables on its own device and trains it with no parameter-server
 traffic for them per step. When the policy says an exchange is due, the worker exchanges:
 
     Δ_w = x_w − a_w          (a_w: the copy it last received from the PS)
-    y ← x_ps; x_ps ← y + Δ_w (per variable on the PS: a read, then assign_add)
-    x_w, a_w ← y + Δ_w       (on the worker)
+    s_w = Δ_w                (the policy's ``exchange="sum"``, the default)
+        = Δ_w / N            (``exchange="mean"``, N workers: trainable variables)
+    y ← x_ps; x_ps ← y + s_w (per variable on the PS: a read, then assign_add)
+    x_w, a_w ← y + s_w       (on the worker)
 
 The read comes just before the worker's own add, not after it, so the model
 comes down while Δ_w goes up and both directions of a link carry a model at
 once (read after the add, each direction idled while the other carried one:
 on the bench's 1.1M MLP over 100 Mbit/s links, 21.1 -> 25.1 worker steps/s).
-With one worker y + Δ_w is the PS copy after the add; with several, another
+With one worker y + s_w is the PS copy after the add; with several, another
 worker's add that lands between the read and this add reaches this worker at
-its next exchange instead of this one (the PS copy always holds every Δ).
+its next exchange instead of this one (the PS copy always holds every s).
+
+``exchange="mean"`` (tf_asyncps/policies/local_sgd.py: asynchronous model
+averaging) divides the deltas of trainable variables only: non-trainable
+ones (the optimizer's step counter, metrics' accumulators) are summed under
+either rule, so they stay exact. The drain's push (:meth:`LocalCopies.flush`)
+and a guarded variable's push (below) take the same share s_w.
 
 An exchange moves every copy except the optimizer's slots (the variables an
 optimizer makes per model variable: momentum, Adam's moments). They
@@ -79,20 +87,34 @@ from absl import logging
 from tf_asyncps.compat import coordinator as coordinator_compat
 from tf_asyncps.compat import graph as graph_compat
 from tf_asyncps.compat import optimizers as optimizers_compat
+from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.compat import versions
 from tf_asyncps.core import grads as grads_lib
 from tf_asyncps.core.locking import run_collecting_ops
 from tf_asyncps.core.step import WorkerStep, current_step
 
-__all__ = ["LocalCopies"]
+__all__ = ["LocalCopies", "exchange_rule"]
+
+
+def exchange_rule(policy) -> str:
+    """The exchange rule (``"sum"`` or ``"mean"``) of ``policy``'s part on
+    local steps: its own ``exchange`` or, for a composite (``route``,
+    ``chain``), that of its member on local copies; ``"sum"`` for a policy
+    that names none."""
+    members = getattr(policy, "members", None)
+    if callable(members):
+        local = [p for p in members() if p.local_copies]
+        return exchange_rule(local[0]) if local else "sum"
+    return getattr(policy, "exchange", "sum")
 
 
 class _Copies:
     """The per-worker local copy and anchor of one PS variable."""
 
-    def __init__(self, master, strategy, exchanged: bool):
+    def __init__(self, master, strategy, exchanged: bool, trainable: bool = True):
         self.master = master
+        self.trainable = trainable
         # ParameterServerStrategy wraps its variables (CachingVariable); the
         # handle to swap is the wrapped ResourceVariable's.
         self.inner = variables_compat.unwrap_caching_variable(master)
@@ -200,11 +222,16 @@ class LocalCopies:
         # updates it (for its slots' local copies).
         self._guards = {}
         self._optimizer_of = {}
+        # The exchange rule's divisor of trainable deltas: 1 (sum) or the
+        # number of workers (mean); set in attach.
+        self._divisor = 1
 
     def attach(self, strategy, tracker) -> None:
         """Creates the per-worker counters; once, after the coordinator exists."""
         self.strategy = strategy
         self.tracker = tracker
+        if exchange_rule(self.policy) == "mean":
+            self._divisor = strategy_compat.num_workers(strategy.extended)
         with tf.init_scope(), strategy.scope():
             self._since = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       per_worker_variable=True, name="asyncps_since")
@@ -242,7 +269,7 @@ class LocalCopies:
             # exchange; it stays each worker's own.
             self._worker_only.add(id(var))
         with tf.init_scope():
-            copies = _Copies(var, self.strategy, exchanged=not slot)
+            copies = _Copies(var, self.strategy, exchanged=not slot, trainable=trainable)
         self._copies[id(var)] = copies
         step = current_step()
         if step is not None and step.local_state is not None:
@@ -255,6 +282,16 @@ class LocalCopies:
     def exchanged(self, copies):
         """The copies an exchange moves: all but the optimizer slots."""
         return [c for c in copies if id(c.master) not in self._worker_only]
+
+    def share(self, copies, delta):
+        """What an exchange adds to the PS copy of ``copies`` for a worker's
+        ``delta`` (a tensor of the variable's shape and dtype): ``delta``
+        under ``exchange="sum"``; under ``"mean"`` ``delta / N`` (N workers)
+        for a trainable floating variable, ``delta`` for the rest (counters
+        and metrics stay exact)."""
+        if self._divisor == 1 or not copies.trainable or not copies.dtype.is_floating:
+            return delta
+        return delta / tf.constant(self._divisor, delta.dtype)
 
     def guard_rows(self, var, guard) -> None:
         """Hands the exchange of ``var`` (a PS variable with local copies,
@@ -354,8 +391,9 @@ class LocalCopies:
           worker has not pulled since it started or since the last drain) or
           2 (exchange: the policy's ``exchange_due`` says so);
         * ``pull``: the PS copies into the local copies and anchors;
-        * ``exchange``: read each PS copy y, push Δ = local − anchor after
-          it, count the exchange; local and anchor become y + Δ.
+        * ``exchange``: read each PS copy y, push s = :meth:`share` of
+          Δ = local − anchor after it, count the exchange; local and anchor
+          become y + s.
         """
         guarded = self._guarded()
         apart = {id(c) for gc, vc, _, _ in guarded for c in (gc, vc)}
@@ -409,8 +447,8 @@ class LocalCopies:
         def push_guarded(g_after):
             pushes = []
             for gc, vc, guard, _ in guarded:
-                delta = (variables_compat.read_handle(gc.local.handle, gc.dtype)
-                         - variables_compat.read_handle(gc.anchor.handle, gc.dtype))
+                delta = self.share(gc, variables_compat.read_handle(gc.local.handle, gc.dtype)
+                                   - variables_compat.read_handle(gc.anchor.handle, gc.dtype))
                 pushes.append(guard.push(
                     delta, variables_compat.read_handle(vc.anchor.handle, tf.int64), g_after))
             return pushes
@@ -423,12 +461,13 @@ class LocalCopies:
             local, anchor = handles()
             pushes, merged = [], []
             for c, lh, ah in zip(copies, local, anchor):
-                delta = (variables_compat.read_handle(lh, c.dtype)
-                         - variables_compat.read_handle(ah, c.dtype))
+                delta = self.share(c, variables_compat.read_handle(lh, c.dtype)
+                                   - variables_compat.read_handle(ah, c.dtype))
                 with tf.device(c.handle.device):
                     # Read just before this worker's add, so the model comes
                     # down while Δ goes up (both directions of the link busy);
-                    # the copy is that value + Δ, what the add makes of it.
+                    # the copy is that value + Δ (Δ / N under "mean"), what
+                    # the add makes of it.
                     before = variables_compat.read_handle(c.handle, c.dtype)
                     with tf.control_dependencies([before]):
                         pushes.append(variables_compat.assign_add_handle(c.handle, delta))
@@ -573,7 +612,7 @@ class LocalCopies:
                 for c, (local, anchor) in zip(copies, pairs):
                     with tf.device(local.device):
                         value = local.read_value()
-                        delta = value - anchor.read_value()
+                        delta = self.share(c, value - anchor.read_value())
                     if id(c) in guards:
                         guard, views = guards[id(c)]
                         with tf.device(views[w].device):

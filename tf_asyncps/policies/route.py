@@ -17,6 +17,9 @@ variable a label and each label a policy::
         {"sparse": "async", "dense": "sync_replicas"}, labels={"sparse": "embeddings"})
     # tables every step, dense layers on local steps exchanged every 16:
     tf_asyncps.policies.route(sparse="async", dense=tf_asyncps.policies.LocalSteps(16))
+    # the same, the ps averaging the workers' dense deltas (Δ / num_workers):
+    tf_asyncps.policies.route(
+        sparse="async", dense=tf_asyncps.policies.LocalSteps(16, exchange="mean"))
 
 Labels. ``labels`` maps each label but one to a regular expression searched
 in a variable's name, tried in the order of ``parts``; the one label without
@@ -49,7 +52,10 @@ trainable variables and the optimizer's slots of them (named after them,
 so labelled alike) train on per-worker copies, exchanged through the PS
 when the part's rule says so (``sync_every`` local steps, at the start of a
 closure) and when the coordinator drains (``join``), exactly as
-``local_sgd`` exchanges a whole model (tf_asyncps/core/local_copies.py).
+``local_sgd`` exchanges a whole model (tf_asyncps/core/local_copies.py),
+under the part's ``exchange`` rule: ``"sum"`` (default: the ps adds each
+worker's delta, x_ps += Δ_w) or ``"mean"`` (x_ps += Δ_w / num_workers, the
+asynchronous model averaging of local SGD; tf_asyncps/policies/local_sgd.py).
 Every other variable (the other parts', the optimizer's step counter,
 metrics, non-trainable state) stays on the PS. Each worker step then:
 
@@ -375,6 +381,8 @@ def route(parts: Optional[Mapping[str, object]] = None, labels=None, *, sparse=N
 
         tf_asyncps.policies.route(sparse="async", dense="sync_replicas")
         tf_asyncps.policies.route(sparse="async", dense=LocalSteps(sync_every=16))
+        tf_asyncps.policies.route(sparse="async",
+                                  dense=LocalSteps(sync_every=16, exchange="mean"))
         tf_asyncps.policies.route({"user": "async", "item": "drop_stale", "dense": "ssp"},
                                   labels={"user": "user_ids", "item": "item_ids"})
     """
