@@ -471,7 +471,13 @@ def test_ctr_runs_only_when_named_and_their_settings():
     assert by["keras3@ctr"] == dict(by["async@ctr"], name="keras3@ctr", keras="3")
     best = by["best@ctr"]
     assert (best["policy"], best["policy_args"], best["wire_dtype"]) == (
-        "route", {"sparse": "async", "local_steps": 16}, "bfloat16")
+        "route", {"sparse": "async", "local_steps": 16, "exchange": "mean"}, "bfloat16")
+    # By name: best@ctr with the sum exchange (LocalSteps's default).
+    (best_sum,) = bench.default_configs(only=["best_sum@ctr"])
+    assert best_sum == dict(best, name="best_sum@ctr", max_rows=best_sum["max_rows"],
+                            scale=best_sum["scale"], spe=best_sum["spe"],
+                            policy_args={"sparse": "async", "local_steps": 16,
+                                         "exchange": "sum"})
     # Named one by one, beside other runs; on hosts too.
     assert [r["name"] for r in bench.default_configs(only=["async", "best@ctr"])] == [
         "async", "best@ctr"]

@@ -19,7 +19,10 @@ flags.DEFINE_list("bench_only", [], "bench: run only these runs (default: all), 
                   "embedding runs vanilla@emb,async@emb,async+dedup@emb (local_sgd@emb, "
                   "dynamic@emb: by name); ctr: the CTR runs (single@ctr, vanilla@ctr, "
                   "vanilla_one_table@ctr, async@ctr, async_one_table@ctr, async_bf16@ctr, "
-                  "best@ctr, keras3@ctr; loopback or netns; only when named).")
+                  "best@ctr, keras3@ctr; loopback or netns; only when named; by name "
+                  "only: async_nodedup@ctr, async_nocheck@ctr, best_f32@ctr, "
+                  "collection_bf16@ctr, best_sum@ctr: best@ctr with "
+                  "LocalSteps(16, exchange='sum')).")
 flags.DEFINE_integer("bench_steps", 960, "bench: worker steps per run.", lower_bound=1)
 flags.DEFINE_integer("bench_eval_every", 320, "bench: worker steps between test-accuracy "
                      "checks (a multiple of the steps per closure).", lower_bound=1)

@@ -14,7 +14,9 @@ Zipf(1.1) ids, rows of 16, bottom MLP 64-16, top MLP 256-128-1, Adagrad(0.2),
 * ``async@ctr``, ``async_one_table@ctr``: this strategy, policy ``async``;
 * ``async_bf16@ctr``: ``async`` with ``wire_dtype="bfloat16"``;
 * ``best@ctr``: ``EmbeddingCollection`` + ``route(sparse="async",
-  dense=LocalSteps(16))`` + bfloat16 on the wire;
+  dense=LocalSteps(16, exchange="mean"))`` + bfloat16 on the wire (the ps
+  averages the workers' dense deltas: docs/guides/ctr.md, "Dense layers on
+  local steps: sum or mean");
 * ``keras3@ctr``: ``async@ctr``'s model and optimizer in Keras 3.
 
 Per run, over the steps after the first segment (which holds tracing):
@@ -56,9 +58,11 @@ CTR_RUNS = ("single@ctr", "vanilla@ctr", "vanilla_one_table@ctr", "async@ctr",
 #: Variants, by name only (not in ``ctr``): of async@ctr, where its CPU goes
 #: (without lookup de-duplication, without the non-finite check); of
 #: best@ctr, one lever off each (which lever costs held-out AUC): without
-#: bfloat16, without LocalSteps (the collection under ``async`` + bfloat16).
+#: bfloat16, without LocalSteps (the collection under ``async`` + bfloat16);
+#: best@ctr with LocalSteps's default exchange, the sum (the ps adds each
+#: worker's dense delta, not delta / num_workers).
 CTR_VARIANTS = ("async_nodedup@ctr", "async_nocheck@ctr", "best_f32@ctr",
-                "collection_bf16@ctr")
+                "collection_bf16@ctr", "best_sum@ctr")
 _ID_BYTES, _FLOAT_BYTES = 8, 4
 
 
@@ -75,21 +79,24 @@ def ctr_configs(num_workers: int = 2, steps_per_execution: int = 16, max_rows: i
             "locking": False, "spe": steps_per_execution, "batch": BATCH,
             "max_rows": max_rows, "scale": scale, "embedding": "tables", "keras": "tf_keras"}
     pol = dict(base, kind="policy", policy="async", policy_args={})
+    # best@ctr's policy: tables async, the dense part on local steps, averaged.
+    best = dict(pol, embedding="collection", policy="route",
+                policy_args={"sparse": "async", "local_steps": SYNC_EVERY, "exchange": "mean"})
     return [dict(base, name="single@ctr", kind="single", num_workers=0, num_ps=0),
             dict(base, name="vanilla@ctr", kind="vanilla"),
             dict(base, name="vanilla_one_table@ctr", kind="vanilla", embedding="offset"),
             dict(pol, name="async@ctr"),
             dict(pol, name="async_one_table@ctr", embedding="offset"),
             dict(pol, name="async_bf16@ctr", wire_dtype="bfloat16"),
-            dict(pol, name="best@ctr", embedding="collection", wire_dtype="bfloat16",
-                 policy="route", policy_args={"sparse": "async", "local_steps": SYNC_EVERY}),
+            dict(best, name="best@ctr", wire_dtype="bfloat16"),
             dict(pol, name="keras3@ctr", keras="3"),
             dict(pol, name="async_nodedup@ctr", dedup=False),
             dict(pol, name="async_nocheck@ctr", skip_nonfinite=False),
-            dict(pol, name="best_f32@ctr", embedding="collection",
-                 policy="route", policy_args={"sparse": "async", "local_steps": SYNC_EVERY}),
+            dict(best, name="best_f32@ctr"),
             dict(pol, name="collection_bf16@ctr", embedding="collection",
-                 wire_dtype="bfloat16")]
+                 wire_dtype="bfloat16"),
+            dict(best, name="best_sum@ctr", wire_dtype="bfloat16",
+                 policy_args=dict(best["policy_args"], exchange="sum"))]
 
 
 def expand_only(only: Optional[List[str]]) -> Optional[List[str]]:
@@ -200,8 +207,8 @@ def _policy(run):
     from tf_asyncps import policies
     if run["policy"] == "route":
         args = run["policy_args"]
-        return policies.route(sparse=args["sparse"],
-                              dense=policies.LocalSteps(sync_every=args["local_steps"]))
+        return policies.route(sparse=args["sparse"], dense=policies.LocalSteps(
+            sync_every=args["local_steps"], exchange=args.get("exchange", "sum")))
     return policies.get(run["policy"], **run["policy_args"])
 
 
