@@ -289,13 +289,55 @@ def fit_on_running_cluster(tf_config, policy, policy_args=None, epochs=2,
                                iterations=int(model.optimizer.iterations.numpy()))
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicMaps:
+    """A chief's DynamicEmbedding (2 shards) once built and given delta marks.
+
+    Attributes:
+      ids: ids in its shards' id -> row maps (int; a new table's: 0).
+      tombstones: ids in its shards' tombstones (int; a new table's: 0).
+    """
+    ids: int
+    tombstones: int
+
+
+@scenario
+def dynamic_maps_on_running_cluster(tf_config) -> DynamicMaps:
+    """A chief process on tasks it did not start: a DynamicEmbedding over the
+    ps tasks with StepBackup's delta marks; returns its maps' and
+    tombstones' sizes, then puts an id in each (what a run leaves there)."""
+    from tf_asyncps.callbacks import delta_chain
+    from tf_asyncps.layers import DynamicEmbedding
+    config = tf_asyncps.cluster.validate_tf_config(tf_config)
+    strategy = tf_asyncps.AsyncParameterServerStrategy(
+        tf_asyncps.cluster.cluster_resolver(config),
+        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((2,), dtype="int64"),
+                                     DynamicEmbedding(4, capacity=8, initializer="zeros")])
+        optimizer = tf_keras.optimizers.Adagrad(0.1)
+        model.compile(optimizer, "mse")
+        optimizer.build(model.trainable_variables)
+        delta_chain.ModelDeltas(model, optimizer,
+                                [strategy.staleness_tracker.global_step]).track()
+    shards = model.layers[0].dynamic_table.shards
+    out = DynamicMaps(ids=sum(int(s.index.size().numpy()) for s in shards),
+                      tombstones=sum(int(s.delta_marks.tombs.size().numpy()) for s in shards))
+    for s in shards:
+        with tf.device(s.device):
+            s.index.insert(tf.constant([7], tf.int64), tf.constant([s.offset], tf.int64))
+            s.delta_marks.tombs.insert(tf.constant([9], tf.int64), tf.constant([1], tf.int64))
+    return out
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.cluster
 def test_a_chief_rerun_on_tasks_that_outlived_the_last_chief_gets_its_own_locks():
     """Regression: TensorFlow names eagerly created queues by a per-process
     counter, so a second chief process on the same ps got the first one's
     update lock (creating it blocked forever: drop_stale hung) and gate
-    queues (ssp). Each chief now makes its own; counters stay exact."""
+    queues (ssp), and its DynamicEmbedding maps and tombstones. Each chief
+    now makes its own; counters stay exact."""
     with LocalCluster(num_workers=2, num_ps=1) as c:
         for policy in ("drop_stale", "drop_stale", "ssp", "ssp"):
             r = run_scenario(fit_on_running_cluster, timeout=90,
@@ -304,3 +346,11 @@ def test_a_chief_rerun_on_tasks_that_outlived_the_last_chief_gets_its_own_locks(
             s = r.stats
             assert s.applied + s.dropped == 40, (policy, s)
             assert s.global_step == s.applied == r.iterations, (policy, s)
+        # A DynamicEmbedding's id -> row maps and tombstones are TensorFlow
+        # MutableHashTables, named by the same per-process counter: the second
+        # chief got the first one's ids (a table with no backup then started
+        # with them; a resume's first delta carried the old tombstones).
+        for _ in range(2):
+            maps = run_scenario(dynamic_maps_on_running_cluster, timeout=90,
+                                tf_config=c.tf_config("chief", 0))
+            assert maps == DynamicMaps(ids=0, tombstones=0)

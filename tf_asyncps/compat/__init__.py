@@ -40,6 +40,9 @@ tested with:
   (constants moved beside their consumers) and a gather gradient's parts;
   TensorFlow 2.18.1-2.21.0's tracing state (inside a function, the outermost
   graph, the resources a function writes) and colocation.
+* :mod:`tf_asyncps.compat.lookup`: TensorFlow 2.21.0 (an eager
+  ``MutableHashTable`` made under a shared name of the caller's, not a
+  per-process counter).
 * :mod:`tf_asyncps.compat.tf_keras`: tf_keras 2.18.0-2.21.0 (what is tf_keras's
   alone: BackupAndRestore's training state, its evaluate's call, its
   optimizer classes, whether an optimizer has built its slots).
@@ -69,6 +72,10 @@ tested with:
   ``tf_asyncps.layers`` needs: a weight made under Keras 3's symbolic build,
   whether a ``train_step`` runs, the frames that pick a layer's Keras: the
   package's only frame walks, listed with why in tests/test_architecture.py).
+* :mod:`tf_asyncps.compat.saved_model`: Keras 3.15.1, TensorFlow 2.21.0
+  (Keras 3's ``model.export`` archive with extra objects under names the
+  loaded SavedModel keeps, ``ExportArchive._tf_trackable``; object paths in a
+  SavedModel's object graph, on disk and loaded).
 
 Each module is importable without the library it wraps being imported
 first: functions import what they need when called.

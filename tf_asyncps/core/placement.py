@@ -17,9 +17,14 @@ per-process counter (``ops.uid()``) and a ``tf.CriticalSection`` by its
 ``name``, so a new chief process got the old chief's queues back on such a
 ps: an update lock whose token was already there, so that creating it blocked
 forever (seen: a second drop_stale chief on the same ps hung), or gate
-queues holding the last run's tokens. :func:`fifo_queue` and
-:func:`critical_section` give each one a name of its own (a UUID), as
-TensorFlow already does for eager variables.
+queues holding the last run's tokens. An eager
+``tf.lookup.experimental.MutableHashTable`` is named by the same counter: a
+re-run chief got the old chief's DynamicEmbedding id -> row maps and
+tombstones back (a table with no backup to restore then started with the
+dead chief's ids; the first delta after a resume carried its tombstones).
+:func:`fifo_queue`, :func:`critical_section` and :func:`mutable_hash_table`
+give each one a name of its own (a UUID), as TensorFlow already does for
+eager variables.
 """
 
 import contextlib
@@ -28,11 +33,12 @@ import uuid
 import tensorflow as tf
 
 from tf_asyncps.compat import graph as graph_compat
+from tf_asyncps.compat import lookup as lookup_compat
 from tf_asyncps.compat import strategy as strategy_compat
 from tf_asyncps.core import trace_context
 
 __all__ = ["beside", "beside_inputs", "creating_beside", "fifo_queue", "critical_section",
-           "one_per_device"]
+           "mutable_hash_table", "one_per_device"]
 
 @contextlib.contextmanager
 def beside(var):
@@ -204,3 +210,12 @@ def critical_section(name: str) -> tf.CriticalSection:
     """A ``tf.CriticalSection`` on the current device, unique to this call
     (its shared name would otherwise be ``name``: see the module docstring)."""
     return tf.CriticalSection(name=name, shared_name=f"{name}_{uuid.uuid4().hex}")
+
+
+def mutable_hash_table(key_dtype, value_dtype, default_value, name: str):
+    """A ``tf.lookup.experimental.MutableHashTable`` (key -> value, scalar
+    values, ``default_value`` for missing keys; checkpointed as TensorFlow's)
+    on the current device, unique to this call (its eager shared name would
+    be a per-process counter: see the module docstring)."""
+    return lookup_compat.mutable_hash_table(key_dtype, value_dtype, default_value, name=name,
+                                            shared_name=f"{name}_{uuid.uuid4().hex}")

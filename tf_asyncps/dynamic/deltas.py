@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asyncps.compat import hooks as hooks_compat
+from tf_asyncps.core import placement
 from tf_asyncps.dynamic import checkpoint as checkpoint_lib
 
 __all__ = ["attach", "mark_lookup", "mark_eviction", "read", "clear", "apply", "state_of",
@@ -74,8 +75,9 @@ def attach(table, row_marks, mask: int = 0xFF) -> None:
             with tf.init_scope(), tf.device(s.device):
                 filt = tf.Variable(tf.zeros([s.filter_slots], tf.int8), trainable=False,
                                    name=f"{s.name}_filter_dirty")
-                tombs = tf.lookup.experimental.MutableHashTable(
-                    s.index.key_dtype, tf.int64, default_value=0, name=f"{s.name}_tombstones")
+                # Its own name: a re-run chief must not get the last one's.
+                tombs = placement.mutable_hash_table(s.index.key_dtype, tf.int64, 0,
+                                                     name=f"{s.name}_tombstones")
                 readers = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       name=f"{s.name}_delta_readers")
                 ran = tf.Variable(tf.zeros([_BITS], tf.int64), trainable=False,

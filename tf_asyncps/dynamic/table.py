@@ -176,8 +176,9 @@ class _Shard(tf.Module):
                                           name=f"{name}_slots_pending")))
         generations.add_generations(self, var, name, local_copies)
         with tf.init_scope(), tf.device(var.device):
-            self.index = tf.lookup.experimental.MutableHashTable(
-                key_dtype, tf.int64, default_value=-1, name=f"{name}_index")
+            # Its own name: a re-run chief must not get the last one's map.
+            self.index = placement.mutable_hash_table(key_dtype, tf.int64, -1,
+                                                      name=f"{name}_index")
             # Not model state: a plain object (no checkpoint, no Keras weight).
             untracked("process_local", types.SimpleNamespace(
                 lock=placement.critical_section(f"{name}_lock")))
