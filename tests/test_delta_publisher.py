@@ -180,26 +180,40 @@ DYN_BATCHES = [[[11, 12], [13, 11]], [[14, 15], [11, 16]], [[17, 18], [17, 11]],
 DYN_QUERY = np.array([[11, 12], [13, 14], [17, 18], [19, 16], [99, 15]], np.int64)
 
 
-def test_a_dynamic_embedding_s_stream_serves_the_trained_model(tmp_path):
-    """DynamicEmbedding of 6 rows, LFU eviction every 2 steps (13 and 14
-    evicted for 17 and 18 after step 4): the base exported after step 1 plus
-    the deltas after steps 3 and 5 predicts as the trained model; evicted
-    ids read the default row, re-used rows their new id's values."""
-    from tf_asyncps.dynamic import deltas as dynamic_deltas
-    from tf_asyncps.dynamic.table import optimizer_slots
-    from tf_asyncps.layers import DynamicEmbedding
-    tf_keras.utils.set_random_seed(7)
-    i = tf_keras.Input([2], dtype=tf.int64)
-    layer = DynamicEmbedding(DIM, capacity=6, evict_every=2, name="emb")
-    model = tf_keras.Model(i, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(layer(i))))
-    opt = tf_keras.optimizers.Adagrad(0.5)
+def _dynamic_model(keras_name, **layer_args):
+    """Ids [2] -> DynamicEmbedding(DIM, capacity=6, **layer_args) -> Flatten
+    -> Dense(1), Adagrad(0.5), the layer stepped by the optimizer's
+    iterations (one process)."""
+    if keras_name == "keras3":
+        keras = pytest.importorskip("keras")
+        import tf_asyncps
+        make = tf_asyncps.keras3.DynamicEmbedding
+    else:
+        from tf_asyncps.layers.dynamic_embedding import DynamicEmbedding as make
+        keras = tf_keras
+    keras.utils.set_random_seed(7)
+    opt = keras.optimizers.Adagrad(0.5)
+    i = keras.Input((2,), dtype="int64")
+    layer = make(DIM, capacity=6, name="emb", **layer_args)
+    model = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(layer(i))))
     opt.build(model.trainable_variables)
     layer.use_step(opt.iterations)
     layer.use_optimizer(opt, model.trainable_variables)
+    return model, opt, layer
+
+
+def _stream(tmp_path, keras_name, batches, query, **layer_args):
+    """Trains on ``batches`` (one step each, an eviction pass after each),
+    the publisher started after step 1 with a delta every 2 steps; returns
+    (publisher, layer, the model's predictions of ``query`` at each delta,
+    the tombstones of each delta sorted, the served predictions of
+    ``query``: the base, then the base + deltas 1..k for each k)."""
+    from tf_asyncps.dynamic import deltas as dynamic_deltas
+    from tf_asyncps.dynamic.table import optimizer_slots
+    model, opt, layer = _dynamic_model(keras_name, **layer_args)
     pub = export.DeltaPublisher(str(tmp_path / "pub"), every_steps=2)
-    reader = None
-    want = []
-    for n, batch in enumerate(DYN_BATCHES):
+    reader, want = None, []
+    for n, batch in enumerate(batches):
         if n == 1:
             pub.start(model)  # the base: after step 1
             reader = pub.reader
@@ -211,27 +225,73 @@ def test_a_dynamic_embedding_s_stream_serves_the_trained_model(tmp_path):
         layer.dynamic_table.maybe_evict(int(opt.iterations.numpy()),
                                         lambda var: optimizer_slots(opt, var))
         if reader is not None and pub.step_done() is not None:
-            want.append(model(DYN_QUERY).numpy())
+            want.append(np.asarray(model(query)))
+    tombs = [sorted(dynamic_deltas.decode_keys(
+        np.load(os.path.join(pub.delta_dir, f"delta-{k:06d}", "0.npz")), "tomb:").tolist())
+        for k in range(1, pub.published + 1)]
+
+    def served(loaded):  # Keras 3: model.export's endpoint; tf_keras: the model's call
+        return (loaded.serve if keras_name == "keras3" else loaded)(query).numpy()
+
+    got = [served(tf.saved_model.load(pub.saved_model_dir))]
+    got += [served(export.apply_deltas(pub.saved_model_dir, upto=k))
+            for k in range(1, pub.published + 1)]
+    return pub, layer, want, tombs, got
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+def test_a_dynamic_embedding_s_stream_serves_the_trained_model(tmp_path, keras_name):
+    """DynamicEmbedding of 6 rows, LFU eviction every 2 steps (13 and 14
+    evicted for 17 and 18 after step 4): the base exported after step 1 plus
+    the deltas after steps 3 and 5 predicts as the trained model; evicted
+    ids read the default row, re-used rows their new id's values. Keras 3:
+    the base is model.export's archive with the maps named
+    (export.default_export), its ``serve`` endpoint the served one."""
+    pub, layer, want, tombs, got = _stream(tmp_path, keras_name, DYN_BATCHES, DYN_QUERY,
+                                           evict_every=2)
     assert pub.published == 2 and layer.stats()["evicted"] == 2
-    tombs = [dynamic_deltas.decode_keys(
-        np.load(os.path.join(pub.delta_dir, f"delta-{k:06d}", "0.npz")), "tomb:").tolist()
-        for k in (1, 2)]
-    tombs = [sorted(t) for t in tombs]
     assert tombs == [[], [13, 14]]
-    base = tf.saved_model.load(pub.saved_model_dir)
-    assert np.max(np.abs(base(DYN_QUERY).numpy() - want[-1])) > 1e-3
-    for upto, w in enumerate(want, start=1):
-        served = export.apply_deltas(pub.saved_model_dir, upto=upto)
-        np.testing.assert_allclose(served(DYN_QUERY).numpy(), w, rtol=0, atol=1e-6)
+    # 19 refused (the table is full); 13 and 14 gone, their rows 17's and 18's.
+    assert sorted(layer.export()[0].numpy().tolist()) == [11, 12, 15, 16, 17, 18]
+    assert np.max(np.abs(got[0] - want[-1])) > 1e-3  # the deltas do the work
+    for served, w in zip(got[1:], want):
+        np.testing.assert_allclose(served, w, rtol=0, atol=1e-6)
 
 
-def test_a_keras3_dynamic_embedding_is_refused_by_the_stream(tmp_path):
-    """Keras 3's model.export keeps the id -> row maps unnamed: no stream
-    that could not remove evicted ids."""
-    keras = pytest.importorskip("keras")
-    import tf_asyncps
-    i = keras.Input((2,), dtype="int64")
-    layer = tf_asyncps.keras3.DynamicEmbedding(DIM, capacity=100, name="emb")
-    model = keras.Model(i, keras.layers.Dense(1)(keras.layers.Flatten()(layer(i))))
-    with pytest.raises(ValueError, match="emb is a Keras 3 DynamicEmbedding"):
-        export.DeltaPublisher(str(tmp_path), 2).start(model)
+TTL_BATCHES = [[[21, 22], [23, 21]], [[21, 21], [21, 21]], [[21, 24], [21, 21]],
+               [[21, 21], [21, 21]], [[21, 21], [21, 21]]]
+TTL_QUERY = np.array([[21, 22], [23, 24], [22, 23], [24, 99]], np.int64)
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras3"])
+def test_a_stream_of_evictions_only_serves_the_evicted_ids_the_default_row(tmp_path,
+                                                                           keras_name):
+    """ttl_steps=1, a pass every step: 22 and 23 (seen at step 1) and 24
+    (step 3) expire and no id takes their rows, so each shard's map in the
+    served SavedModel ends with fewer ids than the base's live rows (the
+    served function must read the map as it stands, not rebuild it from the
+    base's row keys, which would bring 22 and 23 back): predictions equal
+    the trained model's at each delta, the expired ids reading the default
+    row."""
+    pub, layer, want, tombs, got = _stream(tmp_path, keras_name, TTL_BATCHES, TTL_QUERY,
+                                           evict_every=1, ttl_steps=1)
+    assert pub.published == 2
+    assert tombs == [[22, 23], [24]]
+    assert layer.export()[0].numpy().tolist() == [21]
+    for served, w in zip(got[1:], want):
+        np.testing.assert_allclose(served, w, rtol=0, atol=1e-6)
+    # Rows 22, 23, 24 read zeros: [24, 99] and [22, 23] both predict the bias.
+    np.testing.assert_allclose(got[-1][3], got[-1][2], rtol=0, atol=0)
+
+
+def test_a_keras3_export_that_drops_the_dynamic_maps_is_refused_at_start(tmp_path):
+    """Keras 3's plain model.export keeps the id -> row maps as unnamed
+    ``_misc_assets``: a publisher given it refuses at start, naming the
+    missing path and the fix, and leaves no base behind."""
+    model, _, _ = _dynamic_model("keras3")
+    pub = export.DeltaPublisher(str(tmp_path / "pub"), 2, export=lambda m, path: m.export(
+        path, format="tf_saved_model", verbose=False))
+    with pytest.raises(ValueError, match=r"holds no tf_asyncps_dynamic_maps/v0/0 .*"
+                       r"tf_asyncps\.export\.default_export"):
+        pub.start(model)
+    assert not os.path.exists(os.path.join(str(tmp_path / "pub"), "latest.json"))

@@ -26,12 +26,19 @@ Layout of ``publish_dir``::
     <base_id>/saved_model/          the base (its own tf_asyncps_delta_base.json)
     <base_id>/delta-000001/ ...     delta_chain's format, kind "serving"
 
-A DynamicEmbedding (tf_keras) is streamed by id: per table the live rows
-written since the previous delta (global row, id, values) and the ids
-evicted since (tombstones, dynamic/deltas.py); the loader removes the
+A DynamicEmbedding (tf_keras or Keras 3) is streamed by id: per table the
+live rows written since the previous delta (global row, id, values) and the
+ids evicted since (tombstones, dynamic/deltas.py); the loader removes the
 evicted ids from each shard's id -> row map in the SavedModel (found by its
-object path, recorded in the base stamp), maps each written id to its row
-and writes the row.
+object path, recorded in the base stamp: :func:`index_paths`), maps each
+written id to its row and writes the row. tf_keras's
+``tf.saved_model.save(model)`` keeps the maps at their paths in the model;
+Keras 3's ``model.export`` keeps them unnamed (``_misc_assets/<k>``, its
+root is not the model), so :func:`default_export` writes the same archive
+with the maps also named ``tf_asyncps_dynamic_maps/v<i>/<shard>``
+(compat/saved_model.py). Either way the served function reads the map and
+the table only (the layer's export trace), so a map the stream changed is
+served as it stands.
 
 Each ``meta.json`` holds ``base_id``, ``seq``, ``prev_seq``, rows and sha256
 per file (as a backup delta's), and the steps and global step it reaches.
@@ -55,14 +62,19 @@ import tf_keras
 from tf_asyncps.callbacks import delta_chain
 from tf_asyncps.compat import checkpoint as checkpoint_compat
 from tf_asyncps.compat import keras_models as models_compat
+from tf_asyncps.compat import saved_model as saved_model_compat
 from tf_asyncps.compat import tf_keras as tf_keras_compat
 from tf_asyncps.dynamic import deltas as dynamic_deltas
 from tf_asyncps.files import atomic_write_json, read_json
 from tf_asyncps.validate import check_int
 
-__all__ = ["DeltaPublisher", "DeltaLoader", "apply_deltas", "latest_base", "BASE_FILE"]
+__all__ = ["DeltaPublisher", "DeltaLoader", "apply_deltas", "latest_base", "default_export",
+           "index_paths", "BASE_FILE", "MAPS"]
 
 BASE_FILE = "tf_asyncps_delta_base.json"
+#: The attribute of a Keras 3 base SavedModel that holds its DynamicEmbedding
+#: maps by name (``tf.saved_model.load(dir).tf_asyncps_dynamic_maps["v0"][0]``).
+MAPS = "tf_asyncps_dynamic_maps"
 LATEST_FILE = "latest.json"
 _DELTA = re.compile(r"^delta-(\d+)$")
 _KIND = "serving"
@@ -88,11 +100,6 @@ class _ServingVariables:
         for layer in models_compat.layers_of(model):
             table = getattr(layer, "dynamic_table", None)
             if table is not None:
-                if models_compat.is_keras3_model(model):
-                    raise ValueError(
-                        f"DeltaPublisher: {layer.name} is a Keras 3 DynamicEmbedding, whose "
-                        "id -> row maps model.export keeps unnamed: its stream is not written "
-                        "yet; export whole SavedModels, or use tf_keras.")
                 dynamic[id(delta_chain.shards_of(table.table)[0])] = table
                 for shard in table.shards:  # served from the map: not streamed
                     metadata.update(id(v) for v in vars(shard).values()
@@ -121,15 +128,7 @@ class _ServingVariables:
             raise ValueError("DeltaPublisher: the model has no embedding table (a layer with "
                              "`embeddings`); export whole SavedModels instead.")
         self.reader: Optional[delta_chain.DirtyReader] = None
-        # Where each dynamic shard's id -> row map sits in the SavedModel.
-        wanted = {id(s.index): (k, j) for k, t in self.dynamic.items()
-                  for j, s in enumerate(t.shards)}
-        self.index_paths: Dict[str, List[str]] = {k: [""] * len(t.shards)
-                                                  for k, t in self.dynamic.items()}
-        for path, obj in checkpoint_compat.trackable_paths(
-                model, lambda o: id(o) in wanted).items():
-            key, j = wanted[id(obj)]
-            self.index_paths[key][j] = path
+        self.index_paths = index_paths(model, self.dynamic)
 
     def track(self) -> delta_chain.DirtyReader:
         if self.reader is None:
@@ -171,13 +170,56 @@ class _ServingVariables:
         return {k: delta_chain.read_whole(v) for k, v in self.dense.items()}
 
 
-def default_export(model, path: str) -> None:
-    """``model.export(path)`` for Keras 3 (its ``serve`` endpoint), else
-    ``tf.saved_model.save(model, path)``."""
+def _dynamic_tables(model) -> Dict[str, object]:
+    """``{"v<i>": DynamicTable}``: the model's DynamicEmbedding tables, keyed
+    by the position of their table variable in ``model.variables``."""
+    tables = {}
+    for layer in models_compat.layers_of(model):
+        table = getattr(layer, "dynamic_table", None)
+        if table is not None:
+            tables[id(delta_chain.shards_of(table.table)[0])] = table
+    return {f"v{i}": tables[id(delta_chain.shards_of(v)[0])]
+            for i, v in enumerate(model.variables) if id(delta_chain.shards_of(v)[0]) in tables}
+
+
+def index_paths(model, tables: Optional[Dict[str, object]] = None) -> Dict[str, List[str]]:
+    """Where :func:`default_export` puts each DynamicEmbedding shard's id ->
+    row map in ``model``'s SavedModel: ``{"v<i>": [object path per shard]}``
+    (``i``: the table variable's position in ``model.variables``). tf_keras:
+    the map's path in the model's own object graph
+    (``layer_with_weights-0/dynamic_table/shards/0/index``), which
+    ``tf.saved_model.save(model)`` keeps; Keras 3: ``MAPS/v<i>/<shard>``."""
+    tables = _dynamic_tables(model) if tables is None else tables
     if models_compat.is_keras3_model(model):
-        model.export(path, format="tf_saved_model", verbose=False)
-    else:
+        return {k: [f"{MAPS}/{k}/{j}" for j in range(len(t.shards))] for k, t in tables.items()}
+    wanted = {id(s.index): (k, j) for k, t in tables.items() for j, s in enumerate(t.shards)}
+    paths = {k: [""] * len(t.shards) for k, t in tables.items()}
+    for path, obj in checkpoint_compat.trackable_paths(model, lambda o: id(o) in wanted).items():
+        key, j = wanted[id(obj)]
+        paths[key][j] = path
+    return paths
+
+
+def default_export(model, path: str) -> None:
+    """Writes ``model``'s SavedModel to ``path``: tf_keras,
+    ``tf.saved_model.save(model, path)``; Keras 3, what
+    ``model.export(path, format="tf_saved_model")`` writes (its ``serve``
+    endpoint), plus, for a model with a DynamicEmbedding, each shard's id ->
+    row map as ``MAPS/v<i>/<shard>`` (``model.export`` keeps those maps as
+    ``_misc_assets/<k>`` only, numbered by a walk of the model).
+
+    Raises:
+      ValueError: Keras's, for a Keras 3 model not built.
+    """
+    if not models_compat.is_keras3_model(model):
         tf.saved_model.save(model, path)
+        return
+    tables = _dynamic_tables(model)
+    if not tables:
+        model.export(path, format="tf_saved_model", verbose=False)
+        return
+    saved_model_compat.export_saved_model(
+        model, path, {MAPS: {k: [s.index for s in t.shards] for k, t in tables.items()}})
 
 
 class DeltaPublisher(tf_keras.callbacks.Callback):
@@ -198,9 +240,11 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
       publish_dir: str, the stream's folder (made if missing).
       every_steps: int >= 1, worker steps between deltas.
       export: ``fn(model, path)`` writing the base SavedModel (default:
-        Keras 3 ``model.export``, else ``tf.saved_model.save``); the
-        SavedModel must keep ``model.variables`` as its ``variables`` list
-        (both defaults do).
+        :func:`default_export`: Keras 3 ``model.export``'s archive, else
+        ``tf.saved_model.save``); the SavedModel must keep
+        ``model.variables`` as its ``variables`` list and each
+        DynamicEmbedding map at its :func:`index_paths` path (the default
+        does both).
 
     Attributes:
       base_id: str, the current base's id (None before :meth:`start`).
@@ -210,8 +254,9 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
 
     Raises:
       ValueError: a bad argument (names it); at start, a model with no
-        embedding table, or with a Keras 3 DynamicEmbedding (not in the
-        stream yet).
+        embedding table, or an ``export`` whose SavedModel lacks a
+        DynamicEmbedding's id -> row map at its :func:`index_paths` path
+        (Keras 3's plain ``model.export``, say).
     """
 
     #: Keras 3 fit (keras3/trainer.py) calls after_closures and fit_resume_point.
@@ -258,6 +303,15 @@ class DeltaPublisher(tf_keras.callbacks.Callback):
         tmp = os.path.join(self.delta_dir, f".tmp-saved_model-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         self.export(model, tmp)
+        missing = saved_model_compat.missing_paths(
+            tmp, [p for paths in self._vars.index_paths.values() for p in paths])
+        if missing:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ValueError(
+                f"DeltaPublisher: the SavedModel its export wrote holds no {missing[0]} (a "
+                "DynamicEmbedding's id -> row map, which apply_deltas updates); export with "
+                "tf_asyncps.export.default_export, or keep the maps at "
+                "tf_asyncps.export.index_paths(model).")
         atomic_write_json(os.path.join(tmp, BASE_FILE),
                           {"base_id": self.base_id, "variables": self._vars.count,
                            "global_step": self._global_step(),
@@ -415,15 +469,15 @@ class DeltaLoader:
                 "tf.saved_model.save (tf_keras) or model.export (Keras 3).")
         self.applied = 0
         self._index = {}  # table key -> [the loaded id -> row map of each shard]
-        found = checkpoint_compat.trackable_paths(self.model)
         for key, paths in (stamp.get("dynamic_index_paths") or {}).items():
-            missing = [p for p in paths if p not in found]
+            found = [saved_model_compat.object_at(self.model, p) for p in paths]
+            missing = [p for p, obj in zip(paths, found) if obj is None]
             if missing:
                 raise delta_chain.ChainError(
                     f"apply_deltas: {saved_model_dir} holds no {missing[0]} (a "
                     "DynamicEmbedding's id -> row map the publisher's model had); load the "
                     "SavedModel its DeltaPublisher exported.")
-            self._index[key] = [found[p] for p in paths]
+            self._index[key] = found
 
     def refresh(self, upto: Optional[int] = None) -> int:
         """Applies the deltas after the last one applied (up to sequence
