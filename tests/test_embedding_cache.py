@@ -518,6 +518,19 @@ class NothingLost:
     closures_at_save: list
 
 
+def pooled_ones_model(rows, dim, seq):
+    """tf_keras: ``seq`` int64 ids -> a zeros-initialized ``rows x dim``
+    Embedding, average-pooled, @ a frozen ones kernel: each occurrence's
+    gradient of mean(output) is 1 / (batch * seq) per element whatever the
+    weights (the closed forms of the cache's cluster tests)."""
+    return tf_keras.Sequential([
+        tf_keras.Input([seq], dtype="int64"),
+        tf_keras.layers.Embedding(rows, dim, embeddings_initializer="zeros"),
+        tf_keras.layers.GlobalAveragePooling1D(),
+        tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                              trainable=False)])
+
+
 @contextlib.contextmanager
 def _appending(calls):
     calls.append(1)
@@ -542,12 +555,7 @@ def nothing_lost(steps=30, rows=4, bound=5, lr=0.5) -> NothingLost:
         strategy = tf_asyncps.AsyncParameterServerStrategy(
             c.resolver(), embedding_cache=EmbeddingCache(rows, bound, bound))
         with strategy.scope():
-            model = tf_keras.Sequential([
-                tf_keras.Input([SEQ], dtype="int64"),
-                tf_keras.layers.Embedding(FIT_ROWS, FIT_DIM, embeddings_initializer="zeros"),
-                tf_keras.layers.GlobalAveragePooling1D(),
-                tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-                                      trainable=False)])
+            model = pooled_ones_model(FIT_ROWS, FIT_DIM, SEQ)
             model.compile(tf_keras.optimizers.SGD(lr), lambda y, p: tf.reduce_mean(p))
         flushes, saved = [], []
         strategy.extended.caches.observe_flushes(lambda: _appending(flushes))

@@ -12,6 +12,7 @@ import tf_keras
 import tf_asyncps
 from conftest import run_scenario
 from scenarios import cluster, scenario
+from test_embedding_cache import pooled_ones_model
 from tf_asyncps.compat import variables as variables_compat
 from tf_asyncps.core.embedding_cache import EmbeddingCache
 
@@ -73,12 +74,7 @@ def restarted_cache(batches=6) -> RestartedCache:
             c.resolver(), embedding_cache=EmbeddingCache(SLOTS, BOUND, BOUND))
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
-            model = tf_keras.Sequential([
-                tf_keras.Input([SEQ], dtype="int64"),
-                tf_keras.layers.Embedding(ROWS, DIM, embeddings_initializer="zeros"),
-                tf_keras.layers.GlobalAveragePooling1D(),
-                tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-                                      trainable=False)])
+            model = pooled_ones_model(ROWS, DIM, SEQ)
             opt = tf_keras.optimizers.SGD(LR)
 
         @tf.function
