@@ -13,6 +13,8 @@ import tf_keras
 
 from local_engine import local_engine
 from tf_asyncps import policies
+from tf_asyncps.core.protocol import PolicyRuntime
+from tf_asyncps.core.staleness import StalenessStats
 from tf_asyncps.core.step import WorkerStep
 
 LR = 0.5
@@ -171,3 +173,131 @@ def test_a_route_holding_an_aggregator_cannot_be_chained():
     assert r.aggregates and r.atomic
     with pytest.raises(ValueError, match="aggregates gradients"):
         policies.chain(r, "staleness_aware")
+
+
+# -- per-part τ histograms (Route.part_staleness) ------------------------------------
+def _attached_engine(route, num_workers):
+    """``local_engine`` with the route attached as the strategy attaches it
+    (its per-part τ histograms made, with the tracker's 5 bins)."""
+    engine = local_engine(route, num_workers=num_workers)
+    with engine.policy_scope():
+        route.attach(PolicyRuntime(engine.strategy, engine.tracker,
+                                   lambda *_: True, num_workers))
+    return engine
+
+
+def _hists(route):
+    """``(applied, dropped)``: each part's histograms as lists."""
+    applied, dropped = route.part_staleness()
+    return ({k: v.tolist() for k, v in applied.items()},
+            {k: v.tolist() for k, v in dropped.items()})
+
+
+class _KernelOnly(_Model):
+    """_Model whose ``apply_kernel`` makes a step holding the kernel only."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self._apply_kernel = tf.function(self._apply_kernel_fn)
+
+    def _apply_kernel_fn(self, r, w, kernel_grad):
+        with WorkerStep(self.engine, r, w).active():
+            self.opt.apply_gradients([(kernel_grad, self.kernel)])
+
+    def apply_kernel(self, r, w, kernel_grad):
+        self._apply_kernel(r, tf.constant(w, tf.int64), tf.constant(kernel_grad, tf.float32))
+
+
+def test_each_part_has_its_own_tau_histogram_and_drops():
+    # Tables drop_stale(0), kernel async; 5 bins (max_tracked=4).
+    route = policies.route(sparse=policies.get("drop_stale", max_staleness=0), dense="async")
+    m = _KernelOnly(_attached_engine(route, num_workers=2))
+    r0, r1 = m.read(0), m.read(1)
+    m.apply(r0, 0, 1, [1.0, 2.0], [1.0, 1.0])  # both parts τ 0, applied
+    m.apply(r1, 1, 2, [4.0, 4.0], [3.0, 5.0])  # table τ 1: dropped; kernel τ 1: applied
+    m.apply(m.read(0), 0, 3, [1.0, 1.0], [1.0, 1.0])  # both τ 0
+    r1 = m.read(1)
+    m.apply(m.read(0), 0, 0, [1.0, 1.0], [1.0, 1.0])  # both τ 0
+    m.apply_kernel(r1, 1, [1.0, 1.0])  # kernel τ 1; no table part: not counted there
+    applied, dropped = _hists(route)
+    assert applied == {"sparse": [3, 0, 0, 0, 0], "dense": [3, 2, 0, 0, 0]}
+    assert dropped == {"sparse": [0, 1, 0, 0, 0], "dense": [0, 0, 0, 0, 0]}
+    assert route.part_updates() == {"sparse": 3, "dense": 5}
+    assert {k: sum(v) for k, v in applied.items()} == route.part_updates()
+    # The kernel was in every step: its τ are the steps' global τ.
+    assert m.engine.tracker.stats().histogram.tolist() == applied["dense"]
+    route.reset_part_staleness()
+    assert _hists(route) == ({"sparse": [0] * 5, "dense": [0] * 5},) * 2
+    assert route.part_updates() == {"sparse": 3, "dense": 5}  # kept
+
+
+def test_two_async_parts_each_hold_the_step_histogram():
+    # route(async, async), two workers, updates one at a time: reads
+    # r0 r1 | apply 0 (τ 0) 1 (τ 1) | r1 r0 | apply 0 (τ 0) 1 (τ 1) | r0 apply 0 (τ 0).
+    route = policies.route(sparse="async", dense="async")
+    m = _Model(_attached_engine(route, num_workers=2))
+    r0, r1 = m.read(0), m.read(1)
+    m.apply(r0, 0, 0, [1.0, 1.0], [1.0, 1.0])
+    m.apply(r1, 1, 1, [1.0, 1.0], [1.0, 1.0])
+    r1, r0 = m.read(1), m.read(0)
+    m.apply(r0, 0, 2, [1.0, 1.0], [1.0, 1.0])
+    m.apply(r1, 1, 3, [1.0, 1.0], [1.0, 1.0])
+    m.apply(m.read(0), 0, 0, [1.0, 1.0], [1.0, 1.0])
+    applied, dropped = _hists(route)
+    step = m.engine.tracker.stats().histogram.tolist()
+    assert step == [3, 2, 0, 0, 0]
+    assert applied == {"sparse": step, "dense": step}
+    assert dropped == {"sparse": [0] * 5, "dense": [0] * 5}
+
+
+def test_an_aggregator_part_counts_its_rounds_and_a_nonfinite_step_its_drops():
+    # Tables drop_stale(0), kernel sync_replicas(2): worker 0's kernel
+    # gradient is accepted (in neither histogram), worker 1's completes the
+    # round at the kernel's τ 0 (no round had completed since its read);
+    # worker 1's table part is one table update late: dropped at τ 1.
+    route = policies.route(sparse=policies.get("drop_stale", max_staleness=0),
+                           dense=policies.get("sync_replicas", replicas_to_aggregate=2,
+                                              timeout_s=30))
+    m = _Model(_attached_engine(route, num_workers=2))
+    r0, r1 = m.read(0), m.read(1)
+    m.apply(r0, 0, 0, [1.0, 1.0], [2.0, 2.0])
+    m.apply(r1, 1, 0, [9.0, 9.0], [4.0, 4.0])
+    applied, dropped = _hists(route)
+    assert applied == {"sparse": [1, 0, 0, 0, 0], "dense": [1, 0, 0, 0, 0]}
+    assert dropped == {"sparse": [0, 1, 0, 0, 0], "dense": [0, 0, 0, 0, 0]}
+    assert {k: sum(v) for k, v in applied.items()} == route.part_updates()
+    m.engine.stop_watchdogs()
+    # A non-finite step is refused by every part it holds, at each part's τ.
+    route = policies.route(sparse="async", dense="async")
+    m = _Model(_attached_engine(route, num_workers=2))
+    m.apply(m.read(0), 0, 0, [1.0, 1.0], [1.0, 1.0])
+    r1 = m.read(1)
+    m.apply(m.read(0), 0, 0, [1.0, 1.0], [1.0, 1.0])
+    m.apply(r1, 1, 0, [1.0, 1.0], [np.nan, 1.0])
+    applied, dropped = _hists(route)
+    assert applied == {"sparse": [2, 0, 0, 0, 0], "dense": [2, 0, 0, 0, 0]}
+    assert dropped == {"sparse": [0, 1, 0, 0, 0], "dense": [0, 1, 0, 0, 0]}
+    assert m.engine.tracker.stats().dropped_histogram.tolist() == dropped["sparse"]
+
+
+def test_a_route_never_attached_has_no_part_histograms():
+    route = policies.route(sparse="async", dense="async")
+    m = _Model(local_engine(route, num_workers=1))
+    m.apply(m.read(0), 0, 0, [1.0, 1.0], [1.0, 1.0])
+    assert route.part_staleness() == ({}, {})
+    assert route.part_updates() == {"sparse": 1, "dense": 1}
+
+
+def test_stats_print_and_serialise_the_part_histograms():
+    h = np.array([2, 1, 0], np.int64)
+    s = StalenessStats(global_step=3, applied=3, dropped=0, histogram=h,
+                       dropped_histogram=np.zeros(3, np.int64), mean=1 / 3, max=1,
+                       parts={"sparse": 3, "dense": 1},
+                       part_histograms={"sparse": h, "dense": np.array([0, 0, 1])},
+                       part_dropped_histograms={"sparse": np.zeros(3, np.int64),
+                                                "dense": np.zeros(3, np.int64)})
+    assert "part_histograms={'sparse': {0: 2, 1: 1}, 'dense': {'>=2': 1}}" in repr(s)
+    assert "part_dropped_histograms" not in repr(s)  # all zero
+    d = s.to_dict()
+    assert d["part_histograms"] == {"sparse": [2, 1, 0], "dense": [0, 0, 1]}
+    assert d["part_dropped_histograms"] == {"sparse": [0, 0, 0], "dense": [0, 0, 0]}

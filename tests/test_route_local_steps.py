@@ -244,6 +244,11 @@ def test_one_worker_table_is_sgd_and_the_ps_dense_copy_is_sgd_sampled_at_the_exc
     assert s.parts == r.part_updates  # staleness_stats().parts
     assert (s.applied, s.dropped, s.global_step, s.local_steps) == (n, 0, n, n)
     assert r.iterations == n
+    # One worker: every table update and every exchange at τ 0 (33 bins;
+    # histograms come back from the scenario as lists).
+    assert s.part_histograms == {
+        "sparse": [n] + [0] * 32, "dense": [math.ceil(n / K)] + [0] * 32}
+    assert s.part_dropped_histograms == {"sparse": [0] * 33, "dense": [0] * 33}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +324,9 @@ def test_two_workers_sum_exactly_and_count_each_exchange():
     assert (s.applied, s.dropped, s.global_step, s.local_steps) == (
         steps, 0, steps, steps)
     assert r.iterations == steps
+    # Each part's τ histogram counts each of its updates (exchanges) once.
+    assert {k: sum(h) for k, h in s.part_histograms.items()} == r.part_updates
+    assert not any(any(h) for h in s.part_dropped_histograms.values())
 
 
 # -- two workers, one closure at a time: the exchange rule's exact values ------------
@@ -357,6 +365,27 @@ def _simulate_exchanges(workers, w0, target, lr, sync_every, divisor, num_worker
     return ps_after, before, after, ps, exchanges
 
 
+def _exchange_taus(workers, sync_every, num_workers=2):
+    """τ of each exchange of the local part when closure j runs on
+    ``workers[j]`` (the schedule of :func:`_simulate_exchanges`, then the
+    join's pushes, worker 0 first): the part's exchanges made since this
+    worker's previous exchange or its pull (route.py, "Per-part τ")."""
+    exchanges, mark, since, taus = 0, [None] * num_workers, [0] * num_workers, []
+    for a in workers:
+        if mark[a] is None:  # the first closure pulls
+            mark[a] = exchanges
+        elif since[a] >= sync_every:
+            taus.append(exchanges - mark[a])
+            exchanges += 1
+            mark[a], since[a] = exchanges, 0
+        since[a] += 1
+    for a in range(num_workers):
+        if mark[a] is not None and since[a]:
+            taus.append(exchanges - mark[a])
+            exchanges += 1
+    return taus
+
+
 @dataclasses.dataclass(frozen=True)
 class RouteLocalStepsInTurn:
     """Two workers, closures scheduled and fetched one at a time, then a join.
@@ -370,6 +399,7 @@ class RouteLocalStepsInTurn:
       table: the table ([3][2]) after the join.
       iterations: the optimizer's step counter at the end (int).
       part_updates: ``{label: n}``, Route.part_updates() at the end.
+      stats: the strategy's staleness counters at the end.
     """
     workers: list[int]
     before: list
@@ -379,6 +409,7 @@ class RouteLocalStepsInTurn:
     table: list
     iterations: int
     part_updates: dict[str, int]
+    stats: StalenessStats
 
 
 @scenario(shares_cluster=True)
@@ -425,7 +456,8 @@ def route_local_steps_in_turn(w0, target, steps=10, lr=0.25, sync_every=2,
         return RouteLocalStepsInTurn(
             workers=workers, before=before, after=after, ps=ps, w=w.numpy().tolist(),
             table=table.numpy().tolist(), iterations=int(opt.iterations.numpy()),
-            part_updates=strategy.update_policy.part_updates())
+            part_updates=strategy.update_policy.part_updates(),
+            stats=strategy.staleness_stats())
 
 
 @pytest.mark.cluster
@@ -454,3 +486,13 @@ def test_two_workers_in_turn_ps_and_worker_copies_follow_the_exchange_rule(
     # 10 closures on 2 workers: one ran >= 5, so exchanged at least twice
     # (then the join's push).
     assert exchanges >= 3
+    # Per-part τ: the table's updates one at a time (τ 0); each exchange by
+    # the other worker's exchanges since this worker's last exchange or pull.
+    taus = _exchange_taus(r.workers, k)
+    assert len(taus) == exchanges
+    if len(set(r.workers)) == 2:  # worker 1's join push follows worker 0's
+        assert taus[-1] >= 1
+    s = r.stats
+    assert s.part_histograms["sparse"] == [steps] + [0] * 32
+    assert s.part_histograms["dense"] == np.bincount(taus, minlength=33).tolist()
+    assert not any(any(h) for h in s.part_dropped_histograms.values())

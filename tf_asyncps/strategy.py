@@ -511,25 +511,29 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def staleness_stats(self) -> StalenessStats:
         """Reads the staleness counters from the PS.
 
-        A direct read of three small PS variables (four under ``route``:
-        ``parts``, each part's updates): it does not wait for
+        A direct read of three small PS variables (five under ``route``:
+        ``parts``, each part's updates, and ``part_histograms`` /
+        ``part_dropped_histograms``, each part's τ): it does not wait for
         scheduled steps (no ``coordinator.join``), so it can be polled while
         training runs.
         """
         stats = self._tracker.stats()
         acct = self._coordinator.accounting
+        parts, (part_hists, part_dropped) = self._part_updates()
         return dataclasses.replace(stats, retried_closures=acct.retried_closures,
                                    worker_failures=sum(acct.worker_failures),
-                                   parts=self._part_updates(),
+                                   parts=parts, part_histograms=part_hists,
+                                   part_dropped_histograms=part_dropped,
                                    cached_reads=self._cached_reads())
 
-    def _part_updates(self) -> dict:
-        """``route``'s updates per part (``Route.part_updates``), else {}."""
+    def _part_updates(self) -> tuple:
+        """``route``'s updates per part and its per-part τ histograms
+        (``Route.part_updates``, ``Route.part_staleness``), else ``{}, ({}, {})``."""
         policy = self.extended.policy
         if not isinstance(policy, policies_lib.Route):
-            return {}
+            return {}, ({}, {})
         with self.extended.engine.policy_scope():  # this strategy's counts
-            return policy.part_updates()
+            return policy.part_updates(), policy.part_staleness()
 
     def cache_stats(self) -> dict:
         """The embedding cache's counters per table (``embedding_cache``):
@@ -551,9 +555,14 @@ class AsyncParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         return self._coordinator.accounting.closures_done
 
     def reset_staleness_stats(self) -> None:
-        """Zeroes the histograms and counters; the global step is kept."""
+        """Zeroes the histograms and counters (under ``route`` its per-part
+        τ histograms too); the global step and ``parts`` are kept."""
         self._tracker.reset()
         self._coordinator.accounting.reset()
+        policy = self.extended.policy
+        if isinstance(policy, policies_lib.Route):
+            with self.extended.engine.policy_scope():
+                policy.reset_part_staleness()
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if models_compat.in_keras3_loop():

@@ -38,11 +38,13 @@ values.
 
 Under ``local_sgd`` staleness is counted in exchanges: the global step g
 advances once per exchange, τ = g just before the exchange − g at the
-worker's previous exchange. ``StalenessStats.applied`` counts exchanges and
+worker's previous exchange (or pull). ``StalenessStats.applied`` counts exchanges and
 ``StalenessStats.local_steps`` the worker steps trained on local copies.
 Under a route the global step belongs to its per-step parts; an exchange
 counts as its local part's update (``exchange_done``) and pushes its local
-steps.
+steps, its τ counted the same way in the part's own counter: the part's
+exchanges just before this one − their number at the worker's previous
+exchange or pull (each worker keeps that mark, ``exchange_mark``).
 
 Data flow. For every numeric variable created in the strategy's scope the
 engine makes two TF per-worker variables (``per_worker_variable``: each
@@ -235,6 +237,8 @@ class LocalCopies:
         with tf.init_scope(), strategy.scope():
             self._since = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       per_worker_variable=True, name="asyncps_since")
+            # The mark of the worker's last exchange or pull: g (local_sgd),
+            # or the policy's exchange_mark (route: its local part's exchanges).
             self._last_g = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                        per_worker_variable=True, name="asyncps_last_g")
             # False until the worker pulls the PS copy: at its first step,
@@ -371,17 +375,29 @@ class LocalCopies:
         with tf.control_dependencies([add]):
             return variables_compat.read_handle(step.local_state.since, tf.int64)
 
-    def _record_exchange(self, last_g):
+    def _mark(self):
+        """The mark a worker keeps at a pull (int64 scalar, on the PS): the
+        policy's ``exchange_mark`` (route: its local part's exchanges), else
+        the global step."""
+        mark = self.policy.exchange_mark()
+        return self.tracker.read_step() if mark is None else mark
+
+    def _record_exchange(self, last_mark):
         """The counters of one exchange (after its adds), on the PS: local_sgd
-        advances the global step (τ counted in exchanges); a route with a
-        part on local steps leaves the global step to its per-step parts and
-        counts the exchange as its local part's update. Returns g after."""
-        done = list(self.policy.exchange_done())
+        advances the global step (τ = g before − ``last_mark``, counted in
+        exchanges); a route with a part on local steps leaves the global
+        step to its per-step parts and counts the exchange, with its τ, as
+        its local part's update (``exchange_done``). Returns ``(g after,
+        the worker's new mark)``."""
+        mark = self.policy.exchange_done(last_mark)
+        done = [] if mark is None else [mark]
         if not self.policy.updates_on_ps:
             with tf.control_dependencies(done):
-                return self.tracker.record_increment(last_g)
+                g_after = self.tracker.record_increment(last_mark)
+            return g_after, g_after
         with tf.control_dependencies(done):
-            return self.tracker.read_step()
+            g_after = self.tracker.read_step()
+        return g_after, g_after if mark is None else mark
 
     def _build_exchange(self) -> None:
         """Traces the three functions :meth:`before_closure` runs on a worker,
@@ -405,7 +421,7 @@ class LocalCopies:
         tracker = self.tracker
         since_v, last_v, fresh_v = self._since, self._last_g, self._fresh
 
-        def pull(local, anchor, g_now, pushed=(), values=None):
+        def pull(local, anchor, mark, pushed=(), values=None):
             with tf.control_dependencies(list(pushed)):
                 ops = pull_guarded()
             if values is None:
@@ -416,7 +432,7 @@ class LocalCopies:
             for lh, ah, new in zip(local, anchor, values):
                 ops += [variables_compat.assign_handle(lh, new),
                         variables_compat.assign_handle(ah, new)]
-            ops += [variables_compat.assign_handle(last_v.handle, g_now),
+            ops += [variables_compat.assign_handle(last_v.handle, mark),
                     variables_compat.assign_handle(since_v.handle, tf.constant(0, tf.int64)),
                     variables_compat.assign_handle(fresh_v.handle, tf.constant(True))]
             with tf.control_dependencies(ops):
@@ -455,7 +471,7 @@ class LocalCopies:
 
         def pull_fn():
             local, anchor = handles()
-            return pull(local, anchor, tracker.read_step())
+            return pull(local, anchor, self._mark())
 
         def exchange_fn():
             local, anchor = handles()
@@ -474,7 +490,7 @@ class LocalCopies:
                 with graph_compat.colocated_with(delta.op):  # on the worker
                     merged.append(before + delta)
             with tf.control_dependencies(pushes):
-                g_after = self._record_exchange(
+                g_after, mark = self._record_exchange(
                     variables_compat.read_handle(last_v.handle, tf.int64))
                 counted = tracker.add_local_steps(
                     variables_compat.read_handle(since_v.handle, tf.int64))
@@ -482,7 +498,7 @@ class LocalCopies:
                 # After the global step moved: an eviction pass due at it runs
                 # in the guard's push, before the masked add.
                 pushed = push_guarded(g_after)
-                return pull(local, anchor, g_after, pushed, merged)
+                return pull(local, anchor, mark, pushed, merged)
 
         def check_fn():
             fresh = variables_compat.read_handle(fresh_v.handle, tf.bool)
@@ -625,10 +641,10 @@ class LocalCopies:
                         pushes.append(anchor.assign(value, read_value=False))
 
                 def record(n=n, last_v=last_v):
-                    g_after = self._record_exchange(last_v.read_value())
+                    _, mark = self._record_exchange(last_v.read_value())
                     counted = tracker.add_local_steps(n)
                     with tf.control_dependencies([counted]):
-                        return last_v.assign(g_after, read_value=True)
+                        return last_v.assign(mark, read_value=True)
 
                 with tf.control_dependencies(pushes):
                     done = tf.cond(n > 0, record, last_v.read_value)

@@ -42,7 +42,8 @@ hook                        called
 ``step_without_update(w)``  after a step that applied no gradient (evaluate)
 ``variable_mode(name, ..)`` each variable created in the strategy's scope
 ``exchange_due(n)``         ``local_copies`` policies: at each closure start
-``exchange_done()``         ``local_copies`` policies: traced into each exchange
+``exchange_mark()``         ``local_copies`` policies: traced into each pull
+``exchange_done(mark)``     ``local_copies`` policies: traced into each exchange
 ``watchdogs()``             the strategy starts them while closures run and
                             stops them when the coordinator drains
 ==========================  ===============================================
@@ -383,12 +384,25 @@ class UpdatePolicy:
         del name, trainable, slot
         return "local_copies" if self.local_copies else "per_step"
 
-    def exchange_done(self) -> List[Any]:
-        """``local_copies`` policies: ops traced into each exchange (and
-        each push when the coordinator drains), after its deltas are added on
-        the PS, such as route's count of its local part's updates. Default:
-        none."""
-        return []
+    def exchange_mark(self) -> Optional[tf.Tensor]:
+        """``local_copies`` policies that count their exchanges themselves
+        (route: its local part's updates): the int64 scalar, read on the PS,
+        a worker keeps when it pulls the PS copies; its next exchange's τ is
+        counted from it (:meth:`exchange_done`). Default None: the global
+        step (``local_sgd`` counts exchanges in it)."""
+        return None
+
+    def exchange_done(self, last_mark: tf.Tensor) -> Optional[tf.Tensor]:
+        """``local_copies`` policies: traced into each exchange (and each
+        push when the coordinator drains), after its deltas are added on the
+        PS. ``last_mark``: int64 scalar, the mark the worker kept at its
+        previous exchange or pull. A policy that counts its exchanges
+        (route: its local part's count and τ histogram) returns the worker's
+        new mark (int64 scalar, once its counting ops ran). Default None:
+        the exchange advances the global step, τ = g before it − ``last_mark``
+        (``local_sgd``)."""
+        del last_mark
+        return None
 
     # -- chief side --------------------------------------------------------------
     def watchdogs(self) -> Sequence[Any]:

@@ -53,9 +53,23 @@ class StalenessStats:
       parts: under ``route``, ``{label: n}``: updates applied to each part
         (a part on local steps: its exchanges), as ``Route.part_updates``;
         counted since the start (``reset_staleness_stats`` keeps them: each
-        part's τ is read from them). Per-part τ histograms and per-part drops
-        are not tracked (``histogram``/``dropped_histogram`` hold the step's
-        global τ). Empty under any other policy.
+        part's τ is read from them). Empty under any other policy.
+      part_histograms: under ``route``, ``{label: int64 array}`` of the
+        same shape as ``histogram``: the part's updates by the part's own τ
+        (``Route.part_staleness``, tf_asyncps/policies/route.py): for a
+        per-step part, the updates of that part between the worker's read
+        and this one (what the part's policy sees); for a part on local
+        steps, each exchange by the part's exchanges since the worker's
+        previous exchange or pull. A step that holds no variable of a part
+        is not counted in it. Zeroed by ``reset_staleness_stats``, so
+        each one sums to ``parts[label]`` counted since the last reset.
+        Empty under any other policy (or a route never attached to a
+        strategy).
+      part_dropped_histograms: under ``route``, ``{label: int64 array}``:
+        the part's refused gradients (its policy's drop, or a non-finite
+        step) by the part's τ; gradients an aggregator part accepted into a
+        round are in neither histogram (the round's update is). An exchange
+        is never dropped.
       cached_reads: with ``embedding_cache``, ``{table: [n_0, ..., n_B]}``:
         rows a worker's cache served (every worker, since the start) by the
         updates of that row it had not pulled, 0..B = ``pull_bound``
@@ -74,6 +88,8 @@ class StalenessStats:
     retried_closures: int = 0
     worker_failures: int = 0
     parts: Dict[str, int] = dataclasses.field(default_factory=dict)
+    part_histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    part_dropped_histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     cached_reads: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -96,13 +112,19 @@ class StalenessStats:
                   if int(getattr(self, name))]
         if self.parts:
             parts.append(f"parts={dict(self.parts)}")
+        for name in ("part_histograms", "part_dropped_histograms"):
+            hists = {k: h for k, h in getattr(self, name).items() if int(np.sum(h))}
+            if hists:
+                inner = ", ".join(f"{k!r}: {_buckets(h)}" for k, h in hists.items())
+                parts.append(f"{name}={{{inner}}}")
         if self.cached_reads:
             parts.append(f"cached_reads={dict(self.cached_reads)}")
         return f"StalenessStats({', '.join(parts)})"
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns a JSON-serialisable dict (histograms as lists of ints;
-        ``parts`` and ``cached_reads`` only where there are some)."""
+        ``parts``, the per-part histograms and ``cached_reads`` only where
+        there are some)."""
         out = {
             "global_step": int(self.global_step),
             "applied": int(self.applied),
@@ -118,6 +140,10 @@ class StalenessStats:
         }
         if self.parts:
             out["parts"] = {str(k): int(v) for k, v in self.parts.items()}
+        for name in ("part_histograms", "part_dropped_histograms"):
+            if getattr(self, name):
+                out[name] = {str(k): [int(n) for n in h]
+                             for k, h in getattr(self, name).items()}
         if self.cached_reads:
             out["cached_reads"] = {str(k): [int(n) for n in v]
                                    for k, v in self.cached_reads.items()}

@@ -97,8 +97,11 @@ class Chain(Composite):
             return super().variable_mode(name, trainable, slot)
         return self._local_member().variable_mode(name, trainable, slot)
 
-    def exchange_done(self):
-        return self._local_member().exchange_done() if self.local_copies else []
+    def exchange_mark(self):
+        return self._local_member().exchange_mark() if self.local_copies else None
+
+    def exchange_done(self, last_mark):
+        return self._local_member().exchange_done(last_mark) if self.local_copies else None
 
     def get_config(self):
         return {"policies": [repr(p) for p in self.policies]}

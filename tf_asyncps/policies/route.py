@@ -44,8 +44,37 @@ per step):
   aggregator, accepted it into a round; ``dropped`` only if every part
   refused it. So ``applied + dropped`` = worker steps still holds. The τ
   histograms hold the step's global τ (global step now - at read), as for
-  any policy; :meth:`Route.part_updates` gives each part's update count.
+  any policy; :meth:`Route.part_updates` gives each part's update count and
+  :meth:`Route.part_staleness` each part's τ histograms (below).
   A part with no variables in a step takes no decision.
+
+Per-part τ (``Route.part_staleness``; ``StalenessStats.part_histograms``
+and ``part_dropped_histograms``): per part k, a histogram of its updates and
+one of its refused gradients by the part's own τ, in the bins of the step's
+(``max_tracked_staleness + 1``, the last one τ >= max_tracked). Only a step
+that holds variables of part k is counted in k:
+
+* a per-step part: τ_k = the updates of part k between the worker's read
+  and this step's (``counts[k]`` then − at the read), as the step's τ is
+  taken (core/update.py): the τ the part's rule read, for a rule that reads
+  one (``drop_stale``, ``staleness_aware``, ``ssp``, ``dc_asgd``,
+  ``sync_replicas``: under the update lock for the locked ones, so exact);
+  else (``async``) from the increment of the part's counter, (counts[k]
+  after) − 1 − at the read. Applied: the part's update (an aggregator: the
+  round's, by the completing worker); refused: the part's rule dropped it,
+  or the step was not finite; accepted into an aggregator's round: in
+  neither. So with ``route(sparse="async", dense="async")`` and no two
+  steps at once, each part's histogram equals the step's ``histogram``;
+* the part on local steps: one entry per exchange (drains' pushes included),
+  τ = the part's exchanges by other workers since this worker's previous
+  exchange or its pull, taken from the part's counter as ``local_sgd``
+  takes it from the global step: (counts[k] after this exchange) − 1 − the
+  value the worker kept at its previous exchange or pull. Never refused.
+
+So each histogram sums to ``part_updates()[label]`` (counted since the last
+``reset_staleness_stats``, which zeroes the histograms and keeps the counts).
+The cost: one dense ``assign_add`` of a (parts, 2 * (T + 1)) int64 variable
+beside the counts per step (and per exchange), after the counts' increment.
 
 A part on local steps (``LocalSteps``, the policy ``local_sgd``): its
 trainable variables and the optimizer's slots of them (named after them,
@@ -82,8 +111,9 @@ each table whole).
 
 import dataclasses
 import re
-from typing import Callable, Dict, Mapping, Optional, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from tf_asyncps.core import grads as grads_lib
@@ -106,11 +136,17 @@ class PartCounts:
         on local steps: its exchanges).
       read_at: int64 variable, shape (num_workers, labels): each worker's
         copy of ``counts`` at its read.
+      histograms: int64 variable, shape (labels, 2 * (T + 1)), T the
+        strategy's ``max_tracked_staleness``: per part, its applied updates
+        by the part's τ (columns 0..T, the last τ >= T), then its refused
+        gradients by τ. Made when the route is attached to a strategy
+        (``attach``: T is the tracker's); None before.
     """
 
     parts: list
     counts: tf.Variable
     read_at: tf.Variable
+    histograms: Optional[tf.Variable] = None
 
 
 def _labeller(labels, names, where):
@@ -286,12 +322,69 @@ class Route(Composite):
             return super().exchange_due(local_steps)
         return self.parts[self._local].exchange_due(local_steps)
 
-    def exchange_done(self):
+    def exchange_mark(self):
         if self._local is None:
-            return []
-        n = len(self.labels)
-        return [self.cluster.counts.assign_add(
-            tf.one_hot(self._local, n, dtype=tf.int64), read_value=False)]
+            return super().exchange_mark()
+        counts = self.cluster.counts
+        with tf.device(counts.device):
+            return counts.read_value()[self._local]
+
+    def exchange_done(self, last_mark):
+        """Counts an exchange of the local part k: ``counts[k] += 1``, and
+        its τ = (counts[k] after) − 1 − ``last_mark`` (the part's exchanges
+        by other workers since this worker's previous exchange or pull, the
+        value it kept then) in the part's histogram. Returns counts[k]
+        after: the worker's next mark."""
+        if self._local is None:
+            return super().exchange_done(last_mark)
+        c, k = self.cluster, self._local
+        with tf.device(c.counts.device):
+            after = tf.convert_to_tensor(c.counts.assign_add(
+                tf.one_hot(k, len(self.labels), dtype=tf.int64)))[k]
+            ops = []
+            if c.histograms is not None:
+                tau = after - 1 - tf.cast(last_mark, tf.int64)
+                ops.append(self._add_to_histograms([(k, tau, True, None)]))
+            with tf.control_dependencies(ops):
+                return tf.identity(after)
+
+    def _add_to_histograms(self, entries):
+        """One dense ``assign_add`` of ``histograms``: ``entries`` are
+        ``(part k, τ, applied, dropped)`` with τ an int64 scalar (clipped to
+        [0, T]) and applied/dropped True, None (0) or a scalar tf.bool.
+        Dense, like the tracker's counters (core/staleness.py
+        ``_add_counts``): a resource scatter of int64 runs under a shared
+        lock, so two workers' increments of one bin could lose one."""
+        hist = self.cluster.histograms
+        width = int(hist.shape[1])
+        bins = width // 2
+        indices, values = [], []
+        for k, tau, applied, dropped in entries:
+            b = tf.minimum(tf.maximum(tf.cast(tau, tf.int64), 0), bins - 1)
+            for flag, offset in ((applied, 0), (dropped, bins)):
+                if flag is None or flag is False:
+                    continue
+                indices.append(k * width + offset + b)
+                values.append(tf.constant(1, tf.int64) if flag is True
+                              else tf.cast(flag, tf.int64))
+        if not indices:
+            return tf.no_op()
+        dense = tf.scatter_nd(tf.reshape(tf.stack(indices), [-1, 1]), tf.stack(values),
+                              tf.constant([hist.shape[0] * width], tf.int64))
+        return hist.assign_add(tf.reshape(dense, hist.shape), read_value=False)
+
+    # -- per-part staleness (attach) -------------------------------------------
+    def attach(self, runtime):
+        """Makes the per-part τ histograms beside ``counts``, with the
+        strategy's tracker's ``max_tracked + 1`` bins each (once per strategy)."""
+        super().attach(runtime)
+        c = self.cluster
+        if c.histograms is None:
+            bins = runtime.tracker.max_tracked + 1
+            with tf.init_scope(), tf.device(c.counts.device):
+                c.histograms = tf.Variable(
+                    tf.zeros([len(self.labels), 2 * bins], tf.int64), trainable=False,
+                    name="route_part_staleness")
 
     # -- set-up ---------------------------------------------------------------
     def build(self, num_workers, device):
@@ -330,7 +423,11 @@ class Route(Composite):
         n = len(grads)
         keep, out, accepted, bumps, decisions = [True] * n, list(grads), [], [], []
         cluster, width = self.cluster, len(self.labels)
-        counts = cluster.counts.read_value()
+        counted = []  # (part k, its τ or None: from the increment, applied, dropped)
+        # Read when the step's τ is (once its gradients exist), not earlier.
+        deps = [info.global_step] if isinstance(info.global_step, tf.Tensor) else []
+        with tf.control_dependencies(deps):
+            counts = cluster.counts.read_value()
         read = cluster.read_at.sparse_read(tf.cast(info.worker_index, tf.int64))
         for k, (p, s, idx) in enumerate(zip(self.parts, state, self.split(info.variables))):
             if not idx:
@@ -356,9 +453,26 @@ class Route(Composite):
             if d.accepted is not None:
                 accepted.append(d.accepted)
             bumps.append(tf.cast(part_keep, tf.int64) * tf.one_hot(k, width, dtype=tf.int64))
+            # Refused: neither kept nor taken into an aggregator's round.
+            if part_keep is True:
+                refused = None
+            elif d.accepted is None:
+                refused = tf.logical_not(part_keep)
+            else:
+                refused = tf.logical_not(tf.logical_or(part_keep, d.accepted))
+            counted.append((k, part_info.tau if p.uses_tau else None, part_keep, refused))
         if bumps:
             bump = cluster.counts.assign_add(tf.add_n(bumps))
-            with tf.control_dependencies([bump]):
+            ops = [bump]
+            if cluster.histograms is not None:
+                # τ as the step's (core/update.py): the rule's own τ where
+                # it reads one, else from the increment of the part's counter.
+                after = tf.convert_to_tensor(bump)
+                ops.append(self._add_to_histograms([
+                    (k, tau if tau is not None else
+                     after[k] - tf.cast(keep_k, tf.int64) - read[k], keep_k, refused)
+                    for k, tau, keep_k, refused in counted]))
+            with tf.control_dependencies(ops):
                 out = [grads_lib.map_values(tf.identity, g) for g in out]
         any_accepted = None
         if accepted:
@@ -371,6 +485,28 @@ class Route(Composite):
         part on local steps: its exchanges with the PS, drains' pushes
         included); two-label form ``{"sparse": n, "dense": n}``."""
         return dict(zip(self.labels, (int(c) for c in self.cluster.counts.numpy())))
+
+    def part_staleness(self) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+        """``(histograms, dropped_histograms)`` read from the PS, each
+        ``{label: int64 array of shape (max_tracked + 1,)}`` (the last bin
+        counts τ >= max_tracked): per part, its updates and its refused
+        gradients by the part's τ (module docstring, "Per-part τ"). Each
+        histogram sums to ``part_updates()[label]`` counted since the
+        strategy's last ``reset_staleness_stats``. ``({}, {})`` for a
+        route not attached to a strategy."""
+        hist = self.cluster.histograms
+        if hist is None:
+            return {}, {}
+        values = hist.numpy().astype(np.int64)
+        bins = values.shape[1] // 2
+        return ({k: values[i, :bins] for i, k in enumerate(self.labels)},
+                {k: values[i, bins:] for i, k in enumerate(self.labels)})
+
+    def reset_part_staleness(self) -> None:
+        """Zeroes the per-part τ histograms (``part_updates`` is kept)."""
+        hist = self.cluster.histograms
+        if hist is not None:
+            hist.assign(tf.zeros_like(hist))
 
 
 def route(parts: Optional[Mapping[str, object]] = None, labels=None, *, sparse=None,
