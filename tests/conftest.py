@@ -17,8 +17,10 @@ import pytest
 import tmp_per_test
 from scenarios import from_json
 
-# Each test's temporary files in a directory of its own (tests/tmp_per_test.py).
-pytest_plugins = ["tmp_per_test"]
+# Each test's temporary files in a directory of its own (tests/tmp_per_test.py);
+# the one fresh process of the import checks, its fixture shared by test files
+# (tests/fresh_process.py).
+pytest_plugins = ["tmp_per_test", "fresh_process"]
 
 # TensorFlow's and tf_keras's own test files, where placed (tests/upstream/README.md),
 # run through tests/test_upstream_*.py in processes of their own: pytest would

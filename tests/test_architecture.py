@@ -6,31 +6,17 @@ LONG_MODULE_LINES lines as places to look (conftest)."""
 import ast
 import importlib
 import inspect
-import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+import fresh_process
 from conftest import ROOT
+from fresh_process import package_modules as _modules
 
-PKG = os.path.join(ROOT, "tf_asyncps")
 PRIVATE = re.compile(r"^(tensorflow\.(python|core)|tf_keras\.src|keras\.src)(\.|$)")
-
-
-def _modules():
-    """{module name: path} of every module of the package."""
-    out = {}
-    for d, _, files in os.walk(PKG):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(d, f)
-                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
-    return out
 
 
 def _imports(path, module, modules=()):
@@ -428,82 +414,11 @@ def test_the_dynamic_tables_sit_between_core_and_the_layers():
     assert {"tf_asyncps.dynamic.table", "tf_asyncps.dynamic.checkpoint"} <= set(modules)
 
 
-#: One fresh process reports the facts of the tests below that need one. First
-#: each tool module is imported alone (tf_asyncps modules dropped between):
-#: whether TensorFlow was imported by then. Then each module and each root
-#: name is the first tf_asyncps import of a fresh package state (all
-#: tf_asyncps modules dropped): the ones that raised.
-_FRESH_PROCESS = r"""
-import importlib, importlib.machinery, json, os, sys
-tools, names, attrs = (json.loads(a) for a in sys.argv[1:4])
-# Each fresh state re-runs the package's modules: each is compiled once, its
-# code kept here (this machine sets PYTHONDONTWRITEBYTECODE), not from source
-# in every round. Other libraries load from their own bytecode as usual.
-package, codes = os.path.join(os.getcwd(), "tf_asyncps") + os.sep, {}
-get_code = importlib.machinery.SourceFileLoader.get_code
-def compiled_once(loader, fullname):
-    path = loader.get_filename(fullname)
-    if not path.startswith(package):
-        return get_code(loader, fullname)
-    if path not in codes:
-        codes[path] = get_code(loader, fullname)
-    return codes[path]
-importlib.machinery.SourceFileLoader.get_code = compiled_once
-facts = {"tensorflow_imported": {}, "failed": {}}
-def fresh():
-    for m in [m for m in sys.modules if m == "tf_asyncps" or m.startswith("tf_asyncps.")]:
-        del sys.modules[m]
-for name in tools:
-    if "tensorflow" in sys.modules:  # by an earlier tool: this one can't tell
-        facts["tensorflow_imported"][name] = "not judged: imported before"
-        continue
-    fresh()
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        facts["tensorflow_imported"][name] = f"raised {type(e).__name__}: {e}"
-    else:
-        facts["tensorflow_imported"][name] = "tensorflow" in sys.modules
-for name in names:
-    fresh()
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        facts["failed"][name] = f"{type(e).__name__}: {e}"
-for attr in attrs:
-    fresh()
-    try:
-        getattr(importlib.import_module("tf_asyncps"), attr)
-    except Exception as e:
-        facts["failed"]["tf_asyncps." + attr] = f"{type(e).__name__}: {e}"
-print("FACTS " + json.dumps(facts))
-"""
-
-#: Modules a command-line tool imports before it needs TensorFlow.
-TOOLS = ["tf_asyncps.cluster.config", "tf_asyncps.app.cli", "tf_asyncps.compat.startup"]
-
-
-@pytest.fixture(scope="module")
-def fresh_process():
-    """``(facts, names)``: what :data:`_FRESH_PROCESS` reports, and the
-    modules it imported first."""
-    import tf_asyncps
-    names = sorted(m for m in _modules() if not m.endswith(("__main__", "deathsig_shim")))
-    attrs = [a for a in tf_asyncps.__all__ if a != "__version__"]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, json.dumps(TOOLS),
-                          json.dumps(names), json.dumps(attrs)],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("FACTS ")]
-    assert line, out.stderr[-3000:]
-    return json.loads(line[-1][len("FACTS "):]), names
-
-
-def test_every_module_and_root_name_imports_first_in_a_fresh_package(fresh_process):
+def test_every_module_and_root_name_imports_first_in_a_fresh_package(fresh_process_facts):
     """Each module (and each lazy name of the root, e.g. SyncReplicasAggregator)
     is the first tf_asyncps import of a fresh package state: an import circle
     shows up as 'partially initialized module'."""
-    facts, names = fresh_process
+    facts, names = fresh_process_facts
     assert facts["failed"] == {}
     assert len(names) > 40 and "tf_asyncps.policies.sync_replicas" in names
 
@@ -524,9 +439,9 @@ def test_public_names_of_moved_modules_still_resolve():
         tf_asyncps.callbacks.Nope  # noqa: B018
 
 
-@pytest.mark.parametrize("module", TOOLS)
-def test_tools_import_without_tensorflow(module, fresh_process):
-    facts, _ = fresh_process
+@pytest.mark.parametrize("module", fresh_process.TOOLS)
+def test_tools_import_without_tensorflow(module, fresh_process_facts):
+    facts, _ = fresh_process_facts
     assert facts["tensorflow_imported"][module] is False
 
 
