@@ -20,7 +20,7 @@ import tf_asyncps
 from conftest import run_command, run_scenario
 from scenarios import cluster, scenario
 from scenarios.common import least_squares, mlp, run_steps, small_problem, step_fn
-from scenarios.common import train_with_straggler
+from scenarios.common import train_with_lagging_worker, train_with_straggler
 from test_policy_training import full_batch_policy
 from tf_asyncps import StalenessStats
 
@@ -79,26 +79,66 @@ def sync_straggler(replicas_to_aggregate=2, num_workers=3, slow_worker=0, delay_
                              stats=strategy.staleness_stats())
 
 
+@dataclasses.dataclass(frozen=True)
+class SyncLaggingWorker:
+    """sync_replicas (least squares, custom loop) with one worker's every step
+    lagging a number of updates (scenarios.common.train_with_lagging_worker).
+
+    Attributes:
+      sent: gradients each worker sent (one per worker step), by worker index.
+      rounds: the aggregator's completed rounds (updates).
+      lag_released: slow steps let through by the end-of-schedule release
+        instead of the updates they waited for (0 or 1).
+      stats: the strategy's staleness counters.
+    """
+    sent: list[int]
+    rounds: int
+    lag_released: int
+    stats: StalenessStats
+
+
+@scenario(shares_cluster=True)
+def sync_lagging_worker(replicas_to_aggregate=2, num_workers=3, slow_worker=0, lag=2,
+                        steps=60) -> SyncLaggingWorker:
+    """sync_replicas with one worker waiting, in each step, for ``lag`` updates."""
+    x, y = least_squares()
+    with cluster(num_workers=num_workers, num_ps=1) as c:
+        strategy = tf_asyncps.AsyncParameterServerStrategy(
+            c.resolver(), update_policy=tf_asyncps.policies.get(
+                "sync_replicas", replicas_to_aggregate=replicas_to_aggregate,
+                total_num_replicas=num_workers, timeout_s=60))
+        coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        released = train_with_lagging_worker(strategy, coord, x, y, slow_worker, lag, steps)
+        p = strategy.update_policy
+        return SyncLaggingWorker(sent=p.gradients_sent().tolist(), rounds=p.rounds(),
+                                 lag_released=released, stats=strategy.staleness_stats())
+
+
 @pytest.mark.cluster
 def test_backup_worker_keeps_updates_ahead_of_the_straggler():
-    # 250 ms: the delay is a sleep in the slow worker's input pipeline, and on a
-    # loaded machine 80 ms was within the fast workers' own step time: no
-    # gradient came in late once in a full run (dropped 0).
-    r = run_scenario(sync_straggler, shared=(3, 1), replicas_to_aggregate=2, num_workers=3,
-                     slow_worker=0, delay_ms=250, steps=60)
+    # The straggler is made by construction, not by a sleep: each step of
+    # worker 0 sends its gradient only once the global step is 2 past its
+    # read step, which the two others make alone (2 of 3). A sleep in its
+    # input (250 ms, before: 80 ms) fell within the fast workers' own step
+    # time on a loaded machine, and no gradient came in late (dropped 0).
+    r = run_scenario(sync_lagging_worker, shared=(3, 1), replicas_to_aggregate=2,
+                     num_workers=3, slow_worker=0, lag=2, steps=60)
     s = r.stats
-    slow = r.sent[0]
-    assert s.applied + s.dropped == 60 and s.global_step == r.rounds
-    # Late gradients of the slow worker are dropped and counted with tau >= 1.
-    assert s.dropped > 0 and s.dropped_histogram[0] == 0
-    # Updates did not fall to the slow worker's pace: without backup workers
-    # every round needs its gradient (rounds <= slow, test below); here some
-    # rounds completed without it. (A speed ratio would depend on the load.)
-    assert r.rounds > slow
+    lagged = r.sent[0] - r.lag_released  # the slow steps that waited for 2 updates
+    assert sum(r.sent) == s.applied + s.dropped == 60 and s.global_step == r.rounds
+    assert s.histogram[0] == s.applied  # max_staleness=0: only tau 0 accepted
+    # Every late gradient is dropped, counted with its tau (>= 2), none with tau 0.
+    assert lagged > 0 and s.dropped >= lagged and s.dropped_histogram[0] == 0, r
+    assert sum(s.dropped_histogram[2:]) >= lagged, r
+    # Updates went on without the straggler: each of its lagged steps spans
+    # 2 updates that the backup worker completed, so the rounds outpace it.
+    assert r.rounds >= 2 * lagged and r.rounds > r.sent[0], r
 
 
 @pytest.mark.cluster
 def test_without_backup_every_update_waits_for_the_straggler():
+    # Still the input sleep: every assertion below holds at any relative speed,
+    # and a lag gate cannot be used here (each round needs worker 0's gradient).
     r = run_scenario(sync_straggler, shared=(3, 1), replicas_to_aggregate=3, num_workers=3,
                      slow_worker=0, delay_ms=80, steps=60)
     s = r.stats

@@ -110,6 +110,81 @@ def train_with_straggler(strategy, coord, x, y, slow_worker, delay_ms, steps, lr
     run_steps(coord, step, steps, iter(coord.create_per_worker_dataset(dataset_fn)))
 
 
+#: A token above any global step: ends a lagging worker's wait at the schedule's end.
+LAG_RELEASE = 2 ** 62
+
+
+def train_with_lagging_worker(strategy, coord, x, y, slow_worker, lag, steps, lr=0.01):
+    """Full-batch least squares where every step of ``slow_worker`` lags ``lag`` updates.
+
+    No sleep: the slow worker's step, once its gradient is computed, waits in
+    the step until the global step is at least its read step r + ``lag`` (r:
+    the step's ``WorkerStep.read_step``, read before any variable), so the
+    policy sees its gradient with τ >= ``lag``. It waits on a FIFO queue on
+    the ps (a blocking dequeue, as core/worker_gate.py does): every step puts
+    the global step after its own update there, and the slow worker takes
+    tokens until one reaches its target; the step that makes a global step
+    puts its value, so no wake-up is missed. When the other workers are out of
+    closures the slow worker's last step could wait forever: the step that
+    leaves at most one of ``steps`` unfinished puts ``LAG_RELEASE`` instead,
+    and only the slow worker's own last step can still be waiting for it. A
+    failed run closes the queue, which ends a waiting step with an error.
+
+    Returns:
+      int: slow steps that the release let through (0 or 1) instead of ``lag``
+      updates.
+    """
+    from tf_asyncps.core import placement
+    from tf_asyncps.core.step import current_step
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([x.shape[1], 1]), name="w")
+        opt = tf_keras.optimizers.SGD(lr)
+    ps = strategy.extended.global_step.device
+    with tf.init_scope(), tf.device(ps):
+        tokens = placement.fifo_queue(1 << 30, "lagging_worker_tokens")
+        finished = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                               name="lagging_worker_finished")
+        released = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                               name="lagging_worker_released")
+
+    def wait_for_updates(step):
+        with tf.device(ps):
+            target = tf.cast(step.read_step, tf.int64) + lag
+            token = tf.while_loop(lambda t: t < target, lambda t: (tokens.dequeue(),),
+                                  (tokens.dequeue(),))[0]
+            count = released.assign_add(tf.cast(token >= LAG_RELEASE, tf.int64))
+        with tf.control_dependencies([count]):
+            return tf.constant(True)
+
+    @tf.function
+    def train_step():
+        def replica_fn():
+            step = current_step()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+            grad = tape.gradient(loss, w)
+            with tf.control_dependencies([grad]):
+                waited = tf.cond(tf.equal(step.worker_index, slow_worker),
+                                 lambda: wait_for_updates(step), lambda: tf.constant(False))
+            with tf.control_dependencies([waited]):
+                grad = tf.identity(grad)
+            g_after = opt.apply_gradients([(grad, w)])
+            with tf.device(ps), tf.control_dependencies([g_after]):
+                done = finished.assign_add(1)
+                token = tf.where(done >= steps - 1, tf.constant(LAG_RELEASE, tf.int64),
+                                 tf.cast(g_after, tf.int64))
+                put = tokens.enqueue(token)
+            with tf.control_dependencies([put]):
+                return tf.identity(loss)
+        return strategy.run(replica_fn)
+
+    try:
+        run_steps(coord, train_step, steps)
+    finally:
+        tokens.close(cancel_pending_enqueues=True)
+    return int(released.numpy())
+
+
 def fake_multi_replica_workers(replicas):
     """Makes ParameterServerStrategy see ``replicas`` devices per worker on CPU.
 
