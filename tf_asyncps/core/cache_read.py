@@ -21,6 +21,32 @@ __all__ = ["CacheRead"]
 
 _BIG = 2.0 ** 62  # a slot that cannot take a new id sorts last
 
+#: A row's clock crosses as its low 31 bits (an int32 >= 0; -1 marks an id
+#: not cached) and the ps compares clocks modulo 2**31: exact while a cached
+#: copy is fewer than 2**31 updates of its row behind the ps.
+_CLOCK_BITS = 31
+_CLOCK_MASK = 2 ** _CLOCK_BITS - 1
+
+
+def _int32_as(bits, dtype):
+    """int32 ``[n, 2]`` as columns of ``dtype`` (4 bytes: ``[n, 2]``; 2
+    bytes: ``[n, 4]``; 8 bytes: ``[n, 1]``), to cross beside rows of it."""
+    size = tf.as_dtype(dtype).size
+    if size == 8:
+        return tf.reshape(tf.bitcast(bits, dtype), [-1, 1])
+    out = tf.bitcast(bits, dtype)
+    return out if size == 4 else tf.reshape(out, [-1, 2 * 4 // size])
+
+
+def _int32_from(columns):
+    """The int32 ``[n, 2]`` of :func:`_int32_as`'s ``width`` columns."""
+    size = columns.dtype.size
+    if size == 8:
+        return tf.reshape(tf.bitcast(columns[:, 0], tf.int32), [-1, 2])
+    if size == 4:
+        return tf.bitcast(columns, tf.int32)
+    return tf.bitcast(tf.reshape(columns, [-1, 2, 4 // size]), tf.int32)
+
 
 class CacheRead:
     """The read half of :class:`~tf_asyncps.core.embedding_cache.CachedTable`
@@ -87,15 +113,24 @@ class CacheRead:
             seen = tf.where(cached, variables_compat.gather_handle(h["seen"], safe, tf.int64),
                             tf.constant(-1, tf.int64))
             wire_ids = grads_lib.narrow_indices(ids, self.num_rows)
+            # One tensor to the ps: the ids, then the clocks their copies
+            # saw (31 bits, see _CLOCK_BITS; -1: not cached).
+            request = tf.concat([wire_ids, tf.cast(seen, wire_ids.dtype)], 0)
         with tf.device(self.clock.device):  # the ps: which rows cross
-            server = tf.gather(self.clock, wire_ids)
-            behind = server - seen
-            need = tf.logical_or(seen < 0, behind > cfg.pull_bound)
+            half = tf.size(request) // 2
+            asked, seen_on_ps = request[:half], tf.cast(request[half:], tf.int64)
+            server = tf.gather(self.clock, asked)
+            behind = tf.bitwise.bitwise_and(server - seen_on_ps, _CLOCK_MASK)
+            need = tf.logical_or(seen_on_ps < 0, behind > cfg.pull_bound)
             need_at = tf.reshape(tf.where(need), [-1])
-            fresh_clock = tf.gather(server, need_at)
-            need_ids = tf.gather(wire_ids, need_at)
+            # What the worker stores: the clock's low 31 bits, and where each
+            # pulled row goes among the read's ids.
+            fresh_bits = tf.stack([tf.cast(tf.bitwise.bitwise_and(tf.gather(server, need_at),
+                                                                  _CLOCK_MASK), tf.int32),
+                                   tf.cast(need_at, tf.int32)], 1)
+            need_ids = tf.gather(asked, need_at)
             served = tf.boolean_mask(behind, tf.logical_not(need))
-            distinct = tf.size(wire_ids, out_type=tf.int64)
+            distinct = tf.size(asked, out_type=tf.int64)
             pulled = tf.size(need_at, out_type=tf.int64)
             # No control edge to the worker's rows: a traced step runs every
             # stateful op it holds, and an edge between tasks is a message
@@ -105,16 +140,21 @@ class CacheRead:
                             tf.cast(served, tf.int32), minlength=cfg.pull_bound + 1,
                             maxlength=cfg.pull_bound + 1, dtype=tf.int64))
         fresh = sparse_read(need_ids, name=name)
-        fresh = grads_lib.read_over_wire(fresh, self.wire_dtype, back_with=op)
+        # One tensor back: the pulled rows (in the wire dtype) with their
+        # clock and position as bits beside them.
+        with graph_compat.colocate_only_with(fresh.op):
+            wire = grads_lib.wire_dtype_of(fresh.dtype, self.wire_dtype)
+            rows = tf.reshape(fresh if wire is None else tf.cast(fresh, wire), [-1, d])
+            packed = tf.concat([rows, _int32_as(fresh_bits, rows.dtype)], 1)
         with graph_compat.colocate_only_with(op):
-            # Only the mask crosses (a byte per id); its positions are
-            # recomputed here.
-            need = tf.identity(need)
-            need_at = tf.reshape(tf.where(need), [-1])
-            fresh, fresh_clock = tf.identity(fresh), tf.identity(fresh_clock)
+            packed = tf.identity(packed)
+            fresh = tf.cast(packed[:, :d], dtype)
+            bits = _int32_from(packed[:, d:])
+            fresh_clock, need_at = tf.cast(bits[:, 0], tf.int64), bits[:, 1]
             shape = tf.stack([tf.cast(n, tf.int64), d])
-            at = need_at[:, None]
-            fresh_full = tf.scatter_nd(at, tf.cast(fresh, dtype), shape)
+            at = tf.cast(need_at, tf.int64)[:, None]
+            need = tf.scatter_nd(at, tf.ones_like(need_at), shape[:1]) > 0
+            fresh_full = tf.scatter_nd(at, fresh, shape)
             clock_full = tf.scatter_nd(at, fresh_clock, shape[:1])
             kept = variables_compat.gather_handle(h["rows"], safe, dtype)
             own = tf.where(cached[:, None], variables_compat.gather_handle(h["delta"], safe, dtype),

@@ -9,6 +9,8 @@ Source: X. Miao et al., "HET: Scaling out Huge Embedding Model Training via
 Cache-enabled Distributed Framework", PVLDB 15(2), 2022.
 """
 
+import weakref
+
 import tensorflow as tf
 
 from tf_asyncps.compat import graph as graph_compat
@@ -19,8 +21,27 @@ from tf_asyncps.core import grads as grads_lib
 __all__ = ["CacheWrite", "is_keras3", "writes_every_row"]
 
 
+#: graph -> {(id(optimizer), dtype): learning rate tensor}: read once per
+#: traced step, not once per cached table (each read is a message from the
+#: optimizer's ps).
+_LR_READS = weakref.WeakKeyDictionary()
+
+
 def _learning_rate(optimizer, dtype):
-    """The optimizer's current learning rate (a schedule called at its step)."""
+    """The optimizer's current learning rate (a schedule called at its
+    step), read once per graph."""
+    if tf.executing_eagerly():
+        return _read_learning_rate(optimizer, dtype)
+    graph = tf.compat.v1.get_default_graph()
+    reads = _LR_READS.setdefault(graph, {})
+    key = (id(optimizer), tf.as_dtype(dtype))
+    if key not in reads:
+        with tf.control_dependencies(None):
+            reads[key] = _read_learning_rate(optimizer, dtype)
+    return reads[key]
+
+
+def _read_learning_rate(optimizer, dtype):
     lr = getattr(optimizer, "learning_rate", None)
     if lr is None:
         lr = getattr(optimizer, "lr", None)

@@ -20,9 +20,13 @@ not; each shard its share of ``rows``) a
 
 Read (a row read traced in a worker step)::
 
-    unique ids (worker) -> (id, seen clock or -1)                 -> ps
+    unique ids (worker) -> [ids, seen clocks (-1: not cached)]    -> ps
     ps: need = not cached or clock[id] - seen > pull_bound; the rows of
-        the needed ids only                                        -> worker
+        the needed ids only, each with its clock and its position
+        among the ids as bits beside it (one tensor)               -> worker
+    (int32 ids where the shard has under 2**31 rows; clocks cross as their
+    low 31 bits, compared modulo 2**31: exact while a copy is under 2**31
+    updates of its row behind.)
     worker: a pulled row of a cached id gets the worker's own unpushed
         local delta added back; a pulled id not cached takes a slot
         (free, else the least frequently / least recently used slot
