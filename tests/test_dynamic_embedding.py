@@ -4,7 +4,6 @@ Cluster behaviour (several workers and ps, every policy, checkpoints) is in
 tests/test_dynamic_cluster.py.
 """
 
-import json
 
 import numpy as np
 import pytest
@@ -284,24 +283,16 @@ def test_a_file_entry_of_another_layer_or_capacity_is_refused_naming_the_fix(tmp
         other.load_own_variables(store)
 
 
-def test_a_keras_file_loads_in_a_new_process_after_import_tf_asyncps(tmp_path):
+def test_a_keras_file_loads_in_a_new_process_after_import_tf_asyncps(fresh_process_facts):
     """A process that imports tf_keras, then tf_asyncps, loads a .keras file
     of a DynamicEmbedding model (the class is registered at that import;
-    without it tf_keras failed "'str' object is not callable")."""
-    import subprocess
-    import sys
-    m = _trained_tf_keras_model()
-    m.save(str(tmp_path / "m.keras"))
-    x = [[5, 6, 7], [5, 9, 9]]
-    code = ("import json, sys, numpy as np, tf_keras, tf_asyncps\n"
-            "m = tf_keras.models.load_model(sys.argv[1])\n"
-            "print('P', json.dumps(m.predict(np.array(json.loads(sys.argv[2])), "
-            "verbose=0).tolist()))\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.keras"),
-                          json.dumps(x)], capture_output=True, text=True, timeout=120)
-    line = [s for s in out.stdout.splitlines() if s.startswith("P ")]
-    assert line, out.stderr[-2000:]
-    np.testing.assert_array_equal(json.loads(line[0][2:]), m.predict(np.array(x), verbose=0))
+    without it tf_keras failed "'str' object is not callable"): the model of
+    _trained_tf_keras_model, saved here, predicts there as here (the
+    session's fresh process, tests/fresh_process.py, step 2)."""
+    facts, _ = fresh_process_facts
+    assert isinstance(facts["keras_file_here"], list), facts["keras_file_here"]
+    assert isinstance(facts["keras_file"], list), facts["keras_file"]
+    np.testing.assert_array_equal(facts["keras_file"], facts["keras_file_here"])
 
 
 def test_configs_load_without_custom_objects():
