@@ -215,6 +215,49 @@ def test_a_vectors_sparse_gradient_crosses_as_one_tensor(wire):
     assert crossing.shape.as_list() == [3, 1 + (2 if wire else 1)]
 
 
+@pytest.mark.parametrize("wire", [None, tf.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("repeated", [2, 0])
+@pytest.mark.parametrize("rows", [9, 2 ** 31 - 2], ids=["uint16_ids", "int32_ids"])
+def test_a_tables_squares_cross_in_the_tensor_of_its_rows(wire, repeated, rows):
+    """Keras 3's row-wise Adagrad: a shard's distinct rows, their ids and the
+    squares of its ``repeated`` first ids cross as one vector: the two row
+    counts (int32 bits), 4 rows of 3 values, the 4 ids (uint16 bits under
+    65,535 rows, else int32), then the squares; copies equal copy_to's (0
+    squares too), and an id out of range stays out of range."""
+    values = np.arange(12, dtype=np.float32).reshape(4, 3) / 8  # exact in bfloat16
+    indices = np.array([5, 0, rows + 3, 3], np.int64)
+    squares = values[:repeated] ** 2 + 0.25
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([rows, 3]))
+    out, sq = grads_lib.copy_with_rows_to(g, tf.constant(squares), "/cpu:0", wire_dtype=wire,
+                                          rows=rows)
+    alone = grads_lib.copy_to(g, "/cpu:0", wire_dtype=wire, rows=rows)
+    ids_eager = out.indices.numpy()
+    assert out.indices.dtype == tf.int64 and ids_eager[[0, 1, 3]].tolist() == [5, 0, 3]
+    assert not 0 <= ids_eager[2] < rows  # refused on the ps as before
+    np.testing.assert_array_equal(out.values.numpy(), alone.values.numpy())
+    np.testing.assert_array_equal(out.values.numpy(), values)
+    assert sq.dtype == tf.float32 and sq.shape.as_list() == [repeated, 3]
+    sq_eager = sq.numpy()
+    np.testing.assert_array_equal(sq_eager, grads_lib.copy_to(
+        tf.constant(squares), "/cpu:0", wire_dtype=wire).numpy())
+
+    cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
+    with tf.Graph().as_default() as graph:
+        out, sq = grads_lib.copy_with_rows_to(
+            tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([rows, 3])),
+            tf.constant(squares), cpu, wire_dtype=wire, rows=rows)
+        [crossing] = [op.inputs[0] for op in graph.get_operations()
+                      if op.type in ("Identity", "Snapshot") and op.device == cpu]
+        with tf.compat.v1.Session() as sess:
+            sent, got_ids, got = sess.run([crossing, out.indices, sq])
+    # elements of the wire dtype: 2 int32 counts, 4 x 3 values, 4 ids, the squares
+    element, id_bytes = (2 if wire else 4), (2 if rows < 2 ** 16 - 1 else 4)
+    assert crossing.dtype == (wire or tf.float32)
+    assert sent.shape == (2 * 4 // element + 4 * 3 + 4 * id_bytes // element + repeated * 3,)
+    assert got_ids.tolist() == ids_eager.tolist()
+    np.testing.assert_array_equal(got, sq_eager)
+
+
 def test_a_sparse_gradient_of_an_unknown_or_huge_table_crosses_as_two_tensors():
     @tf.function
     def send(v, i):

@@ -186,14 +186,14 @@ def to_ps(engine, step, optimizer, grads_and_vars, apply_fn, marked,
     device = tracker.device
     # wire_dtype: float32 values cross as bfloat16, float32 again on the
     # ps (after the finite check above, which sees the worker's values).
-    grads = [grads_lib.copy_to(g, variables_compat.backing_variable(v).device,
-                               wire_dtype=engine.wire_dtype,
-                               rows=_static_rows(variables_compat.backing_variable(v)),
-                               on_ps=on_ps)
-             for g, v in zip(grads, variables)]
-    squares = [None if s is None else grads_lib.copy_to(
-        s, variables_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype)
-        for s, v in zip(squares, variables)]
+    # A table's squares (Keras 3's row-wise Adagrad and lazy Adam) cross in
+    # the same tensor as its rows and ids: one transfer a table shard
+    # (without squares: copy_to).
+    copies = [grads_lib.copy_with_rows_to(
+        g, s, variables_compat.backing_variable(v).device, wire_dtype=engine.wire_dtype,
+        rows=_static_rows(variables_compat.backing_variable(v)), on_ps=on_ps)
+        for g, s, v in zip(grads, squares, variables)]
+    grads, squares = [c[0] for c in copies], [c[1] for c in copies]
     # The row-wise update inside the gradient filters: a filtered gradient
     # is applied with its own rows as the occurrences.
     apply_fn = filtered(engine, rowwise.applying(
