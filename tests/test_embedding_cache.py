@@ -245,11 +245,14 @@ def test_bounds_zero_are_the_uncached_step_exactly(make_opt):
     assert s["evictions"] > 0
 
 
-def test_two_workers_pull_and_push_at_the_closed_form_steps():
+@pytest.mark.parametrize("offset", [0, 2 ** 31 - 3])
+def test_two_workers_pull_and_push_at_the_closed_form_steps(offset):
     """pull_bound=1, push_bound=1, 2 slots, SGD, loss sum(rows * [1, 2, 3]):
     each update of a row is the gradient [1, 2, 3]. Workers A and B share
     the ps clock; the counters, the clock and the table follow the rule
-    step by step (see the comments)."""
+    step by step (see the comments). ``offset``: every row's clock starts
+    there; clocks cross as their low 31 bits, so from 2**31 - 3 they wrap
+    mid-run and the rule must not see it."""
     lr = 0.1
     cfg = EmbeddingCache(rows=2, pull_bound=1, push_bound=1)
     table = _table()
@@ -260,6 +263,7 @@ def test_two_workers_pull_and_push_at_the_closed_form_steps():
     a.build()
     b.build()
     b.clock = a.clock  # one ps: one clock per row
+    a.clock.assign_add(tf.fill(a.clock.shape, tf.constant(offset, tf.int64)))
     steps = []
     for engine, cache, opt in zip(engines, (a, b), opts):
         engine.register_table(cache.hooks())
@@ -271,14 +275,14 @@ def test_two_workers_pull_and_push_at_the_closed_form_steps():
     step_b(tf.constant([1], tf.int64))     # B pulls 1; kept
     np.testing.assert_array_equal(table.numpy(), init)
     step_a(tf.constant([1, 2], tf.int64))  # A hits 1, 2 (0 behind); 2 > 1: pushes both (2 each)
-    assert a.clock.numpy()[:4].tolist() == [0, 2, 2, 0]
+    assert (a.clock.numpy()[:4] - offset).tolist() == [0, 2, 2, 0]
     np.testing.assert_allclose(table.numpy()[1], init[1] - 2 * lr * g, rtol=1e-6)
     rows = step_b(tf.constant([1], tf.int64)).numpy()  # 2 behind > 1: pulled, + own update
     np.testing.assert_allclose(rows[0], init[1] - 2 * lr * g - lr * g, rtol=1e-6)
-    assert a.clock.numpy()[:4].tolist() == [0, 4, 2, 0]  # B pushed its 2
+    assert (a.clock.numpy()[:4] - offset).tolist() == [0, 4, 2, 0]  # B pushed its 2
     step_a(tf.constant([1, 3], tf.int64))  # 1: 4 behind, pulled; 3 takes 2's clean slot
     step_a(tf.constant([2], tf.int64))     # 2: no clean slot (1, 3 unpushed): pushed at once
-    assert a.clock.numpy()[:4].tolist() == [0, 4, 3, 0]
+    assert (a.clock.numpy()[:4] - offset).tolist() == [0, 4, 3, 0]
     np.testing.assert_allclose(table.numpy()[1], init[1] - 4 * lr * g, rtol=1e-6)
     np.testing.assert_allclose(table.numpy()[2], init[2] - 3 * lr * g, rtol=1e-6)
     np.testing.assert_array_equal(table.numpy()[3], init[3])
@@ -304,6 +308,35 @@ def test_two_workers_pull_and_push_at_the_closed_form_steps():
     assert a.count_lost() == 0 and a.stats()["updates_lost"] == 2  # counted once
     for e in engines:
         e.stop_watchdogs()
+
+
+def test_pulled_rows_cross_in_the_wire_dtype_with_their_clocks():
+    """wire_dtype=bfloat16: a pulled row is served as bfloat16 rounds it,
+    its clock and position (int32 bits beside it in the same tensor) intact:
+    the second read of a fresh row hits, a row another push moved is pulled."""
+    cfg = EmbeddingCache(rows=4, pull_bound=0, push_bound=5)
+    table = tf.Variable(tf.reshape(tf.range(ROWS * DIM, dtype=tf.float32), [ROWS, DIM]) / 7.,
+                        name="table")
+    init = table.numpy()
+    engine = local_engine("async")
+    cache = CachedTable(table, cfg, 4, worker_variable=_plain, scope=contextlib.nullcontext,
+                        wire_dtype=tf.bfloat16)
+    cache.build()
+    cache.clock.assign_add(tf.fill(cache.clock.shape, tf.constant(2 ** 31 - 1, tf.int64)))
+    engine.register_table(cache.hooks())
+    step = _stepper(engine, table, tf_keras.optimizers.SGD(0.0), cache)
+    bf16 = lambda x: tf.cast(tf.cast(x, tf.bfloat16), tf.float32).numpy()
+    rows = step(tf.constant([5, 2, 5], tf.int64)).numpy()
+    assert not np.array_equal(bf16(init[[5, 2, 5]]), init[[5, 2, 5]])  # bfloat16 rounds
+    np.testing.assert_array_equal(rows, bf16(init[[5, 2, 5]]))
+    assert cache.seen.numpy()[np.argsort(cache.ids.numpy())][-2:].tolist() == [2 ** 31 - 1] * 2
+    step(tf.constant([2, 5], tf.int64))  # both 0 behind: hits
+    cache.clock.scatter_add(tf.IndexedSlices(tf.constant([1], tf.int64), tf.constant([5])))
+    step(tf.constant([2, 5], tf.int64))  # 5 is 1 behind > 0: pulled
+    s = cache.stats()
+    assert (s["distinct"], s["hits"], s["rows_pulled"]) == (6, 3, 3)
+    assert s["staleness"] == [3]
+    engine.stop_watchdogs()
 
 
 def _keras3_stepper(engine, table, dense, opt, cache=None):
